@@ -1,0 +1,121 @@
+"""Perplexity under the GPTQ-paper protocol.
+
+Documents are joined with "\\n\\n" and tokenized once without special tokens (SmolLM2's tokenizer adds no
+BOS, and none is prepended), cut into non-overlapping windows of ``seqlen`` tokens with the tail dropped;
+each window is scored independently (positions 0..seqlen-1, every token but the first predicted), and
+perplexity is exp of the mean token NLL over all windows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from runtime.data import LANGUAGES, token_windows, wiki_text
+
+
+@dataclass
+class PerplexityResult:
+    perplexity: float
+    mean_nll: float
+    windows: int
+    tokens_scored: int
+    seqlen: int
+
+
+@torch.inference_mode()
+def window_nlls(model, windows: list[list[int]], batch_size: int = 4) -> list[float]:
+    """Summed NLL of each window's predicted tokens, through any model mapping [B, T] tokens to logits."""
+    device = next(model.parameters()).device
+    sums = []
+    for i in range(0, len(windows), batch_size):
+        batch = torch.tensor(windows[i : i + batch_size], device=device)
+        logits = model(batch)
+        logits = logits.logits if hasattr(logits, "logits") else logits
+        nll = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), batch[:, 1:].flatten(), reduction="none")
+        sums.extend(nll.view(batch.shape[0], -1).sum(-1).double().tolist())
+    return sums
+
+
+def perplexity(
+    model,
+    tokenizer,
+    text: str,
+    seqlen: int = 512,
+    max_windows: int | None = None,
+    batch_size: int = 4,
+    progress: bool = False,
+) -> PerplexityResult:
+    windows = token_windows(tokenizer, text, seqlen, max_windows)
+    if not windows:
+        raise ValueError(f"text is shorter than one window of {seqlen} tokens")
+    total = 0.0
+    for i in range(0, len(windows), batch_size):
+        total += sum(window_nlls(model, windows[i : i + batch_size], batch_size))
+        if progress:
+            print(
+                f"\r[qspec] perplexity: {min(i + batch_size, len(windows))}/{len(windows)} windows",
+                end="",
+                file=sys.stderr,
+                flush=True,
+            )
+    if progress:
+        print(file=sys.stderr)
+    n_tokens = len(windows) * (seqlen - 1)
+    mean = total / n_tokens
+    return PerplexityResult(math.exp(mean), mean, len(windows), n_tokens, seqlen)
+
+
+def load_text(data: str, split: str) -> str:
+    """--data: 'wiki' (English), 'wiki-es' / 'wiki-fr', or a path to a UTF-8 text file."""
+    if data == "wiki":
+        return wiki_text(split, "en")
+    if data.startswith("wiki-") and data[5:] in LANGUAGES:
+        return wiki_text(split, data[5:])
+    from pathlib import Path
+
+    path = Path(data)
+    if not path.is_file():
+        raise SystemExit(f"error: --data {data!r} is neither wiki, wiki-LANG ({', '.join(LANGUAGES)}) nor a file")
+    return path.read_text(encoding="utf-8")
+
+
+def main(argv: list[str] | None = None) -> None:
+    from runtime.generate import DTYPES
+    from runtime.loader import DEFAULT_MODEL, load_model, load_tokenizer
+
+    ap = argparse.ArgumentParser(prog="python -m evals.perplexity", description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=DEFAULT_MODEL)
+    ap.add_argument("--data", default="wiki", help="wiki | wiki-es | wiki-fr | path to a text file")
+    ap.add_argument("--split", default="eval", choices=["eval", "calib"])
+    ap.add_argument("--seqlen", type=int, default=512)
+    ap.add_argument("--max-windows", type=int, default=None)
+    ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = ap.parse_args(argv)
+    model, _, path = load_model(args.model, DTYPES[args.dtype], args.device)
+    tokenizer = load_tokenizer(str(path))
+    res = perplexity(
+        model,
+        tokenizer,
+        load_text(args.data, args.split),
+        args.seqlen,
+        args.max_windows,
+        args.batch_size,
+        progress=True,
+    )
+    print(
+        f"perplexity {res.perplexity:.4f} (mean NLL {res.mean_nll:.5f}) over {res.windows} windows x "
+        f"{args.seqlen} tokens = {res.tokens_scored} scored tokens; model {args.model}, data {args.data}/"
+        f"{args.split}, {args.dtype}, no BOS"
+    )
+
+
+if __name__ == "__main__":
+    main()

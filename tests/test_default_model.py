@@ -1,0 +1,94 @@
+"""Integration: the embedded SmolLM2-135M-Instruct against transformers on the same converted weights."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from evals.perplexity import perplexity
+from runtime.data import wiki_split, wiki_text
+from runtime.generate import generate
+from runtime.sampling import SamplingParams
+
+pytestmark = pytest.mark.integration
+NEW_TOKENS = 64
+
+
+def wiki_prompts(tokenizer, n: int = 20) -> list[list[int]]:
+    """The first words of n evaluation-split documents (prompt lengths vary from 6 to ~40 tokens)."""
+    docs = wiki_split("eval")[:n]
+    return [
+        tokenizer(" ".join(d.extract.split()[: 4 + 2 * i]), add_special_tokens=False).input_ids
+        for i, d in enumerate(docs)
+    ]
+
+
+@pytest.fixture(scope="module")
+def greedy_runs(default_model):
+    model, tokenizer, _ = default_model
+    prompts = wiki_prompts(tokenizer)
+    params = SamplingParams(max_tokens=NEW_TOKENS)
+    singles = [generate(model, [p], params).tokens[0] for p in prompts]
+    return prompts, singles
+
+
+@torch.inference_mode()
+def test_greedy_matches_transformers(default_model, hf_default_model, greedy_runs):
+    prompts, singles = greedy_runs
+    for prompt, ours in zip(prompts, singles):
+        ref = hf_default_model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        )
+        assert ours == ref[0, len(prompt) :].tolist()
+
+
+def test_cache_and_batching_match(default_model, greedy_runs):
+    model, _, _ = default_model
+    prompts, singles = greedy_runs
+    params = SamplingParams(max_tokens=NEW_TOKENS)
+    assert generate(model, prompts, params).tokens == singles
+    recompute = generate(model, prompts[:4], params, use_cache=False).tokens
+    assert recompute == singles[:4]
+
+
+@torch.inference_mode()
+def test_bf16_teacher_forced_against_fp32(default_model, greedy_runs):
+    model, _, _ = default_model
+    prompts, singles = greedy_runs
+    bf16 = copy.deepcopy(model).set_dtype(torch.bfloat16)  # fp32 residual stream and logits
+    agree, total, max_delta = 0, 0, 0.0
+    for prompt, new in zip(prompts, singles):
+        seq = torch.tensor([prompt + new])
+        ref = model(seq)[0, len(prompt) - 1 : -1].float().log_softmax(-1)
+        got = bf16(seq)[0, len(prompt) - 1 : -1].float().log_softmax(-1)
+        max_delta = max(max_delta, float((got - ref).abs().max()))
+        same = got.argmax(-1) == ref.argmax(-1)
+        agree += int(same.sum())
+        total += same.numel()
+        top2 = ref.exp().topk(2, dim=-1).values
+        gaps = (top2[:, 0] - top2[:, 1])[~same]
+        assert (gaps < 0.05).all(), f"bf16 flipped a confident token: top-2 gaps {gaps.tolist()}"
+    print(f"bf16 vs fp32: argmax agreement {agree}/{total}, max |d log-softmax| {max_delta:.4f}")
+    assert agree / total >= 0.99
+
+
+@torch.inference_mode()
+def test_perplexity_matches_transformers(default_model, hf_default_model):
+    model, tokenizer, _ = default_model
+    text = wiki_text("eval")
+    ours = perplexity(model, tokenizer, text, seqlen=512, max_windows=12)
+    ref = perplexity(hf_default_model, tokenizer, text, seqlen=512, max_windows=12)
+    assert ours.windows == 12 and ours.tokens_scored == 12 * 511
+    assert abs(ours.perplexity - ref.perplexity) / ref.perplexity < 5e-5, (ours.perplexity, ref.perplexity)
+
+
+def test_wiki_splits_do_not_overlap():
+    eval_titles = {d.title for d in wiki_split("eval")}
+    calib_titles = {d.title for d in wiki_split("calib")}
+    assert len(eval_titles) == 5000 and len(calib_titles) > 4000
+    assert not eval_titles & calib_titles
