@@ -78,6 +78,31 @@ def time_hf(hf_model, prompt: list[int], new_tokens: int) -> tuple[float, float]
     return ttft, (total - ttft) / (new_tokens - 1)
 
 
+OP_CATEGORIES = {
+    "matmul (weight reads)": ("aten::mm", "aten::addmm", "aten::mv", "aten::addmv", "aten::bmm"),
+    "attention": ("aten::_scaled_dot_product", "aten::scaled_dot_product"),
+}
+
+
+@torch.inference_mode()
+def profile_decode(model, prompt: list[int], new_tokens: int) -> dict[str, float]:
+    """Where decode time goes: self CPU time of matmuls, attention, the other ops, and the rest of the wall
+    time (Python and dispatch overhead between ops), as shares of the wall time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t = time.perf_counter()
+        generate(model, [prompt], SamplingParams(max_tokens=new_tokens, ignore_eos=True))
+        wall = time.perf_counter() - t
+    totals = dict.fromkeys([*OP_CATEGORIES, "other ops (norms, rope, elementwise, copies)"], 0.0)
+    for event in prof.key_averages():
+        seconds = event.self_cpu_time_total / 1e6
+        category = next((c for c, names in OP_CATEGORIES.items() if event.key.startswith(names)), None)
+        totals[category or "other ops (norms, rope, elementwise, copies)"] += seconds
+    totals["python + dispatch overhead"] = max(wall - sum(totals.values()), 0.0)
+    return {k: v / wall for k, v in totals.items()}
+
+
 def main(argv: list[str] | None = None) -> None:
     from transformers import AutoModelForCausalLM
 
@@ -89,6 +114,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--out", default=None, help="write a JSON record here")
+    ap.add_argument("--profile", action="store_true", help="also break our decode time down by op category")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
 
@@ -135,6 +161,10 @@ def main(argv: list[str] | None = None) -> None:
             f"| {dtype_name} | ours/HF | {res['ttft_ratio_hf_over_ours']:.2f}x faster TTFT | | "
             f"**{res['speedup_tok_per_s']:.2f}x** | | |"
         )
+        if args.profile:
+            res["ours"]["time_shares"] = profile_decode(ours, prompt, min(args.new_tokens, 32))
+            shares = ", ".join(f"{k} {100 * v:.0f}%" for k, v in res["ours"]["time_shares"].items())
+            print(f"[bench_decode] {dtype_name} decode time: {shares}", file=sys.stderr)
         del ours, hf
     print(
         f"batch 1, {len(prompt)}-token prompt, {args.new_tokens} new tokens, median of {args.repeats} interleaved runs"
