@@ -181,8 +181,8 @@ class LLMEngine:
                 continue
             hidden = self._forward(group)  # [B, T, H]
             for b, w in enumerate(group):
-                if group is prefills:
-                    self.num_prompt_tokens_computed += w.num_tokens
+                start = w.seq.num_computed_tokens
+                self.num_prompt_tokens_computed += max(0, min(w.seq.num_prompt_tokens, start + w.num_tokens) - start)
                 if w.samples:  # (before num_computed_tokens moves on)
                     sampling.append((w.seq, hidden[b, w.num_tokens - 1]))
                 w.seq.num_computed_tokens += w.num_tokens
