@@ -119,6 +119,8 @@ class LLMEngine:
         self.num_prompt_tokens_computed = 0
         self.num_spec_proposed = 0
         self.num_spec_accepted = 0
+        self.num_finished = 0
+        self.num_aborted = 0
         self._token_events: deque[tuple[float, int]] = deque()  # (time, tokens) for a sliding tokens/s
 
     # ---- requests ----------------------------------------------------------------------------------
@@ -152,6 +154,7 @@ class LLMEngine:
         if seq is None:
             return False
         self.scheduler.finish(seq, "abort")
+        self.num_aborted += 1
         stream = self._streams.get(request_id)
         if stream is not None:
             stream.append(self._output(seq, []))
@@ -278,6 +281,7 @@ class LLMEngine:
         if reason is not None:
             self.scheduler.finish(seq, reason)
             self.seqs.pop(seq.request_id, None)
+            self.num_finished += 1
         out = self._output(seq, new)
         stream = self._streams.get(seq.request_id)
         if stream is not None:
@@ -351,6 +355,8 @@ class LLMEngine:
             "prefix_cache_queries_tokens": bm.prefix_queries,
             "prefix_cache_hits_tokens": bm.prefix_hits,
             "prefix_cache_hit_rate": bm.prefix_hit_rate,
+            "requests_finished_total": self.num_finished,
+            "requests_aborted_total": self.num_aborted,
             "preemptions_total": self.scheduler.num_preemptions,
             "steps_total": self.num_steps,
             "generation_tokens_total": self.num_generated_tokens,
