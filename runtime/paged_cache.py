@@ -34,14 +34,6 @@ class BlockAllocationError(RuntimeError):
     """The pool has no block to give (the scheduler checks first; reaching this is a bug)."""
 
 
-@dataclass
-class Block:
-    block_id: int
-    ref_count: int = 0
-    hash: int | None = None  # set while the block is registered in the prefix cache
-    token_ids: tuple[int, ...] | None = None  # the ids the hash was computed over (compared on a hit)
-
-
 def chain_hash(prev_hash: int | None, token_ids: tuple[int, ...]) -> int:
     """The prefix-cache key of a full block: depends on every token before it through prev_hash."""
     return hash((prev_hash, token_ids))
@@ -72,7 +64,10 @@ class BlockManager:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
-        self.blocks = [Block(i) for i in range(num_blocks)]
+        # per-block state as flat lists (pools of 10^5-10^6 blocks are normal)
+        self.ref_counts = [0] * num_blocks
+        self.block_hash: list[int | None] = [None] * num_blocks  # set while registered in the prefix cache
+        self.block_token_ids: list[tuple[int, ...] | None] = [None] * num_blocks  # compared on a hit
         self.free_ids: deque[int] = deque(range(1, num_blocks))  # ref 0, no hash
         self.cached_free: OrderedDict[int, None] = OrderedDict()  # ref 0, hashed; LRU first
         self.hash_to_block: dict[int, int] = {}
@@ -114,7 +109,7 @@ class BlockManager:
             ids = tuple(token_ids[i * bs : (i + 1) * bs])
             h = chain_hash(prev, ids)
             block_id = self.hash_to_block.get(h)
-            if block_id is None or self.blocks[block_id].token_ids != ids:
+            if block_id is None or self.block_token_ids[block_id] != ids:
                 break
             match.block_ids.append(block_id)
             match.hashes.append(h)
@@ -128,7 +123,7 @@ class BlockManager:
         taken_from_lru = 0
         if match is not None:
             have += match.num_blocks
-            taken_from_lru = sum(1 for b in match.block_ids if self.blocks[b].ref_count == 0)
+            taken_from_lru = sum(1 for b in match.block_ids if self.ref_counts[b] == 0)
         return max(0, self.blocks_for(num_tokens) - have) + taken_from_lru
 
     def can_allocate(self, seq, num_tokens: int, match: PrefixMatch | None = None) -> bool:
@@ -138,10 +133,9 @@ class BlockManager:
         """Give seq (with an empty table) the matched blocks; returns the number of cached tokens."""
         assert not seq.block_table, "prefix blocks go at the start of an empty block table"
         for block_id in match.block_ids:
-            block = self.blocks[block_id]
-            if block.ref_count == 0:
+            if self.ref_counts[block_id] == 0:
                 del self.cached_free[block_id]
-            block.ref_count += 1
+            self.ref_counts[block_id] += 1
             seq.block_table.append(block_id)
         seq.block_hashes = list(match.hashes)
         cached = match.num_blocks * self.block_size
@@ -160,11 +154,11 @@ class BlockManager:
             prev = seq.block_hashes[-1] if seq.block_hashes else None
             h = chain_hash(prev, ids)
             seq.block_hashes.append(h)
-            block = self.blocks[seq.block_table[i]]
+            block_id = seq.block_table[i]
             if h in self.hash_to_block:  # computed twice concurrently: keep the registered copy
                 continue
-            block.hash, block.token_ids = h, ids
-            self.hash_to_block[h] = block.block_id
+            self.block_hash[block_id], self.block_token_ids[block_id] = h, ids
+            self.hash_to_block[h] = block_id
 
     # ---- allocate / free ---------------------------------------------------------------------------
 
@@ -173,13 +167,15 @@ class BlockManager:
             block_id = self.free_ids.popleft()
         elif self.cached_free:
             block_id, _ = self.cached_free.popitem(last=False)  # least recently used
-            block = self.blocks[block_id]
-            del self.hash_to_block[block.hash]
-            block.hash = block.token_ids = None
+            self._forget(block_id)
         else:
             raise BlockAllocationError("KV block pool exhausted")
-        self.blocks[block_id].ref_count = 1
+        self.ref_counts[block_id] = 1
         return block_id
+
+    def _forget(self, block_id: int) -> None:
+        del self.hash_to_block[self.block_hash[block_id]]
+        self.block_hash[block_id] = self.block_token_ids[block_id] = None
 
     def allocate(self, seq, num_tokens: int) -> None:
         """Grow seq's block table to cover num_tokens slots."""
@@ -192,12 +188,11 @@ class BlockManager:
     def free(self, seq) -> None:
         """Drop seq's references. Tail blocks first, so the LRU evicts a prefix's end before its start."""
         for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            if block.ref_count <= 0:
+            if self.ref_counts[block_id] <= 0:
                 raise AssertionError(f"double free of block {block_id}")
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                if block.hash is not None:
+            self.ref_counts[block_id] -= 1
+            if self.ref_counts[block_id] == 0:
+                if self.block_hash[block_id] is not None:
                     self.cached_free[block_id] = None
                 else:
                     self.free_ids.append(block_id)
@@ -207,9 +202,7 @@ class BlockManager:
     def reset_prefix_cache(self) -> None:
         """Forget every unreferenced cached block (referenced ones keep their hash until freed)."""
         for block_id in list(self.cached_free):
-            block = self.blocks[block_id]
-            del self.hash_to_block[block.hash]
-            block.hash = block.token_ids = None
+            self._forget(block_id)
             self.free_ids.append(block_id)
         self.cached_free.clear()
 
@@ -220,20 +213,20 @@ class BlockManager:
         for seq in live_seqs:
             for block_id in seq.block_table:
                 refs[block_id] += 1
-        assert refs[SCRATCH_BLOCK] == 0 and self.blocks[SCRATCH_BLOCK].ref_count == 0
+        assert refs[SCRATCH_BLOCK] == 0 and self.ref_counts[SCRATCH_BLOCK] == 0
         free, cached = set(self.free_ids), set(self.cached_free)
         assert len(free) == len(self.free_ids), "a block is in the free list twice"
         assert not (free & cached), "a block is both free and cached-free"
         assert SCRATCH_BLOCK not in free | cached
-        for block in self.blocks[1:]:
-            assert block.ref_count == refs[block.block_id], f"block {block.block_id}: ref count mismatch"
-            in_pool = block.block_id in free or block.block_id in cached
-            assert in_pool == (block.ref_count == 0), f"block {block.block_id}: referenced yet free, or lost"
-            assert (block.block_id in cached) <= (block.hash is not None)
-            assert (block.block_id in free) <= (block.hash is None)
-            if block.hash is not None:
-                assert self.hash_to_block[block.hash] == block.block_id
-        assert len(self.hash_to_block) == sum(b.hash is not None for b in self.blocks)
+        assert self.ref_counts == refs, "ref counts differ from the live block tables"
+        for b in range(1, self.num_blocks):
+            in_pool = b in free or b in cached
+            assert in_pool == (refs[b] == 0), f"block {b}: referenced yet free, or lost"
+            assert (b in cached) <= (self.block_hash[b] is not None)
+            assert (b in free) <= (self.block_hash[b] is None)
+            if self.block_hash[b] is not None:
+                assert self.hash_to_block[self.block_hash[b]] == b
+        assert len(self.hash_to_block) == sum(h is not None for h in self.block_hash)
 
 
 @dataclass

@@ -104,7 +104,7 @@ def test_prefix_hits_compare_token_ids_not_only_hashes():
     bm.register_full_blocks(seq, seq.token_ids, 4)
     assert bm.match_prefix([1, 2, 3, 4, 9]).num_blocks == 2
     assert bm.match_prefix([1, 2, 3, 4]).num_blocks == 1  # the last token is always recomputed
-    bm.blocks[seq.block_table[1]].token_ids = (3, 7)  # a hash collision in disguise: ids differ
+    bm.block_token_ids[seq.block_table[1]] = (3, 7)  # a hash collision in disguise: ids differ
     assert bm.match_prefix([1, 2, 3, 4, 9]).num_blocks == 1
     bm.free(seq)
     with pytest.raises(AssertionError, match="double free"):

@@ -25,13 +25,18 @@ def mixed_requests(vocab: int, n: int = 16, seed: int = 0, max_prompt: int = 60,
     return prompts, params
 
 
+def small(**config) -> EngineConfig:
+    """Engine config with a KV pool sized for tests (the 1 GiB default is for serving)."""
+    return EngineConfig(**{"kv_cache_bytes": 1 << 21, **config})
+
+
 def reference(model, prompts, params):
     """The oracle: each request alone through runtime.generate with the contiguous KVCache."""
     return [generate(model, [p], sp).tokens[0] for p, sp in zip(prompts, params)]
 
 
 def run_engine(model, prompts, params, **config):
-    engine = LLMEngine(model, config=EngineConfig(**config))
+    engine = LLMEngine(model, config=small(**config))
     outs = engine.generate(prompts, params)
     engine.block_manager.check_invariants([])
     assert engine.block_manager.num_used_blocks == 0, "blocks leaked after all requests finished"
@@ -82,7 +87,7 @@ def test_paged_cache_forward_equals_contiguous_cache(model):
 
 def test_one_request_at_a_time_equals_reference(model, workload):
     prompts, params, ref = workload
-    engine = LLMEngine(model, config=EngineConfig(enable_prefix_caching=False))
+    engine = LLMEngine(model, config=small(enable_prefix_caching=False))
     for p, sp, expected in zip(prompts[:6], params[:6], ref[:6]):
         assert engine.generate([p], sp)[0].output_ids == expected
 
@@ -126,7 +131,7 @@ def test_prefix_caching_shares_blocks_and_keeps_outputs(model):
     params = [SamplingParams(max_tokens=12, ignore_eos=True)] * len(prompts)
     ref = reference(model, prompts, params)
     without, _ = run_engine(model, prompts, params, enable_prefix_caching=False, block_size=4)
-    engine = LLMEngine(model, config=EngineConfig(block_size=4))
+    engine = LLMEngine(model, config=small(block_size=4))
     first = engine.generate(prompts[:1], params[:1])  # warm the cache with the shared prefix
     rest = engine.generate(prompts[1:], params[1:])
     with_cache = [o.output_ids for o in first + rest]
@@ -141,17 +146,17 @@ def test_prefix_caching_shares_blocks_and_keeps_outputs(model):
 def test_seeded_sampling_does_not_depend_on_the_batch(model, workload):
     prompts, _, _ = workload
     sampled = SamplingParams(temperature=0.9, top_p=0.95, seed=11, max_tokens=20, ignore_eos=True)
-    alone = LLMEngine(model).generate([prompts[3]], sampled)[0].output_ids
+    alone = LLMEngine(model, config=small()).generate([prompts[3]], sampled)[0].output_ids
     others = [SamplingParams(temperature=1.0, seed=i, max_tokens=15, ignore_eos=True) for i in range(len(prompts))]
     others[3] = sampled
-    together = LLMEngine(model).generate(prompts, others)
+    together = LLMEngine(model, config=small()).generate(prompts, others)
     assert together[3].output_ids == alone
     assert alone == generate(model, [prompts[3]], sampled).tokens[0]  # the plain generator's draws too
 
 
 def test_stream_yields_tokens_and_cancel_frees_blocks(model, workload):
     prompts, params, ref = workload
-    engine = LLMEngine(model, config=EngineConfig(block_size=4))
+    engine = LLMEngine(model, config=small(block_size=4))
     streamed = [t for out in engine.stream(prompts[1], params[1]) for t in out.new_token_ids]
     assert streamed == ref[1]
     # interleaved streams, one closed early (cancelled), and an aborted background request
@@ -176,12 +181,12 @@ def test_stop_conditions_match_generate(model, workload):
     free = generate(model, [prompts[0]], SamplingParams(max_tokens=20, ignore_eos=True)).tokens[0]
     params = SamplingParams(max_tokens=20, stop_token_ids=[free[6]])
     expected = generate(model, [prompts[0]], params)
-    out = LLMEngine(model).generate([prompts[0]], params)[0]
+    out = LLMEngine(model, config=small()).generate([prompts[0]], params)[0]
     assert out.output_ids == expected.tokens[0] and out.finish_reason == expected.finish_reasons[0] == "stop"
 
 
 def test_admission_control_rejects_what_can_never_fit(model):
-    engine = LLMEngine(model, config=EngineConfig(num_blocks=5, block_size=4, max_model_len=64))
+    engine = LLMEngine(model, config=small(num_blocks=5, block_size=4, max_model_len=64))
     with pytest.raises(RequestRejectedError, match="exceeds the maximum context length of 64"):
         engine.add_request([3] * 60, SamplingParams(max_tokens=10))
     with pytest.raises(RequestRejectedError, match="KV blocks"):
@@ -225,7 +230,7 @@ def test_speculative_hook_keeps_greedy_outputs(model, workload):
     keep = [i for i in range(len(prompts)) if lengths.count(lengths[i]) == 1][:8]
     prompts, params, ref = [prompts[i] for i in keep], [params[i] for i in keep], [ref[i] for i in keep]
     spec = OracleDrafts({len(p): r for p, r in zip(prompts, ref)}, model.config.vocab_size)
-    engine = LLMEngine(model, config=EngineConfig(block_size=4, num_speculative_tokens=3), speculator=spec)
+    engine = LLMEngine(model, config=small(block_size=4, num_speculative_tokens=3), speculator=spec)
     outs = [o.output_ids for o in engine.generate(prompts, params)]
     assert outs == ref
     assert engine.num_spec_accepted > 0 and engine.num_spec_accepted < engine.num_spec_proposed
@@ -241,5 +246,5 @@ def test_default_model_concurrent_chat_equals_generate(default_model):
     prompts = [encode_prompt(tokenizer, q, chat=True) for q in questions]
     params = SamplingParams(max_tokens=12)
     ref = [generate(model, [p], params, tokenizer=tokenizer).tokens[0] for p in prompts]
-    engine = LLMEngine(model, tokenizer, EngineConfig(max_num_batched_tokens=24))
+    engine = LLMEngine(model, tokenizer, EngineConfig(max_num_batched_tokens=24, kv_cache_bytes=1 << 26))
     assert [o.output_ids for o in engine.generate(prompts, params)] == ref
