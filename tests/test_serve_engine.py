@@ -58,7 +58,8 @@ def workload(model):
 
 
 def test_paged_cache_forward_equals_contiguous_cache(model):
-    """Same sequence, same shapes: paged writes/reads give the contiguous cache's logits."""
+    """Same sequence, same shapes: paged writes/reads give the contiguous cache's logits bit for bit
+    (the "exact" class on CPU fp32: the gather only moves data, and attention sees the same shapes)."""
     cfg = model.config
     tokens = torch.randint(2, cfg.vocab_size, (1, 37), generator=torch.Generator().manual_seed(1))
     contiguous = KVCache(cfg, 1, 64)
@@ -76,13 +77,12 @@ def test_paged_cache_forward_equals_contiguous_cache(model):
         pos = torch.arange(30)[None]
         a = model(tokens[:, :30], AttentionMetadata.causal(pos, kv_len=30), contiguous)
         b = model(tokens[:, :30], paged_meta(pos), paged)
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+        assert torch.equal(a, b)
         for t in range(30, 37):
             pos = torch.tensor([[t]])
             a = model(tokens[:, t : t + 1], AttentionMetadata.causal(pos, kv_len=t + 1), contiguous)
             b = model(tokens[:, t : t + 1], paged_meta(pos), paged)
-            torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
-            assert a.argmax(-1).item() == b.argmax(-1).item()
+            assert torch.equal(a, b)
 
 
 def test_one_request_at_a_time_equals_reference(model, workload):
