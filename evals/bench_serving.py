@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -31,33 +32,39 @@ from runtime.engine import EngineConfig, LLMEngine
 from runtime.sampling import SamplingParams
 
 
-def run_closed_loop(engine: LLMEngine, items: list[WorkItem], concurrency: int) -> tuple[list[RequestRecord], float]:
-    """Keep `concurrency` requests in flight until all items are served; records from engine timestamps."""
+def run_closed_loop(
+    engine: LLMEngine, items: list[WorkItem], concurrency: int
+) -> tuple[list[RequestRecord], float, list[RequestRecord]]:
+    """Keep `concurrency` requests in flight until all items are served; records from engine timestamps.
+    Also returns the records of requests sent after the initial burst (the steady state)."""
     pending = list(items)
     records: list[RequestRecord] = []
+    initial: set[str] = set()
+    steady: list[RequestRecord] = []
     start = time.perf_counter()
 
-    def admit() -> None:
+    def admit() -> str:
         item = pending.pop(0)
-        engine.add_request(item.prompt_ids, SamplingParams(max_tokens=item.output_tokens, ignore_eos=True))
+        return engine.add_request(item.prompt_ids, SamplingParams(max_tokens=item.output_tokens, ignore_eos=True))
 
     for _ in range(min(concurrency, len(pending))):
-        admit()
+        initial.add(admit())
     while engine.has_unfinished():
         for out in engine.step():
             if out.finished:
-                records.append(
-                    RequestRecord(
-                        send_time=out.arrival_time,
-                        token_times=out.token_times,
-                        end_time=out.token_times[-1],
-                        prompt_tokens=out.num_prompt_tokens,
-                        output_tokens=len(out.output_ids),
-                    )
+                rec = RequestRecord(
+                    send_time=out.arrival_time,
+                    token_times=out.token_times,
+                    end_time=out.token_times[-1],
+                    prompt_tokens=out.num_prompt_tokens,
+                    output_tokens=len(out.output_ids),
                 )
+                records.append(rec)
+                if out.request_id not in initial:
+                    steady.append(rec)
                 if pending:
                     admit()
-    return records, time.perf_counter() - start
+    return records, time.perf_counter() - start, steady
 
 
 def bench_batching(model, tokenizer, args) -> dict:
@@ -68,19 +75,23 @@ def bench_batching(model, tokenizer, args) -> dict:
             tokenizer, n, args.seed, max_prompt_tokens=args.max_prompt_tokens,
             min_output_tokens=args.min_output_tokens, max_output_tokens=args.max_output_tokens,
         )  # fmt: skip
-        for policy in ("continuous", "static"):
+        for policy in args.policies:
             config = EngineConfig(
                 max_num_seqs=c, max_num_batched_tokens=args.max_num_batched_tokens, policy=policy,
                 kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)), enable_prefix_caching=False,
             )  # fmt: skip
             engine = LLMEngine(model, tokenizer, config)
-            records, duration = run_closed_loop(engine, items, c)
+            records, duration, steady = run_closed_loop(engine, items, c)
             summary = summarize(records, duration)
+            summary["ttft_s_after_initial_burst"] = distribution([r.ttft for r in steady])
+            summary["loadavg_1m_after"] = os.getloadavg()[0]
             results[f"{policy}@{c}"] = summary
             print(
                 f"{policy:<11} c={c:<3} n={n:<3} {summary['output_token_throughput']:7.1f} out tok/s   "
                 f"TTFT P50 {summary['ttft_s']['p50'] * 1e3:8.1f} ms  P99 {summary['ttft_s']['p99'] * 1e3:8.1f} ms   "
-                f"TPOT P50 {summary['tpot_s']['p50'] * 1e3:6.1f} ms   ({duration:.1f} s)",
+                f"TPOT P50 {summary['tpot_s']['p50'] * 1e3:6.1f} ms   "
+                f"steady-state TTFT P99 {summary['ttft_s_after_initial_burst']['p99'] * 1e3:8.1f} ms   "
+                f"({duration:.1f} s, load {summary['loadavg_1m_after']:.1f})",
                 flush=True,
             )
     return results
@@ -102,7 +113,7 @@ def bench_prefix(model, tokenizer, args) -> dict:
             kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)),
         )  # fmt: skip
         engine = LLMEngine(model, tokenizer, config)
-        records, duration = run_closed_loop(engine, items, 1)
+        records, duration, _ = run_closed_loop(engine, items, 1)
         key = "prefix_caching_on" if enabled else "prefix_caching_off"
         out[key] = summarize(records, duration)
         out[key]["prefix_cache_hit_rate"] = engine.block_manager.prefix_hit_rate
@@ -134,6 +145,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--question-tokens", type=int, default=24)
     ap.add_argument("--prefix-requests", type=int, default=6)
     ap.add_argument("--prefix-output-tokens", type=int, default=8)
+    ap.add_argument("--policies", nargs="+", choices=["continuous", "static"], default=["continuous", "static"],
+                    help="batching modes, run in this order at each concurrency")  # fmt: skip
     ap.add_argument("--skip", choices=["batching", "prefix"], action="append", default=[])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None)
