@@ -129,8 +129,9 @@ class BlockManager:
     def can_allocate(self, seq, num_tokens: int, match: PrefixMatch | None = None) -> bool:
         return self.blocks_needed(seq, num_tokens, match) <= self.num_free_blocks
 
-    def take_prefix(self, seq, match: PrefixMatch, num_prompt_tokens: int) -> int:
-        """Give seq (with an empty table) the matched blocks; returns the number of cached tokens."""
+    def take_prefix(self, seq, match: PrefixMatch, num_prompt_tokens: int, count: bool = True) -> int:
+        """Give seq (with an empty table) the matched blocks; returns the number of cached tokens.
+        count=False keeps the lookup out of the hit-rate statistics (re-admission after preemption)."""
         assert not seq.block_table, "prefix blocks go at the start of an empty block table"
         for block_id in match.block_ids:
             if self.ref_counts[block_id] == 0:
@@ -139,7 +140,7 @@ class BlockManager:
             seq.block_table.append(block_id)
         seq.block_hashes = list(match.hashes)
         cached = match.num_blocks * self.block_size
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching and count:
             self.prefix_queries += num_prompt_tokens
             self.prefix_hits += cached
         return cached

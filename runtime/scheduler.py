@@ -191,8 +191,9 @@ class Scheduler:
                 if not self.blocks.can_allocate(seq, cached + n, match):
                     break
                 self.waiting.popleft()
-                seq.num_computed_tokens = self.blocks.take_prefix(seq, match, seq.num_tokens)
-                if seq.num_preemptions == 0:
+                first_admission = seq.num_preemptions == 0
+                seq.num_computed_tokens = self.blocks.take_prefix(seq, match, seq.num_tokens, count=first_admission)
+                if first_admission:
                     seq.num_cached_tokens = seq.num_computed_tokens
                 self.blocks.allocate(seq, cached + n)
                 seq.status = SequenceStatus.RUNNING
