@@ -89,8 +89,9 @@ class LayerAlgorithm:
 
 
 @torch.no_grad()
-def run_layer(layer: DecoderLayer, xs: list[Tensor], rope: list[tuple], on_stage: Callable[[Stage], None],
-              layer_idx: int = 0) -> list[Tensor]:
+def run_layer(
+    layer: DecoderLayer, xs: list[Tensor], rope: list[tuple], on_stage: Callable[[Stage], None], layer_idx: int = 0
+) -> list[Tensor]:
     """Forward one decoder layer over all batches, stage by stage; on_stage may replace each stage's linear
     before the forward goes through it. xs: per batch [B, T, H]; rope: per batch (cos, sin, meta)."""
     attn, mlp = layer.self_attn, layer.mlp
@@ -176,7 +177,9 @@ class ShardedCheckpoint:
 
         self.path = Path(path)
         if not is_checkpoint_dir(self.path):
-            raise ModelSpecError(f"{self.path} is not a checkpoint: needs config.json and model.safetensors[.index.json]")
+            raise ModelSpecError(
+                f"{self.path} is not a checkpoint: needs config.json and model.safetensors[.index.json]"
+            )
         self.config = ModelConfig.from_dir(self.path)
         index = self.path / "model.safetensors.index.json"
         if index.is_file():

@@ -23,7 +23,9 @@ def log(msg: str) -> None:
     print(f"[qspec] {msg}", file=sys.stderr, flush=True)
 
 
-def parser(module: str, doc: str, calibration: bool = True, bits: int = 4, group_size: int = 128) -> argparse.ArgumentParser:
+def parser(
+    module: str, doc: str, calibration: bool = True, bits: int = 4, group_size: int = 128
+) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog=f"python -m {module}", description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -40,8 +42,10 @@ def parser(module: str, doc: str, calibration: bool = True, bits: int = 4, group
         ap.add_argument("--seqlen", type=int, default=512, help="tokens per calibration window")
         ap.add_argument("--batch-size", type=int, default=8, help="windows per forward in the calibration pass")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--eval", default=None, help="after quantizing, perplexity on these texts (e.g. wiki,wiki-fr)")
-    ap.add_argument("--eval-windows", type=int, default=64, help="first N eval-split windows of 512 tokens")
+    ap.add_argument(
+        "--eval", default=None, help="after quantizing, perplexity on these texts: wiki,wiki-fr or wiki:64,wiki-fr:32"
+    )
+    ap.add_argument("--eval-windows", type=int, default=64, help="first N eval-split windows of 512 tokens (default)")
     ap.add_argument("--record", default=None, help="append a JSON result record to this file")
     return ap
 
@@ -93,7 +97,9 @@ def calibration_tokens(ap: argparse.ArgumentParser, args, tokenizer) -> torch.Te
 def provenance(argv: list[str] | None, module: str) -> dict:
     def git(*cmd: str) -> str:
         try:
-            return subprocess.run(["git", *cmd], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
+            return subprocess.run(
+                ["git", *cmd], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10
+            ).stdout.strip()
         except OSError:
             return ""
 
@@ -111,7 +117,9 @@ def provenance(argv: list[str] | None, module: str) -> dict:
             "transformers": transformers.__version__,
             "safetensors": safetensors.__version__,
         },
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({platform.processor() or platform.machine()})",
+        "device": torch.cuda.get_device_name()
+        if torch.cuda.is_available()
+        else f"cpu ({platform.processor() or platform.machine()})",
         "threads": torch.get_num_threads(),
         "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
@@ -123,8 +131,16 @@ def peak_rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # Linux reports KiB
 
 
-def finish(args, model, tokenizer, path: Path, cfg: QuantConfig, module: str, stats: dict | None = None,
-           argv: list[str] | None = None) -> dict:
+def finish(
+    args,
+    model,
+    tokenizer,
+    path: Path,
+    cfg: QuantConfig,
+    module: str,
+    stats: dict | None = None,
+    argv: list[str] | None = None,
+) -> dict:
     """Evaluate (if asked), save (if asked) and write the result record."""
     record = {
         "quant_config": cfg.to_dict(),
@@ -138,10 +154,13 @@ def finish(args, model, tokenizer, path: Path, cfg: QuantConfig, module: str, st
         from evals.perplexity import load_text, perplexity
 
         record["perplexity"] = {}
-        record["eval_protocol"] = f"eval split, first {args.eval_windows} windows x 512 tokens, no BOS"
-        for text in args.eval.split(","):
-            res = perplexity(model, tokenizer, load_text(text, "eval"), 512, args.eval_windows)
+        record["eval_protocol"] = "eval split, first N windows x 512 tokens (eval_windows), no BOS"
+        record["eval_windows"] = {}
+        for item in args.eval.split(","):
+            text, _, n = item.partition(":")
+            res = perplexity(model, tokenizer, load_text(text, "eval"), 512, int(n) if n else args.eval_windows)
             record["perplexity"][text] = res.perplexity
+            record["eval_windows"][text] = res.windows
             log(f"perplexity {text}: {res.perplexity:.4f} ({res.windows} windows)")
     if args.out:
         save(model, Path(args.out), cfg, path, record)

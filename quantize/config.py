@@ -34,9 +34,13 @@ class QuantConfig:
     def __post_init__(self):
         self.modules = tuple(self.modules)
         if self.bits not in SUPPORTED_BITS:
-            raise QuantConfigError(f"unsupported bit width {self.bits}; supported: {', '.join(map(str, SUPPORTED_BITS))}")
+            raise QuantConfigError(
+                f"unsupported bit width {self.bits}; supported: {', '.join(map(str, SUPPORTED_BITS))}"
+            )
         if not isinstance(self.group_size, int) or (self.group_size != -1 and self.group_size < 1):
-            raise QuantConfigError(f"group size must be -1 (per-channel) or a positive integer, got {self.group_size!r}")
+            raise QuantConfigError(
+                f"group size must be -1 (per-channel) or a positive integer, got {self.group_size!r}"
+            )
         unknown = sorted(set(self.modules) - set(DECODER_LINEARS))
         if unknown:
             raise QuantConfigError(f"unknown module names {unknown}; choose from {list(DECODER_LINEARS)}")
@@ -66,7 +70,12 @@ class QuantConfig:
         names = [
             f"layers.{i}.{sub}.{leaf}"
             for i in range(len(model.layers))
-            for sub, leaf in (("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up_proj"), ("mlp", "down_proj"))
+            for sub, leaf in (
+                ("self_attn", "qkv_proj"),
+                ("self_attn", "o_proj"),
+                ("mlp", "gate_up_proj"),
+                ("mlp", "down_proj"),
+            )
             if leaf in self.modules
         ]
         if self.lm_head:
@@ -97,4 +106,3 @@ class QuantConfig:
     def describe(self) -> str:
         group = "per-channel" if self.group_size == -1 else f"g{self.group_size}"
         return f"{self.bits}-bit {group} {'sym' if self.sym else 'asym'}{' W8A8' if self.act_quant else ''}"
-

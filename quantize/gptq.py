@@ -188,8 +188,13 @@ class GPTQ(LayerAlgorithm):
         res = gptq_quantize(linear.weight, H, self.qcfg.bits, self.qcfg.sym, group_size, self.gcfg, linear.bias)
         err = layer_error(linear.weight, res.qweight, H)
         self.stats.append(
-            {"layer": stage.full_name, "damp": res.damp, "gptq_loss": res.loss, "hessian_error": err,
-             "seconds": round(res.seconds, 3)}
+            {
+                "layer": stage.full_name,
+                "damp": res.damp,
+                "gptq_loss": res.loss,
+                "hessian_error": err,
+                "seconds": round(res.seconds, 3),
+            }
         )
         if self.log is not None and res.damp > self.gcfg.damp_percent:
             self.log(f"{stage.full_name}: Cholesky needed damping {res.damp:.4f}")
