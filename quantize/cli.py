@@ -131,6 +131,13 @@ def peak_rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # Linux reports KiB
 
 
+def cpu_seconds() -> float:
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def finish(
     args,
     model,
@@ -147,7 +154,8 @@ def finish(
         "model": args.model,
         "seed": args.seed,
         "stats": stats or {},
-        "peak_rss_gb": round(peak_rss_gb(), 3),
+        "peak_rss_gb": round(peak_rss_gb(), 3),  # before the evaluation below
+        "cpu_seconds": round(cpu_seconds(), 1),  # process CPU time so far: loading + quantizing
         **provenance(argv, module),
     }
     if args.eval:

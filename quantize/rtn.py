@@ -38,7 +38,11 @@ def quantize_weight(
 def quant_linear(qweight: QuantizedWeight, cfg: QuantConfig, like: nn.Module) -> QuantLinear:
     """A QuantLinear in the dtype and on the device of the layer it replaces."""
     ref = like.weight
-    return QuantLinear(qweight, act_quant=cfg.act_quant, compute_dtype=ref.dtype).to(ref.device)
+    if cfg.act_quant:
+        from quantize.int8 import W8A8Linear  # the integer-matmul path of W8A8
+
+        return W8A8Linear(qweight, act_quant=True, compute_dtype=ref.dtype).to(ref.device)
+    return QuantLinear(qweight, act_quant=False, compute_dtype=ref.dtype).to(ref.device)
 
 
 @torch.no_grad()
