@@ -159,25 +159,39 @@ def finish(
         **provenance(argv, module),
     }
     if args.eval:
-        from evals.perplexity import load_text, perplexity
-
-        record["perplexity"] = {}
-        record["eval_protocol"] = "eval split, first N windows x 512 tokens (eval_windows), no BOS"
-        record["eval_windows"] = {}
-        for item in args.eval.split(","):
-            text, _, n = item.partition(":")
-            res = perplexity(model, tokenizer, load_text(text, "eval"), 512, int(n) if n else args.eval_windows)
-            record["perplexity"][text] = res.perplexity
-            record["eval_windows"][text] = res.windows
-            log(f"perplexity {text}: {res.perplexity:.4f} ({res.windows} windows)")
+        record.update(evaluate(model, tokenizer, args.eval, args.eval_windows))
     if args.out:
         save(model, Path(args.out), cfg, path, record)
         record["out"] = str(args.out)
-    if args.record:
-        with open(args.record, "a") as f:
-            f.write(json.dumps(record) + "\n")
-    print(json.dumps(record, indent=2))
+    write_record(record, args.record)
     return record
+
+
+def write_record(record: dict, path: str | None) -> None:
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+    shown = {k: v for k, v in record.items() if k not in ("window_nlls", "stats")}
+    print(json.dumps(shown, indent=2))
+
+
+def evaluate(model, tokenizer, texts: str, default_windows: int) -> dict:
+    """Perplexity (evals.perplexity protocol: eval split, 512-token windows, no BOS) on 'wiki:64,wiki-fr:32'
+    style text lists, keeping each window's summed NLL so any prefix of the windows can be re-scored."""
+    import math
+
+    from evals.perplexity import load_text, window_nlls
+    from runtime.data import token_windows
+
+    out = {"eval_protocol": "eval split, first N windows x 512 tokens, no BOS", "perplexity": {}, "window_nlls": {}}
+    for item in texts.split(","):
+        text, _, n = item.partition(":")
+        windows = token_windows(tokenizer, load_text(text, "eval"), 512, int(n) if n else default_windows)
+        nlls = window_nlls(model, windows)
+        out["perplexity"][text] = math.exp(sum(nlls) / (len(windows) * 511))
+        out["window_nlls"][text] = nlls
+        log(f"perplexity {text}: {out['perplexity'][text]:.4f} ({len(windows)} windows)")
+    return out
 
 
 def save(model, out: Path, cfg: QuantConfig, source: Path, record: dict) -> None:
