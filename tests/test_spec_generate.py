@@ -206,3 +206,31 @@ def test_sampled_two_token_continuations_match_plain_sampling(kind):
     assert out.stats.accepted > 0  # speculation actually happened
     assert chisquare(obs.numpy(), (exp * obs.sum() / exp.sum()).numpy()).pvalue > 1e-3
     assert isinstance(target, Transformer)
+
+
+def test_cli_bad_input_exits_with_one_clear_error(capsys, tmp_path):
+    from argparse import Namespace
+
+    from evals.bench_spec import BenchError, parse_method
+    from speculate.cli import build_speculator, generate_speculative
+
+    model = random_model(CFG, seed=0)
+    args = Namespace(speculator="ngram", num_speculative_tokens=0, draft_model=None, medusa_heads=None)
+    with pytest.raises(SystemExit) as exit_info:
+        generate_speculative(model, tmp_path, None, [[1, 2]], SamplingParams(), args)
+    assert exit_info.value.code == 2
+    assert "k must be an integer >= 1, got 0" in capsys.readouterr().err
+    args = Namespace(speculator="medusa", num_speculative_tokens=2, draft_model=None, medusa_heads=str(tmp_path))
+    with pytest.raises(SystemExit):
+        generate_speculative(model, tmp_path, None, [[1, 2]], SamplingParams(), args)
+    assert "not a Medusa checkpoint" in capsys.readouterr().err
+    with pytest.raises(SpeculatorError, match="unknown speculator 'eagle'"):
+        build_speculator("eagle", model)
+    with pytest.raises(SpeculatorError, match="typical acceptance is a Medusa mode"):
+        build_speculator("ngram", model, acceptance="typical")
+    with pytest.raises(SpeculatorError, match="expected layers:N"):
+        build_speculator("draft", model, draft_model="layers:x")
+    with pytest.raises(BenchError, match="unknown method 'ngrm:k=2'"):
+        parse_method("ngrm:k=2")
+    with pytest.raises(BenchError, match="must be an integer"):
+        parse_method("ngram:k=two")
