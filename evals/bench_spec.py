@@ -170,7 +170,9 @@ def main(argv: list[str] | None = None) -> dict:
     prompts = (rewrite_prompts if args.task == "rewrite" else continue_prompts)(
         tokenizer, args.prompts, args.prompt_tokens
     )
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, seed=args.seed)
+
+    def params(n: int) -> SamplingParams:
+        return SamplingParams(temperature=0.0, max_tokens=n, seed=args.seed)
 
     hf = None
     if any(name.startswith("hf-") for name, _ in parsed):
@@ -183,10 +185,10 @@ def main(argv: list[str] | None = None) -> dict:
     runners = {}
     for spec, (name, kw) in zip(methods, parsed):
         if name == "plain":
-            runners[spec] = lambda p: (generate(model, [p], params, tokenizer=tokenizer).tokens[0], None)
+            runners[spec] = lambda p, n: (generate(model, [p], params(n), tokenizer=tokenizer).tokens[0], None)
         elif name in ("hf-plain", "hf-pld"):
 
-            def run_hf(p, kw=kw, name=name):
+            def run_hf(p, n, kw=kw, name=name):
                 extra = {"prompt_lookup_num_tokens": kw.get("k", 10)} if name == "hf-pld" else {}
                 ids = torch.tensor([p])
                 hf_calls[0] = 0
@@ -194,7 +196,7 @@ def main(argv: list[str] | None = None) -> dict:
                     out = hf.generate(
                         ids,
                         attention_mask=torch.ones_like(ids),
-                        max_new_tokens=args.max_tokens,
+                        max_new_tokens=n,
                         do_sample=False,
                         pad_token_id=tokenizer.eos_token_id,
                         **extra,
@@ -216,8 +218,8 @@ def main(argv: list[str] | None = None) -> dict:
                 quant_bits=kw.get("bits", 8),
             )
 
-            def run_spec(p, speculator=speculator):
-                out = speculative_generate(model, [p], params, speculator, tokenizer=tokenizer)
+            def run_spec(p, n, speculator=speculator):
+                out = speculative_generate(model, [p], params(n), speculator, tokenizer=tokenizer)
                 return out.tokens[0], out.stats
 
             runners[spec] = run_spec
@@ -226,16 +228,16 @@ def main(argv: list[str] | None = None) -> dict:
         f"[bench_spec] {args.task}: {len(prompts)} prompts x {args.max_tokens} tokens, methods {methods}",
         file=sys.stderr,
     )
-    for spec in methods:  # warm-up (first-call allocations, lazy imports)
+    for spec in methods:  # short warm-up (first-call allocations, lazy imports)
         for _ in range(args.warmup):
-            runners[spec](prompts[0][: min(len(prompts[0]), 32)])
+            runners[spec](prompts[0], 8)
     results = {spec: MethodResult(spec) for spec in methods}
     for i, p in enumerate(prompts):
         order = methods[i % len(methods) :] + methods[: i % len(methods)]  # rotate who goes first
         outputs = {}
         for spec in order:
             t0 = time.perf_counter()
-            toks, stats = runners[spec](p)
+            toks, stats = runners[spec](p, args.max_tokens)
             dt = time.perf_counter() - t0
             r = results[spec]
             r.seconds += dt
