@@ -53,6 +53,10 @@ def parser(
 def quant_config(ap: argparse.ArgumentParser, args, **overrides) -> QuantConfig:
     if args.out is None and args.eval is None:
         ap.error("nothing to do: give --out DIR to save the quantized model and/or --eval TEXTS to measure it")
+    if hasattr(args, "nsamples") and args.nsamples < 1:
+        ap.error(f"--nsamples must be at least 1, got {args.nsamples}")
+    if hasattr(args, "seqlen") and args.seqlen < 2:
+        ap.error(f"--seqlen must be at least 2, got {args.seqlen}")
     try:
         return QuantConfig(
             bits=overrides.pop("bits", args.bits),
@@ -120,10 +124,6 @@ def calibration_tokens(ap: argparse.ArgumentParser, args, tokenizer) -> torch.Te
     lang = "en" if args.calib == "wiki" else args.calib.removeprefix("wiki-")
     if lang not in LANGUAGES or not args.calib.startswith("wiki"):
         ap.error(f"--calib {args.calib!r}: choose wiki or wiki-LANG with LANG in {sorted(LANGUAGES)}")
-    if args.seqlen < 2:
-        ap.error(f"--seqlen must be at least 2, got {args.seqlen}")
-    if args.nsamples < 1:
-        ap.error(f"--nsamples must be at least 1, got {args.nsamples}")
     try:
         windows = calibration_windows(tokenizer, args.nsamples, args.seqlen, args.seed, lang)
     except ValueError as err:
