@@ -54,7 +54,7 @@ def split_rows(qw: QuantizedWeight, sizes: list[int]) -> list[QuantizedWeight]:
     parts, start = [], 0
     for n in sizes:
         rows = slice(start, start + n)
-        bias = None if qw.bias is None else qw.bias[rows]
+        bias = None if qw.bias is None else qw.bias[rows].clone()
         parts.append(
             QuantizedWeight(qw.codes[rows], qw.scales[rows], qw.zeros[rows], qw.bits, qw.group_size, qw.g_idx, bias)
         )
