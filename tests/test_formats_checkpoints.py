@@ -12,7 +12,7 @@ from formats_helpers import autoawq_pack_cols, autogptq_pack_rows, awq_layer_ten
 from safetensors.torch import load_file, save_file
 
 from quantize.formats import CheckpointError, linear_layout, load_quantized_into, save_quantized
-from quantize.formats.packing import pack_codes, pack_codes_awq, unpack_codes, unpack_codes_awq
+from quantize.packing import pack_codes, pack_codes_awq, unpack_codes, unpack_codes_awq
 from quantize.qlinear import QuantLinear, set_module
 from runtime.config import ModelConfig
 from runtime.loader import load_model
