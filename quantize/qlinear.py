@@ -162,13 +162,13 @@ class QuantLinear(nn.Module):
         """The uint8 codes [out, in], recovered from whichever layout this path keeps."""
         from quantize.kernels import cpu
 
-        if self.path in ("reference", "triton"):
+        if "packed_codes" in self._buffers:  # by layout, not path name: subclasses may rename paths
             from quantize.packing import block_shape, unpack_codes
 
             per_block = block_shape(self.bits)[0]
             k_pad = -(-self.in_features // per_block) * per_block
             return unpack_codes(self.packed_codes.cpu(), self.bits, k_pad)[: self.in_features].t().contiguous()
-        if self.path == "cpu_int4":
+        if "int4_weight" in self._buffers:
             n_sub = self.int4_scales_zeros.shape[0]
             return cpu.int4_unpack(
                 self.int4_weight, self.int4_group, n_sub, self.out_features, self.in_features, self.in_perm
@@ -176,8 +176,10 @@ class QuantLinear(nn.Module):
         n, k = self.out_features, self.in_features
         return cpu.int8_unpack(self.int8_weight.cpu(), n, k, self.group_size, self.in_perm)
 
-    def set_path(self, path: str) -> QuantLinear:
-        """Switch to another path (re-laying out the codes); raises if this layer cannot take it."""
+    def set_path(self, path: str, pin: bool = True) -> QuantLinear:
+        """Switch to another path (re-laying out the codes); raises if this layer cannot take it.
+        pin=True (the default for callers) stops ``auto`` from switching it again."""
+        self.auto = self.auto and not pin
         if path not in PATHS:
             raise ValueError(f"unknown QuantLinear path {path!r}; choose from {PATHS}")
         reason = self.unsupported_reason(path)
@@ -243,7 +245,7 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if self.auto and self.auto_device != x.device.type:
-            self.set_path(self.auto_path(x.device))
+            self.set_path(self.auto_path(x.device), pin=False)
             self.auto_device = x.device.type
         if self.path == "reference":
             return self.reference_forward(x)
