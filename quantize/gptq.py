@@ -201,7 +201,9 @@ class GPTQ(LayerAlgorithm):
         set_module(stage.owner, stage.path, quant_linear(res.qweight, self.qcfg, linear))
 
     def record(self) -> dict:
-        return {"quant_method": "gptq", "desc_act": self.gcfg.act_order, **asdict(self.gcfg), "true_sequential": True}
+        # desc_act in the checkpoint sense: columns carry a g_idx (act-order without static groups)
+        desc_act = self.gcfg.act_order and not self.gcfg.static_groups
+        return {"quant_method": "gptq", "desc_act": desc_act, **asdict(self.gcfg), "true_sequential": True}
 
 
 def add_gptq_args(ap) -> None:

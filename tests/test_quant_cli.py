@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from quantize import awq, gptq, int8, rtn
+from quantize.qlinear import QuantLinear
 from runtime.config import ModelConfig
 from runtime.model import random_model
 
@@ -155,5 +156,13 @@ def test_save_and_reload_through_formats(tiny_checkpoint, tmp_path):
     model, _, _ = load_model(str(out))
     assert json.loads((out / "qspec_quantize.json").read_text())["quant_config"]["bits"] == 4
     reference = rtn.quantize_model(random_model(TINY, seed=0), rtn.QuantConfig(bits=4, group_size=32))
+    for name, mod in reference.named_modules():
+        if isinstance(mod, QuantLinear):
+            saved, ours = model.get_submodule(name).qweight(), mod.qweight()
+            assert torch.equal(saved.codes, ours.codes) and torch.equal(saved.zeros, ours.zeros), name
+            torch.testing.assert_close(saved.scales, ours.scales.half().float(), rtol=0, atol=0)  # fp16 on disk
+            model.get_submodule(name).set_path("reference")
+            mod.scales = mod.scales.half().float()  # what the checkpoint holds
     tokens = torch.randint(0, VOCAB, (2, 12))
-    torch.testing.assert_close(model(tokens), reference(tokens), rtol=1e-4, atol=1e-4)
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens), reference(tokens), rtol=1e-5, atol=1e-5)

@@ -118,15 +118,17 @@ def test_int8_weight_only_and_w8a8():
 
     w8a8, _ = int8.quantize_model(copy.deepcopy(model), w8a8=True)
     layer = w8a8.layers[1].self_attn.o_proj
-    assert isinstance(layer, int8.W8A8Linear) and layer.path == "int_mm"
+    assert isinstance(layer, QuantLinear) and layer.act_quant and layer.path == "reference"
     x = torch.randn(3, 7, 64, generator=torch.Generator().manual_seed(2))
-    # integer matmul == dequantize-both reference up to float summation order
-    torch.testing.assert_close(layer(x), layer.reference_forward(x), rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        reference = layer(x)
+        # the integer matmul path == the dequantize-both reference up to float summation order
+        torch.testing.assert_close(copy.deepcopy(layer).set_path("cpu_w8a8")(x), reference, rtol=1e-5, atol=1e-5)
     # oracle: quantize x per token by hand, multiply in float64
     s = x.abs().amax(-1, keepdim=True) / 127
     xq = torch.clamp(torch.round(x / s), -127, 127)
     wq = layer.codes.double() - 128
     manual = (xq.double() @ wq.T) * s.double() * layer.scales.double()[:, 0]
-    torch.testing.assert_close(layer(x).double(), manual, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(reference.double(), manual, rtol=1e-5, atol=1e-5)
     with torch.no_grad():  # activation rounding adds error on top of the weight-only model's
         assert float((w8a8(tokens) - ref).norm()) > float((weight_only(tokens) - ref).norm())
