@@ -146,3 +146,25 @@ def test_sharded_source_refuses_a_non_checkpoint(tmp_path):
 
     with pytest.raises(ModelSpecError, match="not a checkpoint"):
         ShardedCheckpoint(tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_default_model_gptq_beats_rtn(default_model):
+    """On SmolLM2-135M, 4-bit g128 asym: GPTQ with act-order has lower perplexity than RTN (small protocol:
+    8 calibration windows of 256 tokens, 2 evaluation windows of 512)."""
+    from evals.perplexity import perplexity
+    from quantize.rtn import quantize_model as rtn_quantize
+    from runtime.data import calibration_windows, wiki_text
+
+    model, tokenizer, _ = default_model
+    qcfg = QuantConfig(bits=4, group_size=128)
+    tokens = torch.tensor(calibration_windows(tokenizer, 8, 256, seed=0))
+    gptq_model = calibrate(copy.deepcopy(model), tokens, GPTQ(qcfg, GPTQConfig(act_order=True)), batch_size=4)
+    rtn_model = rtn_quantize(copy.deepcopy(model), qcfg)
+    text = wiki_text("eval")
+    ppl = {
+        name: perplexity(m, tokenizer, text, 512, max_windows=2).perplexity
+        for name, m in (("fp32", model), ("rtn", rtn_model), ("gptq", gptq_model))
+    }
+    assert ppl["fp32"] < ppl["gptq"] < ppl["rtn"], ppl
