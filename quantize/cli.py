@@ -41,6 +41,11 @@ def parser(
         ap.add_argument("--nsamples", type=int, default=128, help="calibration windows")
         ap.add_argument("--seqlen", type=int, default=512, help="tokens per calibration window")
         ap.add_argument("--batch-size", type=int, default=8, help="windows per forward in the calibration pass")
+        ap.add_argument(
+            "--layer-by-layer",
+            action="store_true",
+            help="read decoder layers from the checkpoint's safetensors one at a time (models larger than memory)",
+        )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
         "--eval", default=None, help="after quantizing, perplexity on these texts: wiki,wiki-fr or wiki:64,wiki-fr:32"
@@ -71,15 +76,33 @@ def quant_config(ap: argparse.ArgumentParser, args, **overrides) -> QuantConfig:
 
 
 def load(ap: argparse.ArgumentParser, args, cfg: QuantConfig):
-    """(model fp32, tokenizer, checkpoint dir); a bad model spec or a group that does not fit is an argparse error."""
-    from runtime.loader import ModelSpecError, load_model, load_tokenizer
+    """(model fp32, tokenizer, checkpoint dir, layer source); a bad model spec or a group that does not fit is
+    an argparse error. With --layer-by-layer the model is a skeleton whose decoder layers the calibration
+    pass reads from the returned ShardedCheckpoint one at a time."""
+    from quantize.calibration import ShardedCheckpoint
+    from runtime.loader import ModelSpecError, load_model, load_tokenizer, resolve
 
+    source = None
     try:
-        model, _, path = load_model(args.model, torch.float32)
-        cfg.targets(model)
+        if getattr(args, "layer_by_layer", False):
+            path = resolve(args.model)
+            source = ShardedCheckpoint(path)
+            model = source.skeleton()
+            for i, layer in enumerate(model.layers):  # widths are known from the config, weights are not loaded
+                for leaf, width in (
+                    ("qkv_proj", layer.self_attn.qkv_proj.in_features),
+                    ("o_proj", layer.self_attn.o_proj.in_features),
+                    ("gate_up_proj", layer.mlp.gate_up_proj.in_features),
+                    ("down_proj", layer.mlp.down_proj.in_features),
+                ):
+                    if leaf in cfg.modules:
+                        cfg.group_size_for(width, f"layers.{i}.{leaf}")
+        else:
+            model, _, path = load_model(args.model, torch.float32)
+            cfg.targets(model)
     except (ModelSpecError, QuantConfigError, KeyError) as err:
         ap.error(str(err).strip("'\""))
-    return model, CachedTokenizer(load_tokenizer(str(path))), path
+    return model, CachedTokenizer(load_tokenizer(str(path))), path, source
 
 
 class CachedTokenizer:

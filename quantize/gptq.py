@@ -237,11 +237,11 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     qcfg = cli.quant_config(ap, args)
     gcfg = gptq_config(ap, args)
-    model, tokenizer, path = cli.load(ap, args, qcfg)
+    model, tokenizer, path, source = cli.load(ap, args, qcfg)
     tokens = cli.calibration_tokens(ap, args, tokenizer)
     algo = GPTQ(qcfg, gcfg, log=cli.log)
     start = time.perf_counter()
-    calibrate(model, tokens, algo, args.batch_size, lm_head=qcfg.lm_head, progress=lambda m: cli.log(f"gptq {m}"))
+    calibrate(model, tokens, algo, args.batch_size, qcfg.lm_head, source, progress=lambda m: cli.log(f"gptq {m}"))
     seconds = time.perf_counter() - start
     qcfg.extra.update(algo.record(), calib=args.calib, nsamples=args.nsamples, seqlen=args.seqlen, seed=args.seed)
     stats = {"quantize_seconds": round(seconds, 1), "layers": algo.stats}

@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> None:
         ap.error("quantize.int8 is 8-bit per-channel; use quantize.rtn / gptq / awq for other grids")
     cli.quant_config(ap, args, sym=True, act_quant=args.w8a8)  # validates the module list and --out/--eval
     probe = QuantConfig(bits=8, group_size=-1, sym=True, modules=tuple(m for m in args.modules.split(",") if m))
-    model, tokenizer, path = cli.load(ap, args, probe)
+    model, tokenizer, path, _ = cli.load(ap, args, probe)
     model, cfg = quantize_model(model, args.w8a8, probe.modules, args.lm_head, progress=True)
     cfg.extra.update(quant_method="w8a8" if args.w8a8 else "int8")
     cli.finish(args, model, tokenizer, path, cfg, "quantize.int8", argv=argv)

@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--mse", action="store_true", help="MSE search of each group's range (clipping)")
     args = ap.parse_args(argv)
     cfg = cli.quant_config(ap, args)
-    model, tokenizer, path = cli.load(ap, args, cfg)
+    model, tokenizer, path, _ = cli.load(ap, args, cfg)
     quantize_model(model, cfg, mse=args.mse, progress=True)
     cfg.extra.update(quant_method="rtn", mse_clip=args.mse)
     cli.finish(args, model, tokenizer, path, cfg, "quantize.rtn", argv=argv)

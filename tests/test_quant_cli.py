@@ -166,3 +166,31 @@ def test_save_and_reload_through_formats(tiny_checkpoint, tmp_path):
     tokens = torch.randint(0, VOCAB, (2, 12))
     with torch.no_grad():
         torch.testing.assert_close(model(tokens), reference(tokens), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("main", [gptq.main, awq.main])
+def test_layer_by_layer_cli_equals_in_memory(tiny_checkpoint, tmp_path, main):
+    from runtime.loader import save_checkpoint
+
+    sharded = save_checkpoint(random_model(TINY, seed=0), tmp_path / "sharded", max_shard_bytes=30_000)
+    records = tmp_path / "r.jsonl"
+    common = [
+        "--bits",
+        "4",
+        "--group-size",
+        "32",
+        "--nsamples",
+        "4",
+        "--seqlen",
+        "32",
+        "--batch-size",
+        "2",
+        "--eval",
+        "wiki:1",
+        "--record",
+        str(records),
+    ]
+    main(["--model", str(tiny_checkpoint), *common])
+    main(["--model", str(sharded), "--layer-by-layer", *common])
+    a, b = (json.loads(line) for line in records.read_text().splitlines())
+    assert a["window_nlls"]["wiki"] == pytest.approx(b["window_nlls"]["wiki"], rel=1e-6)
