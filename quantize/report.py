@@ -46,7 +46,15 @@ def tabulate(records: list[dict], windows: dict[str, int] | None = None) -> tupl
     texts = sorted({t for r in records for t in r["window_nlls"]}, key=lambda t: (t != "wiki", t))
     if windows is None:  # the largest prefix every record has
         windows = {t: min(len(r["window_nlls"][t]) for r in records if t in r["window_nlls"]) for t in texts}
-    ppl = [{t: prefix_ppl(r["window_nlls"][t], windows[t]) for t in texts if t in r["window_nlls"]} for r in records]
+    # a record evaluated on fewer windows than asked has no figure for that text (never a shorter prefix)
+    ppl = [
+        {
+            t: prefix_ppl(r["window_nlls"][t], windows[t])
+            for t in texts
+            if len(r["window_nlls"].get(t, [])) >= windows[t]
+        }
+        for r in records
+    ]
     fp32 = next((p for r, p in zip(records, ppl) if not r.get("quant_config")), None)
     rtn = {grid_key(r): p for r, p in zip(records, ppl) if (r.get("quant_config") or {}).get("quant_method") == "rtn"}
     header = ["method"] + [f"{t} ppl ({windows[t]} win)" for t in texts]
