@@ -23,6 +23,8 @@ def label(record: dict) -> str:
     parts = [method, f"{qc['bits']}-bit", group, "sym" if qc.get("sym") else "asym"]
     if qc.get("act_order"):
         parts.append("act-order" + ("+static" if qc.get("static_groups") else ""))
+    if qc.get("damp_percent") not in (None, 0.01):
+        parts.append(f"damp{qc['damp_percent']}")
     if qc.get("mse") or qc.get("mse_clip"):
         parts.append("mse")
     if "nsamples" in qc:
