@@ -235,11 +235,11 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as err:
         ap.error(str(err))
     gptq = GPTQ(qcfg, gptq_config(ap, args), log=cli.log) if args.gptq else None
-    model, tokenizer, path = cli.load(ap, args, qcfg)
+    model, tokenizer, path, source = cli.load(ap, args, qcfg)
     tokens = cli.calibration_tokens(ap, args, tokenizer)
     algo = AWQ(qcfg, acfg, gptq, batch_size=args.batch_size, log=cli.log)
     start = time.perf_counter()
-    calibrate(model, tokens, algo, args.batch_size, lm_head=qcfg.lm_head, progress=lambda m: cli.log(f"awq {m}"))
+    calibrate(model, tokens, algo, args.batch_size, qcfg.lm_head, source, progress=lambda m: cli.log(f"awq {m}"))
     seconds = time.perf_counter() - start
     qcfg.extra.update(algo.record(), calib=args.calib, nsamples=args.nsamples, seqlen=args.seqlen, seed=args.seed)
     stats = {"quantize_seconds": round(seconds, 1), "awq_layers": algo.stats, "gptq_layers": gptq.stats if gptq else []}

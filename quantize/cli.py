@@ -41,6 +41,11 @@ def parser(
         ap.add_argument("--nsamples", type=int, default=128, help="calibration windows")
         ap.add_argument("--seqlen", type=int, default=512, help="tokens per calibration window")
         ap.add_argument("--batch-size", type=int, default=8, help="windows per forward in the calibration pass")
+        ap.add_argument(
+            "--layer-by-layer",
+            action="store_true",
+            help="read decoder layers from the checkpoint's safetensors one at a time (models larger than memory)",
+        )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
         "--eval", default=None, help="after quantizing, perplexity on these texts: wiki,wiki-fr or wiki:64,wiki-fr:32"
@@ -53,6 +58,10 @@ def parser(
 def quant_config(ap: argparse.ArgumentParser, args, **overrides) -> QuantConfig:
     if args.out is None and args.eval is None:
         ap.error("nothing to do: give --out DIR to save the quantized model and/or --eval TEXTS to measure it")
+    if hasattr(args, "nsamples") and args.nsamples < 1:
+        ap.error(f"--nsamples must be at least 1, got {args.nsamples}")
+    if hasattr(args, "seqlen") and args.seqlen < 2:
+        ap.error(f"--seqlen must be at least 2, got {args.seqlen}")
     try:
         return QuantConfig(
             bits=overrides.pop("bits", args.bits),
@@ -67,15 +76,68 @@ def quant_config(ap: argparse.ArgumentParser, args, **overrides) -> QuantConfig:
 
 
 def load(ap: argparse.ArgumentParser, args, cfg: QuantConfig):
-    """(model fp32, tokenizer, checkpoint dir); a bad model spec or a group that does not fit is an argparse error."""
-    from runtime.loader import ModelSpecError, load_model, load_tokenizer
+    """(model fp32, tokenizer, checkpoint dir, layer source); a bad model spec or a group that does not fit is
+    an argparse error. With --layer-by-layer the model is a skeleton whose decoder layers the calibration
+    pass reads from the returned ShardedCheckpoint one at a time."""
+    from quantize.calibration import ShardedCheckpoint
+    from runtime.loader import ModelSpecError, load_model, load_tokenizer, resolve
 
+    source = None
     try:
-        model, _, path = load_model(args.model, torch.float32)
-        cfg.targets(model)
+        if getattr(args, "layer_by_layer", False):
+            path = resolve(args.model)
+            source = ShardedCheckpoint(path)
+            model = source.skeleton()
+            for i, layer in enumerate(model.layers):  # widths are known from the config, weights are not loaded
+                for leaf, width in (
+                    ("qkv_proj", layer.self_attn.qkv_proj.in_features),
+                    ("o_proj", layer.self_attn.o_proj.in_features),
+                    ("gate_up_proj", layer.mlp.gate_up_proj.in_features),
+                    ("down_proj", layer.mlp.down_proj.in_features),
+                ):
+                    if leaf in cfg.modules:
+                        cfg.group_size_for(width, f"layers.{i}.{leaf}")
+        else:
+            model, _, path = load_model(args.model, torch.float32)
+            cfg.targets(model)
     except (ModelSpecError, QuantConfigError, KeyError) as err:
         ap.error(str(err).strip("'\""))
-    return model, load_tokenizer(str(path)), path
+    return model, CachedTokenizer(load_tokenizer(str(path))), path, source
+
+
+class CachedTokenizer:
+    """Wraps a tokenizer so that tokenizing a whole split (~90 s for the calibration split on a busy 2-core
+    machine) happens once: ``tok(text, add_special_tokens=...)`` ids are kept under $QSPEC_HOME/token_cache,
+    keyed by the tokenizer and the text's hash. Everything else passes through."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def __call__(self, text, add_special_tokens: bool = True, **kwargs):
+        if kwargs or not isinstance(text, str):
+            return self.tokenizer(text, add_special_tokens=add_special_tokens, **kwargs)
+        import hashlib
+        from types import SimpleNamespace
+
+        from runtime.loader import qspec_home
+
+        ident = f"{getattr(self.tokenizer, 'name_or_path', '')}|{len(self.tokenizer)}|{add_special_tokens}|"
+        key = hashlib.sha256((ident + text).encode()).hexdigest()[:32]
+        path = qspec_home() / "token_cache" / f"{key}.pt"
+        if path.is_file():
+            return SimpleNamespace(input_ids=torch.load(path).tolist())
+        ids = self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        torch.save(torch.tensor(ids, dtype=torch.int32), tmp)
+        tmp.replace(path)
+        return SimpleNamespace(input_ids=ids)
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+    def __len__(self) -> int:
+        return len(self.tokenizer)
 
 
 def calibration_tokens(ap: argparse.ArgumentParser, args, tokenizer) -> torch.Tensor:
@@ -85,8 +147,6 @@ def calibration_tokens(ap: argparse.ArgumentParser, args, tokenizer) -> torch.Te
     lang = "en" if args.calib == "wiki" else args.calib.removeprefix("wiki-")
     if lang not in LANGUAGES or not args.calib.startswith("wiki"):
         ap.error(f"--calib {args.calib!r}: choose wiki or wiki-LANG with LANG in {sorted(LANGUAGES)}")
-    if args.seqlen < 2:
-        ap.error(f"--seqlen must be at least 2, got {args.seqlen}")
     try:
         windows = calibration_windows(tokenizer, args.nsamples, args.seqlen, args.seed, lang)
     except ValueError as err:

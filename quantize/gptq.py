@@ -201,7 +201,9 @@ class GPTQ(LayerAlgorithm):
         set_module(stage.owner, stage.path, quant_linear(res.qweight, self.qcfg, linear))
 
     def record(self) -> dict:
-        return {"quant_method": "gptq", "desc_act": self.gcfg.act_order, **asdict(self.gcfg), "true_sequential": True}
+        # desc_act in the checkpoint sense: columns carry a g_idx (act-order without static groups)
+        desc_act = self.gcfg.act_order and not self.gcfg.static_groups
+        return {"quant_method": "gptq", "desc_act": desc_act, **asdict(self.gcfg), "true_sequential": True}
 
 
 def add_gptq_args(ap) -> None:
@@ -235,11 +237,11 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     qcfg = cli.quant_config(ap, args)
     gcfg = gptq_config(ap, args)
-    model, tokenizer, path = cli.load(ap, args, qcfg)
+    model, tokenizer, path, source = cli.load(ap, args, qcfg)
     tokens = cli.calibration_tokens(ap, args, tokenizer)
     algo = GPTQ(qcfg, gcfg, log=cli.log)
     start = time.perf_counter()
-    calibrate(model, tokens, algo, args.batch_size, lm_head=qcfg.lm_head, progress=lambda m: cli.log(f"gptq {m}"))
+    calibrate(model, tokens, algo, args.batch_size, qcfg.lm_head, source, progress=lambda m: cli.log(f"gptq {m}"))
     seconds = time.perf_counter() - start
     qcfg.extra.update(algo.record(), calib=args.calib, nsamples=args.nsamples, seqlen=args.seqlen, seed=args.seed)
     stats = {"quantize_seconds": round(seconds, 1), "layers": algo.stats}

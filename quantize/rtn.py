@@ -36,13 +36,11 @@ def quantize_weight(
 
 
 def quant_linear(qweight: QuantizedWeight, cfg: QuantConfig, like: nn.Module) -> QuantLinear:
-    """A QuantLinear in the dtype and on the device of the layer it replaces."""
+    """A QuantLinear on the device of the layer it replaces, pinned to the exact dequantize-then-matmul
+    reference path: calibration and quality measurements see the quantization error alone. Callers that
+    want speed afterwards pick a fast path (``layer.set_path(...)``, or ``layer.auto = True``)."""
     ref = like.weight
-    if cfg.act_quant:
-        from quantize.int8 import W8A8Linear  # the integer-matmul path of W8A8
-
-        return W8A8Linear(qweight, act_quant=True, compute_dtype=ref.dtype).to(ref.device)
-    return QuantLinear(qweight, act_quant=False, compute_dtype=ref.dtype).to(ref.device)
+    return QuantLinear(qweight, act_quant=cfg.act_quant, compute_dtype=ref.dtype, path="reference").to(ref.device)
 
 
 @torch.no_grad()
@@ -66,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--mse", action="store_true", help="MSE search of each group's range (clipping)")
     args = ap.parse_args(argv)
     cfg = cli.quant_config(ap, args)
-    model, tokenizer, path = cli.load(ap, args, cfg)
+    model, tokenizer, path, _ = cli.load(ap, args, cfg)
     quantize_model(model, cfg, mse=args.mse, progress=True)
     cfg.extra.update(quant_method="rtn", mse_clip=args.mse)
     cli.finish(args, model, tokenizer, path, cfg, "quantize.rtn", argv=argv)

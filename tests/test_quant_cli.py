@@ -1,0 +1,196 @@
+"""The quantizer CLIs: --help, one clear error per bad input, and a record with config and provenance.
+
+A tiny checkpoint and a word-level stand-in tokenizer keep these fast (the real tokenizer and the wiki splits
+take minutes to load and tokenize on the shared CPU machine); the default model runs in the slow tests."""
+
+from __future__ import annotations
+
+import json
+import zlib
+
+import pytest
+import torch
+
+from quantize import awq, gptq, int8, rtn
+from quantize.qlinear import QuantLinear
+from runtime.config import ModelConfig
+from runtime.model import random_model
+
+VOCAB = 97
+TINY = ModelConfig(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16
+)
+WORDS = [f"w{i}" for i in range(300)]
+
+
+class WordTokenizer:
+    """Whitespace tokenizer with hashed ids: enough for windows and perplexity."""
+
+    name_or_path = "word-tokenizer"
+
+    def __call__(self, text, add_special_tokens=True):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(input_ids=[zlib.crc32(w.encode()) % VOCAB for w in text.split()])
+
+    def __len__(self):
+        return VOCAB
+
+
+@pytest.fixture
+def tiny_checkpoint(tmp_path, monkeypatch):
+    from runtime.loader import save_checkpoint
+
+    monkeypatch.setenv("QSPEC_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr("runtime.loader.load_tokenizer", lambda spec: WordTokenizer())
+    gen = torch.Generator().manual_seed(0)
+    text = " ".join(WORDS[i] for i in torch.randint(0, 300, (3000,), generator=gen).tolist())
+    monkeypatch.setattr("runtime.data.wiki_text", lambda split="eval", lang="en": text)
+    monkeypatch.setattr("evals.perplexity.wiki_text", lambda split="eval", lang="en": text)
+    return save_checkpoint(random_model(TINY, seed=0), tmp_path / "ckpt")
+
+
+def run_error(main, argv, capsys) -> str:
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    return err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("module", [rtn, int8, gptq, awq])
+def test_help(module, capsys):
+    with pytest.raises(SystemExit) as exc:
+        module.main(["--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert "--model" in out and "--out" in out and "--eval" in out
+
+
+@pytest.mark.parametrize(
+    "main,argv,message",
+    [
+        (gptq.main, ["--bits", "5"], "unsupported bit width 5"),
+        (rtn.main, ["--bits", "1"], "unsupported bit width 1"),
+        (gptq.main, ["--group-size", "0"], "group size must be -1"),
+        (
+            gptq.main,
+            ["--group-size", "128"],
+            "group size 128 is larger than layers.0.self_attn.qkv_proj's input width 64",
+        ),
+        (awq.main, ["--group-size", "97"], "group size 97 is larger than layers.0.self_attn.qkv_proj"),
+        (gptq.main, ["--nsamples", "0"], "--nsamples must be at least 1, got 0"),
+        (gptq.main, ["--seqlen", "1"], "--seqlen must be at least 2"),
+        (
+            gptq.main,
+            ["--seqlen", "100000", "--group-size", "32"],
+            "calibration data: calibration text has 3000 tokens, fewer than one window",
+        ),
+        (gptq.main, ["--damp-percent", "0"], "damp_percent must be in (0, 1)"),
+        (int8.main, ["--bits", "4"], "quantize.int8 is 8-bit per-channel"),
+        (gptq.main, ["--modules", "q_proj"], "unknown module names ['q_proj']"),
+    ],
+)
+def test_bad_input_is_one_clear_error(tiny_checkpoint, capsys, main, argv, message):
+    err = run_error(main, ["--model", str(tiny_checkpoint), "--eval", "wiki", *argv], capsys)
+    assert message in err, err
+
+
+def test_model_path_that_is_not_a_checkpoint(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    err = run_error(gptq.main, ["--model", str(tmp_path / "empty"), "--eval", "wiki"], capsys)
+    assert "is not a checkpoint: config.json is missing" in err
+    (tmp_path / "file.bin").write_bytes(b"x")
+    err = run_error(rtn.main, ["--model", str(tmp_path / "file.bin"), "--eval", "wiki"], capsys)
+    assert "is a file, not a checkpoint directory" in err
+
+
+def test_nothing_to_do_is_an_error(tiny_checkpoint, capsys):
+    err = run_error(rtn.main, ["--model", str(tiny_checkpoint)], capsys)
+    assert "nothing to do" in err
+
+
+def test_gptq_cli_records_config_and_provenance(tiny_checkpoint, tmp_path, capsys):
+    record_path = tmp_path / "results.jsonl"
+    argv = [
+        "--model",
+        str(tiny_checkpoint),
+        "--bits",
+        "3",
+        "--group-size",
+        "32",
+        "--act-order",
+        "--nsamples",
+        "4",
+        "--seqlen",
+        "64",
+        "--batch-size",
+        "2",
+        "--eval",
+        "wiki:2",
+        "--record",
+        str(record_path),
+    ]
+    gptq.main(argv)
+    record = json.loads(record_path.read_text().splitlines()[-1])
+    qc = record["quant_config"]
+    assert qc["bits"] == 3 and qc["group_size"] == 32 and qc["desc_act"] is True and qc["quant_method"] == "gptq"
+    assert qc["nsamples"] == 4 and qc["seqlen"] == 64 and qc["seed"] == 0
+    assert record["command"].startswith("python -m quantize.gptq --model")
+    assert len(record["git_sha"]) == 40 and record["versions"]["torch"] == torch.__version__
+    assert len(record["stats"]["layers"]) == 2 * 4
+    assert len(record["window_nlls"]["wiki"]) == 2
+    assert 1 < record["perplexity"]["wiki"] < 10 * VOCAB
+    # tokenized splits were cached for the next run
+    assert list((tmp_path / "home" / "token_cache").glob("*.pt"))
+
+
+def test_save_and_reload_through_formats(tiny_checkpoint, tmp_path):
+    formats = pytest.importorskip("quantize.formats")
+    if not hasattr(formats, "save_quantized"):
+        pytest.skip("quantize.formats.save_quantized (issue 4) is not in this checkout")
+    from runtime.loader import load_model
+
+    out = tmp_path / "q"
+    rtn.main(["--model", str(tiny_checkpoint), "--bits", "4", "--group-size", "32", "--out", str(out)])
+    model, _, _ = load_model(str(out))
+    assert json.loads((out / "qspec_quantize.json").read_text())["quant_config"]["bits"] == 4
+    reference = rtn.quantize_model(random_model(TINY, seed=0), rtn.QuantConfig(bits=4, group_size=32))
+    for name, mod in reference.named_modules():
+        if isinstance(mod, QuantLinear):
+            saved, ours = model.get_submodule(name).qweight(), mod.qweight()
+            assert torch.equal(saved.codes, ours.codes) and torch.equal(saved.zeros, ours.zeros), name
+            torch.testing.assert_close(saved.scales, ours.scales.half().float(), rtol=0, atol=0)  # fp16 on disk
+            model.get_submodule(name).set_path("reference")
+            mod.scales = mod.scales.half().float()  # what the checkpoint holds
+    tokens = torch.randint(0, VOCAB, (2, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens), reference(tokens), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("main", [gptq.main, awq.main])
+def test_layer_by_layer_cli_equals_in_memory(tiny_checkpoint, tmp_path, main):
+    from runtime.loader import save_checkpoint
+
+    sharded = save_checkpoint(random_model(TINY, seed=0), tmp_path / "sharded", max_shard_bytes=30_000)
+    records = tmp_path / "r.jsonl"
+    common = [
+        "--bits",
+        "4",
+        "--group-size",
+        "32",
+        "--nsamples",
+        "4",
+        "--seqlen",
+        "32",
+        "--batch-size",
+        "2",
+        "--eval",
+        "wiki:1",
+        "--record",
+        str(records),
+    ]
+    main(["--model", str(tiny_checkpoint), *common])
+    main(["--model", str(sharded), "--layer-by-layer", *common])
+    a, b = (json.loads(line) for line in records.read_text().splitlines())
+    assert a["window_nlls"]["wiki"] == pytest.approx(b["window_nlls"]["wiki"], rel=1e-6)
