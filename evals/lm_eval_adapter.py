@@ -5,7 +5,8 @@ together and split where the context's own encoding ends (trailing spaces of the
 continuation); an empty context is conditioned on the BOS (or, without one, the EOS) token. Over-long inputs
 keep their last ``max_length`` tokens. Scoring runs through the one model forward, either batched without a
 cache (``score_mode="forward"``) or through the KV cache (``"cache"``: prefill the context, then score the
-continuation in one cached forward), so systems variants can be checked on task accuracy too.
+continuations in one cached forward; choices sharing a context share its prefill, which makes multiple-choice
+tasks several times cheaper), so systems variants can be checked on task accuracy too.
 Registered as ``qspec`` for ``lm_eval --model qspec --model_args model=smollm2-135m,dtype=bf16``.
 """
 
@@ -160,48 +161,60 @@ class QspecLM(LM):
     @torch.inference_mode()
     def score_pairs(self, pairs: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
         """(context ids, continuation ids) -> (sum log p(continuation | context), greedy?) per pair."""
-        results: list[tuple[float, bool] | None] = [None] * len(pairs)
+        rows = []
+        for ctx, cont in pairs:
+            if not cont:
+                raise ValueError("empty continuation: nothing to score")
+            full = (ctx + cont)[-(self.max_length + 1) :]
+            rows.append((full[:-1], full[-min(len(cont), len(full) - 1) :]))  # inputs, the tokens they predict
+        if self.score_mode == "cache":
+            return self.score_cached(rows)
+        results: list[tuple[float, bool] | None] = [None] * len(rows)
         # longest first, so a batch pads little and the first batch fails fast if memory is short
-        order = sorted(range(len(pairs)), key=lambda i: -(len(pairs[i][0]) + len(pairs[i][1])))
-        step = 1 if self.score_mode == "cache" else self.batch_size_per_call
-        for start in range(0, len(order), step):
-            chunk = order[start : start + step]
-            rows = []
-            for i in chunk:
-                ctx, cont = pairs[i]
-                if not cont:
-                    raise ValueError("empty continuation: nothing to score")
-                full = (ctx + cont)[-(self.max_length + 1) :]
-                rows.append((full[:-1], min(len(cont), len(full) - 1)))  # the last n_cont inputs predict cont
-            if self.score_mode == "cache":
-                inp, n_cont = rows[0]
-                logits = self.cached_logits(inp, n_cont)[None]
-            else:
-                width = max(len(r[0]) for r in rows)
-                batch = torch.zeros(len(rows), width, dtype=torch.long, device=self._device)
-                for b, (inp, _) in enumerate(rows):
-                    batch[b, : len(inp)] = torch.tensor(inp, device=self._device)
-                hidden = self.model(batch, hidden_only=True)  # the lm_head only where continuations are
+        order = sorted(range(len(rows)), key=lambda i: -len(rows[i][0]))
+        for start in range(0, len(order), self.batch_size_per_call):
+            chunk = order[start : start + self.batch_size_per_call]
+            width = max(len(rows[i][0]) for i in chunk)
+            batch = torch.zeros(len(chunk), width, dtype=torch.long, device=self._device)
             for b, i in enumerate(chunk):
-                inp, n_cont = rows[b]
-                cont = torch.tensor(pairs[i][1][-n_cont:], device=self._device)
-                if self.score_mode == "cache":
-                    row_logits = logits[b]
-                else:
-                    row_logits = self.model.logits(hidden[b, len(inp) - n_cont : len(inp)])
-                logprobs = F.log_softmax(row_logits.float(), dim=-1)
-                score = float(logprobs.gather(-1, cont[:, None]).sum())
-                greedy = bool((logprobs.argmax(-1) == cont).all())
-                results[i] = (score, greedy)
+                batch[b, : len(rows[i][0])] = torch.tensor(rows[i][0], device=self._device)
+            hidden = self.model(batch, hidden_only=True)  # the lm_head only where continuations are
+            for b, i in enumerate(chunk):
+                inp, target = rows[i]
+                results[i] = self.score_row(self.model.logits(hidden[b, len(inp) - len(target) : len(inp)]), target)
         return results
 
-    def cached_logits(self, inp: list[int], n_cont: int) -> torch.Tensor:
-        """Logits of the last n_cont positions: prefill the rest into a KV cache, then one cached forward."""
-        tokens = torch.tensor([inp], device=self._device)
-        T = len(inp)
-        p = T - n_cont
-        cache = KVCache(self.model.config, 1, T, self.model.embed_tokens.weight.dtype, self._device)
-        if p > 0:
-            self.model(tokens[:, :p], prefill_meta(1, p, self._device), cache, hidden_only=True)
-        positions = torch.arange(p, T, device=self._device)[None]
-        return self.model(tokens[:, p:], AttentionMetadata.causal(positions, kv_len=T), cache)[0]
+    def score_row(self, logits: torch.Tensor, target: list[int]) -> tuple[float, bool]:
+        logprobs = F.log_softmax(logits.float(), dim=-1)
+        cont = torch.tensor(target, device=self._device)
+        return float(logprobs.gather(-1, cont[:, None]).sum()), bool((logprobs.argmax(-1) == cont).all())
+
+    def score_cached(self, rows: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
+        """Through the KV cache: each distinct context is prefilled once, then all continuations sharing it
+        (the choices of a multiple-choice question) are scored in one batched cached forward."""
+        results: list[tuple[float, bool] | None] = [None] * len(rows)
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for i, (inp, target) in enumerate(rows):
+            groups.setdefault(tuple(inp[: len(inp) - len(target)]), []).append(i)
+        cfg, dtype, dev = self.model.config, self.model.embed_tokens.weight.dtype, self._device
+        for prefix, members in groups.items():
+            p = len(prefix)
+            for start in range(0, len(members), self.batch_size_per_call):
+                chunk = members[start : start + self.batch_size_per_call]
+                width = max(len(rows[i][1]) for i in chunk)
+                cache = KVCache(cfg, len(chunk), p + width, dtype, dev)
+                if p > 0:
+                    self.model(torch.tensor([prefix], device=dev), prefill_meta(1, p, dev), cache, hidden_only=True)
+                    cache.k[:, 1:, :, :p] = cache.k[:, :1, :, :p]  # share the prefix with every row
+                    cache.v[:, 1:, :, :p] = cache.v[:, :1, :, :p]
+                batch = torch.zeros(len(chunk), width, dtype=torch.long, device=dev)
+                for b, i in enumerate(chunk):
+                    tail = rows[i][0][p:]
+                    batch[b, : len(tail)] = torch.tensor(tail, device=dev)
+                positions = torch.arange(p, p + width, device=dev).expand(len(chunk), -1)
+                meta = AttentionMetadata.causal(positions, kv_len=p + width)
+                meta.contiguous_start = p
+                logits = self.model(batch, meta, cache)
+                for b, i in enumerate(chunk):
+                    results[i] = self.score_row(logits[b, : len(rows[i][1])], rows[i][1])
+        return results

@@ -52,6 +52,7 @@ def requests(kind: str, args: list[tuple]) -> list[Instance]:
 
 PAIRS = [
     ("The capital of France is", " Paris"),
+    ("The capital of France is", " the city of Lyon"),  # shares its context (a multiple-choice question)
     ("Question: what is 2 + 2?\nAnswer: ", "4"),  # trailing space moves to the continuation
     ("", "A sentence scored from the prefix token alone."),
     ("Mercury is the smallest planet", " in the Solar System, and the closest to the Sun."),
