@@ -1,0 +1,299 @@
+"""Paged KV cache: a pool of fixed-size blocks, per-sequence block tables, and prefix caching.
+
+Layout: per layer a pool ``[num_blocks, block_size, Hkv, D]`` for k and for v. A sequence owns a list of
+block ids (its block table); token i of the sequence lives at slot ``table[i // bs] * bs + i % bs``.
+``PagedAttentionMetadata.slots`` carries those global slot ids, so the model's one forward writes through
+them unchanged; reads gather the sequence's blocks back into ``[B, Hkv, S, D]`` (the torch reference; the
+Triton decode kernel in ``runtime/kernels/paged_attention.py`` reads the pool directly).
+
+Block 0 is never handed out: padding tokens of a ragged batch write there, and block tables of shorter
+sequences are padded with it (those keys are masked, and its contents stay finite).
+
+Prefix caching: when a block is full its KV is final, so it is registered under a hash chained over the
+previous block's hash and the block's token ids. A new sequence whose leading full blocks hash (and
+compare, id by id) equal to registered ones shares them by reference count instead of recomputing them.
+Freed blocks that carry a hash stay in the pool as "cached free" blocks, evicted least recently used
+first when a fresh block is needed.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from runtime.config import ModelConfig
+from runtime.model import AttentionMetadata
+
+SCRATCH_BLOCK = 0
+
+
+class BlockAllocationError(RuntimeError):
+    """The pool has no block to give (the scheduler checks first; reaching this is a bug)."""
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None  # set while the block is registered in the prefix cache
+    token_ids: tuple[int, ...] | None = None  # the ids the hash was computed over (compared on a hit)
+
+
+def chain_hash(prev_hash: int | None, token_ids: tuple[int, ...]) -> int:
+    """The prefix-cache key of a full block: depends on every token before it through prev_hash."""
+    return hash((prev_hash, token_ids))
+
+
+@dataclass
+class PrefixMatch:
+    block_ids: list[int]  # leading full blocks of the sequence already in the cache
+    hashes: list[int]
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_ids)
+
+
+class BlockManager:
+    """Hands out blocks, counts references, keeps the prefix cache and its LRU of unreferenced blocks.
+
+    A sequence is any object with ``block_table: list[int]`` and ``block_hashes: list[int]`` (hashes of
+    its full, registered blocks, in order); the manager mutates both.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True):
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if num_blocks < 2:
+            raise ValueError(f"the pool needs at least 2 blocks (one is reserved scratch), got {num_blocks}")
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_ids: deque[int] = deque(range(1, num_blocks))  # ref 0, no hash
+        self.cached_free: OrderedDict[int, None] = OrderedDict()  # ref 0, hashed; LRU first
+        self.hash_to_block: dict[int, int] = {}
+        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_hits = 0  # of those, tokens served from cached blocks
+
+    # ---- accounting --------------------------------------------------------------------------------
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return self.num_blocks - 1
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks a new allocation can take: never-used or freed ones, plus evictable cached ones."""
+        return len(self.free_ids) + len(self.cached_free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_usable_blocks - self.num_free_blocks
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ---- prefix cache ------------------------------------------------------------------------------
+
+    def match_prefix(self, token_ids: list[int]) -> PrefixMatch:
+        """Leading full blocks of token_ids found in the cache; at least one token is left to compute
+        (the last prompt token's logits are needed), so a fully cached prompt gives up its last block."""
+        match = PrefixMatch([], [])
+        if not self.enable_prefix_caching:
+            return match
+        bs, prev = self.block_size, None
+        for i in range((len(token_ids) - 1) // bs):
+            ids = tuple(token_ids[i * bs : (i + 1) * bs])
+            h = chain_hash(prev, ids)
+            block_id = self.hash_to_block.get(h)
+            if block_id is None or self.blocks[block_id].token_ids != ids:
+                break
+            match.block_ids.append(block_id)
+            match.hashes.append(h)
+            prev = h
+        return match
+
+    def blocks_needed(self, seq, num_tokens: int, match: PrefixMatch | None = None) -> int:
+        """Free-pool blocks that admitting/extending seq to num_tokens slots takes (cached-free hits
+        leave the free pool too, so they count)."""
+        have = len(seq.block_table)
+        taken_from_lru = 0
+        if match is not None:
+            have += match.num_blocks
+            taken_from_lru = sum(1 for b in match.block_ids if self.blocks[b].ref_count == 0)
+        return max(0, self.blocks_for(num_tokens) - have) + taken_from_lru
+
+    def can_allocate(self, seq, num_tokens: int, match: PrefixMatch | None = None) -> bool:
+        return self.blocks_needed(seq, num_tokens, match) <= self.num_free_blocks
+
+    def take_prefix(self, seq, match: PrefixMatch, num_prompt_tokens: int) -> int:
+        """Give seq (with an empty table) the matched blocks; returns the number of cached tokens."""
+        assert not seq.block_table, "prefix blocks go at the start of an empty block table"
+        for block_id in match.block_ids:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.cached_free[block_id]
+            block.ref_count += 1
+            seq.block_table.append(block_id)
+        seq.block_hashes = list(match.hashes)
+        cached = match.num_blocks * self.block_size
+        if self.enable_prefix_caching:
+            self.prefix_queries += num_prompt_tokens
+            self.prefix_hits += cached
+        return cached
+
+    def register_full_blocks(self, seq, token_ids: list[int], num_computed: int) -> None:
+        """Register every block of seq whose bs tokens all have their KV written (num_computed)."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        for i in range(len(seq.block_hashes), num_computed // bs):
+            ids = tuple(token_ids[i * bs : (i + 1) * bs])
+            prev = seq.block_hashes[-1] if seq.block_hashes else None
+            h = chain_hash(prev, ids)
+            seq.block_hashes.append(h)
+            block = self.blocks[seq.block_table[i]]
+            if h in self.hash_to_block:  # computed twice concurrently: keep the registered copy
+                continue
+            block.hash, block.token_ids = h, ids
+            self.hash_to_block[h] = block.block_id
+
+    # ---- allocate / free ---------------------------------------------------------------------------
+
+    def _fresh_block(self) -> int:
+        if self.free_ids:
+            block_id = self.free_ids.popleft()
+        elif self.cached_free:
+            block_id, _ = self.cached_free.popitem(last=False)  # least recently used
+            block = self.blocks[block_id]
+            del self.hash_to_block[block.hash]
+            block.hash = block.token_ids = None
+        else:
+            raise BlockAllocationError("KV block pool exhausted")
+        self.blocks[block_id].ref_count = 1
+        return block_id
+
+    def allocate(self, seq, num_tokens: int) -> None:
+        """Grow seq's block table to cover num_tokens slots."""
+        need = self.blocks_for(num_tokens) - len(seq.block_table)
+        if need > self.num_free_blocks:
+            raise BlockAllocationError(f"need {need} blocks, {self.num_free_blocks} free")
+        for _ in range(need):
+            seq.block_table.append(self._fresh_block())
+
+    def free(self, seq) -> None:
+        """Drop seq's references. Tail blocks first, so the LRU evicts a prefix's end before its start."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            if block.ref_count <= 0:
+                raise AssertionError(f"double free of block {block_id}")
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                if block.hash is not None:
+                    self.cached_free[block_id] = None
+                else:
+                    self.free_ids.append(block_id)
+        seq.block_table = []
+        seq.block_hashes = []
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every unreferenced cached block (referenced ones keep their hash until freed)."""
+        for block_id in list(self.cached_free):
+            block = self.blocks[block_id]
+            del self.hash_to_block[block.hash]
+            block.hash = block.token_ids = None
+            self.free_ids.append(block_id)
+        self.cached_free.clear()
+
+    def check_invariants(self, live_seqs) -> None:
+        """Exact bookkeeping checks (used by tests): every usable block is in exactly one of {free,
+        cached free, referenced}, and each ref count equals the number of live tables holding it."""
+        refs = [0] * self.num_blocks
+        for seq in live_seqs:
+            for block_id in seq.block_table:
+                refs[block_id] += 1
+        assert refs[SCRATCH_BLOCK] == 0 and self.blocks[SCRATCH_BLOCK].ref_count == 0
+        free, cached = set(self.free_ids), set(self.cached_free)
+        assert len(free) == len(self.free_ids), "a block is in the free list twice"
+        assert not (free & cached), "a block is both free and cached-free"
+        assert SCRATCH_BLOCK not in free | cached
+        for block in self.blocks[1:]:
+            assert block.ref_count == refs[block.block_id], f"block {block.block_id}: ref count mismatch"
+            in_pool = block.block_id in free or block.block_id in cached
+            assert in_pool == (block.ref_count == 0), f"block {block.block_id}: referenced yet free, or lost"
+            assert (block.block_id in cached) <= (block.hash is not None)
+            assert (block.block_id in free) <= (block.hash is None)
+            if block.hash is not None:
+                assert self.hash_to_block[block.hash] == block.block_id
+        assert len(self.hash_to_block) == sum(b.hash is not None for b in self.blocks)
+
+
+@dataclass
+class PagedAttentionMetadata(AttentionMetadata):
+    """AttentionMetadata plus the block tables the reads go through.
+
+    slots: [B, T] global pool slots (block_id * block_size + offset) the new k/v are written to.
+    block_tables: [B, nb] block ids per row (padded with the scratch block), nb * block_size >= kv_len.
+    context_lens: [B] keys each row attends to after this step's write (for the decode kernel).
+    """
+
+    block_tables: Tensor = field(default=None)
+    context_lens: Tensor = field(default=None)
+
+
+class PagedKVCache:
+    """The block pool tensors; ``update`` is the model's cache contract over block tables."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        num_blocks: int,
+        block_size: int = 16,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ):
+        shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.use_triton_decode = False  # set by the engine on CUDA (see runtime.kernels.paged_attention)
+
+    @staticmethod
+    def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+        elem = torch.empty((), dtype=dtype).element_size()
+        return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * elem
+
+    @classmethod
+    def blocks_for_budget(cls, config: ModelConfig, budget_bytes: int, block_size: int, dtype: torch.dtype) -> int:
+        return budget_bytes // cls.bytes_per_block(config, block_size, dtype)
+
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size() * 2
+
+    def update(self, layer: int, k: Tensor, v: Tensor, meta: PagedAttentionMetadata) -> tuple[Tensor, Tensor]:
+        """Write k/v [B, Hkv, T, D] at meta.slots [B, T]; return [B, Hkv, kv_len, D] gathered through
+        meta.block_tables."""
+        B, H, T, D = k.shape
+        flat_k = self.k[layer].view(-1, H, D)  # [num_blocks * bs, Hkv, D]
+        flat_v = self.v[layer].view(-1, H, D)
+        slots = meta.slots.reshape(-1)
+        flat_k.index_copy_(0, slots, k.transpose(1, 2).reshape(B * T, H, D))
+        flat_v.index_copy_(0, slots, v.transpose(1, 2).reshape(B * T, H, D))
+        return gather_blocks(self.k[layer], meta.block_tables, meta.kv_len), gather_blocks(
+            self.v[layer], meta.block_tables, meta.kv_len
+        )
+
+
+def gather_blocks(pool: Tensor, block_tables: Tensor, kv_len: int) -> Tensor:
+    """pool [N, bs, Hkv, D], block_tables [B, nb] -> [B, Hkv, kv_len, D] (the torch reference read)."""
+    B, nb = block_tables.shape
+    _, bs, H, D = pool.shape
+    return pool[block_tables].view(B, nb * bs, H, D)[:, :kv_len].transpose(1, 2)
