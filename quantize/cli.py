@@ -1,0 +1,207 @@
+"""What the quantizer CLIs (quantize.rtn / int8 / gptq / awq) share: arguments, loading, calibration data,
+in-memory evaluation, saving through quantize.formats, and the provenance every result record carries."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from quantize.config import DECODER_LINEARS, QuantConfig, QuantConfigError
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def log(msg: str) -> None:
+    print(f"[qspec] {msg}", file=sys.stderr, flush=True)
+
+
+def parser(
+    module: str, doc: str, calibration: bool = True, bits: int = 4, group_size: int = 128
+) -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog=f"python -m {module}", description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--model", default="smollm2-135m", help="registry name, checkpoint dir or .gguf")
+    ap.add_argument("--bits", type=int, default=bits, help="2, 3, 4 or 8")
+    ap.add_argument("--group-size", type=int, default=group_size, help="input columns per group; -1 = per-channel")
+    ap.add_argument("--sym", action="store_true", help="symmetric grid (default asymmetric)")
+    ap.add_argument("--modules", default=",".join(DECODER_LINEARS), help="comma list of decoder linears to quantize")
+    ap.add_argument("--lm-head", action="store_true", help="quantize the (tied) output head too")
+    ap.add_argument("--out", default=None, help="output checkpoint directory (loadable with --model DIR)")
+    if calibration:
+        ap.add_argument("--calib", default="wiki", help="calibration text: wiki | wiki-es | wiki-fr (calib split)")
+        ap.add_argument("--nsamples", type=int, default=128, help="calibration windows")
+        ap.add_argument("--seqlen", type=int, default=512, help="tokens per calibration window")
+        ap.add_argument("--batch-size", type=int, default=8, help="windows per forward in the calibration pass")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--eval", default=None, help="after quantizing, perplexity on these texts: wiki,wiki-fr or wiki:64,wiki-fr:32"
+    )
+    ap.add_argument("--eval-windows", type=int, default=64, help="first N eval-split windows of 512 tokens (default)")
+    ap.add_argument("--record", default=None, help="append a JSON result record to this file")
+    return ap
+
+
+def quant_config(ap: argparse.ArgumentParser, args, **overrides) -> QuantConfig:
+    if args.out is None and args.eval is None:
+        ap.error("nothing to do: give --out DIR to save the quantized model and/or --eval TEXTS to measure it")
+    try:
+        return QuantConfig(
+            bits=overrides.pop("bits", args.bits),
+            group_size=overrides.pop("group_size", args.group_size),
+            sym=overrides.pop("sym", args.sym),
+            modules=tuple(m for m in args.modules.split(",") if m),
+            lm_head=args.lm_head,
+            **overrides,
+        )
+    except QuantConfigError as err:
+        ap.error(str(err))
+
+
+def load(ap: argparse.ArgumentParser, args, cfg: QuantConfig):
+    """(model fp32, tokenizer, checkpoint dir); a bad model spec or a group that does not fit is an argparse error."""
+    from runtime.loader import ModelSpecError, load_model, load_tokenizer
+
+    try:
+        model, _, path = load_model(args.model, torch.float32)
+        cfg.targets(model)
+    except (ModelSpecError, QuantConfigError, KeyError) as err:
+        ap.error(str(err).strip("'\""))
+    return model, load_tokenizer(str(path)), path
+
+
+def calibration_tokens(ap: argparse.ArgumentParser, args, tokenizer) -> torch.Tensor:
+    """[nsamples, seqlen] token ids from the calibration split."""
+    from runtime.data import LANGUAGES, calibration_windows
+
+    lang = "en" if args.calib == "wiki" else args.calib.removeprefix("wiki-")
+    if lang not in LANGUAGES or not args.calib.startswith("wiki"):
+        ap.error(f"--calib {args.calib!r}: choose wiki or wiki-LANG with LANG in {sorted(LANGUAGES)}")
+    if args.seqlen < 2:
+        ap.error(f"--seqlen must be at least 2, got {args.seqlen}")
+    try:
+        windows = calibration_windows(tokenizer, args.nsamples, args.seqlen, args.seed, lang)
+    except ValueError as err:
+        ap.error(f"calibration data: {err}")
+    return torch.tensor(windows, dtype=torch.long)
+
+
+def provenance(argv: list[str] | None, module: str) -> dict:
+    def git(*cmd: str) -> str:
+        try:
+            return subprocess.run(
+                ["git", *cmd], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10
+            ).stdout.strip()
+        except OSError:
+            return ""
+
+    import safetensors
+    import transformers
+
+    argv = sys.argv[1:] if argv is None else argv
+    return {
+        "command": f"python -m {module} {shlex.join(argv)}".strip(),
+        "git_sha": git("rev-parse", "HEAD"),
+        "git_dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+        "versions": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "safetensors": safetensors.__version__,
+        },
+        "device": torch.cuda.get_device_name()
+        if torch.cuda.is_available()
+        else f"cpu ({platform.processor() or platform.machine()})",
+        "threads": torch.get_num_threads(),
+        "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+
+
+def peak_rss_gb() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # Linux reports KiB
+
+
+def cpu_seconds() -> float:
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def finish(
+    args,
+    model,
+    tokenizer,
+    path: Path,
+    cfg: QuantConfig,
+    module: str,
+    stats: dict | None = None,
+    argv: list[str] | None = None,
+) -> dict:
+    """Evaluate (if asked), save (if asked) and write the result record."""
+    record = {
+        "quant_config": cfg.to_dict(),
+        "model": args.model,
+        "seed": args.seed,
+        "stats": stats or {},
+        "peak_rss_gb": round(peak_rss_gb(), 3),  # before the evaluation below
+        "cpu_seconds": round(cpu_seconds(), 1),  # process CPU time so far: loading + quantizing
+        **provenance(argv, module),
+    }
+    if args.eval:
+        record.update(evaluate(model, tokenizer, args.eval, args.eval_windows))
+    if args.out:
+        save(model, Path(args.out), cfg, path, record)
+        record["out"] = str(args.out)
+    write_record(record, args.record)
+    return record
+
+
+def write_record(record: dict, path: str | None) -> None:
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+    shown = {k: v for k, v in record.items() if k not in ("window_nlls", "stats")}
+    print(json.dumps(shown, indent=2))
+
+
+def evaluate(model, tokenizer, texts: str, default_windows: int) -> dict:
+    """Perplexity (evals.perplexity protocol: eval split, 512-token windows, no BOS) on 'wiki:64,wiki-fr:32'
+    style text lists, keeping each window's summed NLL so any prefix of the windows can be re-scored."""
+    import math
+
+    from evals.perplexity import load_text, window_nlls
+    from runtime.data import token_windows
+
+    out = {"eval_protocol": "eval split, first N windows x 512 tokens, no BOS", "perplexity": {}, "window_nlls": {}}
+    for item in texts.split(","):
+        text, _, n = item.partition(":")
+        windows = token_windows(tokenizer, load_text(text, "eval"), 512, int(n) if n else default_windows)
+        nlls = window_nlls(model, windows)
+        out["perplexity"][text] = math.exp(sum(nlls) / (len(windows) * 511))
+        out["window_nlls"][text] = nlls
+        log(f"perplexity {text}: {out['perplexity'][text]:.4f} ({len(windows)} windows)")
+    return out
+
+
+def save(model, out: Path, cfg: QuantConfig, source: Path, record: dict) -> None:
+    try:
+        from quantize.formats import save_quantized
+    except ImportError as err:
+        raise SystemExit(
+            f"error: saving a quantized checkpoint needs quantize.formats.save_quantized (issue 4), which this "
+            f"checkout lacks ({err}); use --eval to measure in memory"
+        ) from err
+    save_quantized(model, out, cfg.to_dict(), tokenizer_from=source)
+    (out / "qspec_quantize.json").write_text(json.dumps(record, indent=2))
+    log(f"saved {out}")

@@ -1,0 +1,76 @@
+"""Round-to-nearest (RTN) weight quantization: per-channel or group-wise, symmetric or asymmetric, with an
+optional MSE search of each group's range. No calibration data; the baseline every other method is scored
+against.
+
+    python -m quantize.rtn --model smollm2-135m --bits 4 --group-size 128 --out DIR
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from quantize.config import QuantConfig
+from quantize.grid import expand_groups, group_params, quantize_codes
+from quantize.qlinear import QuantizedWeight, QuantLinear, set_module
+
+
+def quantize_weight(
+    weight: Tensor, cfg: QuantConfig, bias: Tensor | None = None, mse: bool = False, name: str = "layer"
+) -> QuantizedWeight:
+    """RTN of one weight [out, in] onto cfg's grid (groups of consecutive input columns)."""
+    w = weight.detach().float()
+    group_size = cfg.group_size_for(w.shape[1], name)
+    scales, zeros = group_params(w, cfg.bits, cfg.sym, group_size, mse=mse)
+    codes = quantize_codes(
+        w, expand_groups(scales, w.shape[1], group_size), expand_groups(zeros, w.shape[1], group_size), cfg.maxq
+    )
+    return QuantizedWeight(
+        codes=codes.to(torch.uint8),
+        scales=scales,
+        zeros=zeros,
+        bits=cfg.bits,
+        group_size=group_size,
+        bias=None if bias is None else bias.detach().float(),
+    )
+
+
+def quant_linear(qweight: QuantizedWeight, cfg: QuantConfig, like: nn.Module) -> QuantLinear:
+    """A QuantLinear in the dtype and on the device of the layer it replaces."""
+    ref = like.weight
+    if cfg.act_quant:
+        from quantize.int8 import W8A8Linear  # the integer-matmul path of W8A8
+
+        return W8A8Linear(qweight, act_quant=True, compute_dtype=ref.dtype).to(ref.device)
+    return QuantLinear(qweight, act_quant=False, compute_dtype=ref.dtype).to(ref.device)
+
+
+@torch.no_grad()
+def quantize_model(model: nn.Module, cfg: QuantConfig, mse: bool = False, progress: bool = False) -> nn.Module:
+    """Replace every targeted linear of a runtime.model.Transformer by an RTN QuantLinear (in place)."""
+    names = cfg.targets(model)
+    for i, name in enumerate(names):
+        layer = model.get_submodule(name)
+        set_module(model, name, quant_linear(quantize_weight(layer.weight, cfg, layer.bias, mse, name), cfg, layer))
+        if progress:
+            from quantize.cli import log
+
+            log(f"rtn {i + 1}/{len(names)} {name}")
+    return model
+
+
+def main(argv: list[str] | None = None) -> None:
+    from quantize import cli
+
+    ap = cli.parser("quantize.rtn", __doc__, calibration=False)
+    ap.add_argument("--mse", action="store_true", help="MSE search of each group's range (clipping)")
+    args = ap.parse_args(argv)
+    cfg = cli.quant_config(ap, args)
+    model, tokenizer, path = cli.load(ap, args, cfg)
+    quantize_model(model, cfg, mse=args.mse, progress=True)
+    cfg.extra.update(quant_method="rtn", mse_clip=args.mse)
+    cli.finish(args, model, tokenizer, path, cfg, "quantize.rtn", argv=argv)
+
+
+if __name__ == "__main__":
+    main()
