@@ -190,14 +190,16 @@ def save_checkpoint(
     max_shard_bytes: int | None = None,
     extra_config: dict | None = None,
     tokenizer_from: Path | None = None,
+    state_dict: dict[str, torch.Tensor] | None = None,
 ) -> Path:
     """Save a Transformer as an HF-style directory (unfused HF tensor names; sharded with an index when
-    max_shard_bytes is given), loadable by transformers and by ``--model DIR`` everywhere in qspec."""
+    max_shard_bytes is given), loadable by transformers and by ``--model DIR`` everywhere in qspec.
+    state_dict: tensors to write instead of ``model.hf_state_dict()`` (packed quantized checkpoints)."""
     from safetensors.torch import save_file
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    state = model.hf_state_dict()
+    state = model.hf_state_dict() if state_dict is None else state_dict
     hf_config = {**model.config.to_hf(), "torch_dtype": str(next(iter(state.values())).dtype).removeprefix("torch.")}
     hf_config.update(extra_config or {})
     (out / "config.json").write_text(json.dumps(hf_config, indent=2))

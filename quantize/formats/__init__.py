@@ -1,0 +1,297 @@
+"""Packed quantized checkpoints in the layouts other tools load: GPTQ (v1 "gptq" and "gptq_v2") and AWQ GEMM.
+
+``save_quantized`` writes an HF-style directory (config.json with ``quantization_config``, safetensors with
+per-layer packed tensors under the unfused HF names q_proj/k_proj/v_proj, gate_proj/up_proj); layers that are
+not QuantLinear are saved as plain weights. ``load_quantized_into`` reads such a directory, whoever wrote it,
+into a runtime Transformer, concatenating the parts back into the fused qkv_proj / gate_up_proj QuantLinears.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from quantize.formats import awq, gptq
+from quantize.formats.errors import CheckpointError, check_safetensors_file
+from quantize.qlinear import QuantizedWeight, QuantLinear, set_module
+
+FORMATS = ("gptq", "gptq_v2", "awq")
+__all__ = ["FORMATS", "CheckpointError", "save_quantized", "load_quantized_into", "linear_layout"]
+
+
+def linear_layout(model) -> list[tuple[str, list[tuple[str, int]]]]:
+    """Each linear module of a runtime Transformer with the HF tensor prefixes of its row blocks.
+
+    e.g. ("layers.0.self_attn.qkv_proj", [("model.layers.0.self_attn.q_proj", 576), (".k_proj", 192), ...]).
+    """
+    cfg = model.config
+    out = []
+    for i in range(cfg.num_layers):
+        p = f"layers.{i}."
+        hf = "model." + p
+        out += [
+            (
+                p + "self_attn.qkv_proj",
+                [(hf + f"self_attn.{n}_proj", s) for n, s in zip("qkv", (cfg.q_size, cfg.kv_size, cfg.kv_size))],
+            ),
+            (p + "self_attn.o_proj", [(hf + "self_attn.o_proj", cfg.hidden_size)]),
+            (
+                p + "mlp.gate_up_proj",
+                [(hf + "mlp.gate_proj", cfg.intermediate_size), (hf + "mlp.up_proj", cfg.intermediate_size)],
+            ),
+            (p + "mlp.down_proj", [(hf + "mlp.down_proj", cfg.hidden_size)]),
+        ]
+    if isinstance(model.lm_head, QuantLinear) or not cfg.tie_word_embeddings:
+        out.append(("lm_head", [("lm_head", cfg.vocab_size)]))
+    return out
+
+
+def split_rows(qw: QuantizedWeight, sizes: list[int]) -> list[QuantizedWeight]:
+    """A fused QuantizedWeight -> one per row block (the input-side grouping, g_idx, is shared)."""
+    parts, start = [], 0
+    for n in sizes:
+        rows = slice(start, start + n)
+        bias = None if qw.bias is None else qw.bias[rows].clone()
+        parts.append(
+            QuantizedWeight(qw.codes[rows], qw.scales[rows], qw.zeros[rows], qw.bits, qw.group_size, qw.g_idx, bias)
+        )
+        start += n
+    return parts
+
+
+def concat_rows(name: str, parts: list[tuple[str, QuantizedWeight]]) -> QuantizedWeight:
+    first_name, first = parts[0]
+    for part_name, qw in parts[1:]:
+        if (qw.bits, qw.group_size) != (first.bits, first.group_size):
+            raise CheckpointError(f"{part_name}: bits/group size differ from {first_name}; cannot fuse into {name}")
+        if not torch.equal(first.group_index(), qw.group_index()):
+            raise CheckpointError(
+                f"tensor {part_name}.g_idx differs from {first_name}.g_idx: {name} fuses them and needs one grouping"
+            )
+    biases = [qw.bias for _, qw in parts]
+    if any(b is None for b in biases) and not all(b is None for b in biases):
+        raise CheckpointError(f"{name}: some of {[n for n, _ in parts]} have a bias and some do not")
+    return QuantizedWeight(
+        codes=torch.cat([qw.codes for _, qw in parts]),
+        scales=torch.cat([qw.scales for _, qw in parts]),
+        zeros=torch.cat([qw.zeros for _, qw in parts]),
+        bits=first.bits,
+        group_size=first.group_size,
+        g_idx=first.g_idx,
+        bias=None if biases[0] is None else torch.cat(biases),
+    )
+
+
+def quantization_config_for(model, quant_config: dict, fmt: str) -> dict:
+    """The config.json ``quantization_config``: what the layers actually are, plus the caller's metadata."""
+    layers = [(n, m) for n, m in model.named_modules() if isinstance(m, QuantLinear)]
+    if not layers:
+        raise ValueError("save_quantized: the model has no QuantLinear layers")
+    bits = {m.bits for _, m in layers}
+    if len(bits) > 1:
+        raise ValueError(f"save_quantized: layers mix bit widths {sorted(bits)}; one quantization_config needs one")
+    per_channel = all(m.group_size >= m.in_features for _, m in layers)
+    group_sizes = {m.group_size for _, m in layers if m.group_size < m.in_features}
+    if len(group_sizes) > 1 or (group_sizes and any(m.group_size >= m.in_features for _, m in layers)):
+        raise ValueError(f"save_quantized: layers mix group sizes {sorted({m.group_size for _, m in layers})}")
+    derived = {
+        "bits": bits.pop(),
+        "group_size": -1 if per_channel else group_sizes.pop(),
+    }
+    sym = all(bool((m.qweight().zeros == 2 ** (m.bits - 1)).all()) for _, m in layers)
+    if fmt in ("gptq", "gptq_v2"):
+        derived.update(
+            quant_method="gptq",
+            checkpoint_format=fmt,
+            desc_act=any(m.g_idx is not None for _, m in layers),
+            sym=sym,
+            lm_head=isinstance(model.lm_head, QuantLinear),
+            pack_dtype="int32",
+        )
+    else:
+        derived.update(quant_method="awq", version="gemm", zero_point=True, modules_to_not_convert=None)
+    for key in ("bits", "group_size", "quant_method", "checkpoint_format", "version", "desc_act"):
+        if key in quant_config and key in derived and quant_config[key] != derived[key]:
+            raise ValueError(
+                f"save_quantized: quant_config[{key!r}] = {quant_config[key]!r} but the layers say {derived[key]!r}"
+            )
+    return {**quant_config, **derived}
+
+
+def save_quantized(
+    model,
+    out_dir: str | Path,
+    quant_config: dict,
+    tokenizer_from: Path | None = None,
+    fmt: str = "gptq_v2",
+    max_shard_bytes: int | None = None,
+) -> Path:
+    """Write a model whose linear layers are QuantLinear as a packed checkpoint directory.
+
+    quant_config: the quantizer's metadata (e.g. {"damp_percent": 0.01, "true_sequential": True, "meta": {...}})
+    merged into ``quantization_config``; bits / group_size / desc_act / sym are derived from the layers and
+    may be given only if they agree. Scales are stored in fp16 as every GPTQ/AWQ loader expects them.
+    """
+    from runtime.loader import save_checkpoint
+
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown format {fmt!r}; choose one of {FORMATS}")
+    qconfig = quantization_config_for(model, quant_config, fmt)
+    state = model.hf_state_dict()  # dense tensors under HF names; quantized layers are replaced below
+    for module_name, parts in linear_layout(model):
+        module = model.get_submodule(module_name)
+        if not isinstance(module, QuantLinear):
+            continue
+        for (prefix, _), qw in zip(parts, split_rows(module.qweight(), [n for _, n in parts])):
+            state.pop(prefix + ".weight", None)
+            state.pop(prefix + ".bias", None)
+            if fmt == "awq":
+                state.update(awq.to_tensors(prefix, qw))
+            else:
+                state.update(gptq.to_tensors(prefix, qw, checkpoint_format=fmt))
+    state = {k: v.contiguous() for k, v in state.items()}
+    out = save_checkpoint(
+        model,
+        out_dir,
+        max_shard_bytes=max_shard_bytes,
+        extra_config={"quantization_config": qconfig, "torch_dtype": "float16"},
+        tokenizer_from=tokenizer_from,
+        state_dict=state,
+    )
+    if fmt != "awq":  # AutoGPTQ-era loaders read this file rather than config.json
+        (out / "quantize_config.json").write_text(json.dumps(qconfig, indent=2))
+    return out
+
+
+def read_tensors(path: Path) -> dict[str, Tensor]:
+    """All tensors of a checkpoint dir, after checking every file covers the bytes its header promises."""
+    from runtime.loader import load_state_dict
+
+    index = path / "model.safetensors.index.json"
+    files = (
+        sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
+    )
+    for f in files:
+        if not (path / f).is_file():
+            raise CheckpointError(f"{path}: checkpoint file {f} is missing")
+        check_safetensors_file(path / f)
+    return load_state_dict(path)
+
+
+def parse_quantization_config(qc: dict) -> dict:
+    """Normalised reading of a GPTQ / AWQ ``quantization_config`` (or quantize_config.json)."""
+    method = str(qc.get("quant_method", "gptq")).lower()
+    if "bits" not in qc and "w_bit" not in qc:
+        raise CheckpointError(f"quantization_config has no 'bits': {qc}")
+    bits = int(qc.get("bits", qc.get("w_bit")))
+    group_size = int(qc.get("group_size", qc.get("q_group_size", -1)))
+    if method == "gptq":
+        fmt = str(qc.get("checkpoint_format", qc.get("format", "gptq"))).lower()
+        if fmt not in gptq.CHECKPOINT_FORMATS:
+            raise CheckpointError(f"unsupported GPTQ checkpoint_format {fmt!r}; supported: {gptq.CHECKPOINT_FORMATS}")
+        if bits not in (2, 3, 4, 8):
+            raise CheckpointError(f"unsupported GPTQ bit width {bits}")
+        return {"method": "gptq", "format": fmt, "bits": bits, "group_size": group_size}
+    if method == "awq":
+        version = str(qc.get("version", "gemm")).lower()
+        if version not in awq.VERSIONS:
+            raise CheckpointError(f"unsupported AWQ version {version!r}; supported: {awq.VERSIONS}")
+        zero_point = bool(qc.get("zero_point", True))
+        return {"method": "awq", "format": version, "bits": bits, "group_size": group_size, "zero_point": zero_point}
+    raise CheckpointError(f"unsupported quant_method {method!r}; supported: gptq, awq")
+
+
+def load_quantized_into(model, path: str | Path, quantization_config: dict, dtype: torch.dtype = torch.float32):
+    """Fill a runtime Transformer from a GPTQ / AWQ checkpoint dir; quantized layers become QuantLinear.
+
+    Every tensor is checked against the model config and quantization_config; a missing, misshapen or
+    unused tensor, or a truncated file, raises CheckpointError naming it.
+    """
+    path = Path(path)
+    qc = parse_quantization_config(quantization_config)
+    tensors = {k: v for k, v in read_tensors(path).items() if not k.endswith("rotary_emb.inv_freq")}
+    used: set[str] = set()
+    cfg = model.config
+    for module_name, parts in linear_layout(model):
+        module = model.get_submodule(module_name)
+        in_features = module.in_features
+        quantized = [f"{p}.qweight" in tensors for p, _ in parts]
+        if any(quantized) and not all(quantized):
+            raise CheckpointError(
+                f"{module_name}: {[p for (p, _), q in zip(parts, quantized) if not q]} are not quantized but "
+                f"{[p for (p, _), q in zip(parts, quantized) if q]} are; a fused layer needs all or none"
+            )
+        if not all(quantized):
+            if module_name == "lm_head" and cfg.tie_word_embeddings:
+                continue
+            load_dense_linear(module, module_name, parts, tensors, used)
+            continue
+        qparts = []
+        for prefix, rows in parts:
+            if qc["method"] == "gptq":
+                qw = gptq.from_tensors(tensors, prefix, in_features, rows, qc["bits"], qc["group_size"], qc["format"])
+            else:
+                qw = awq.from_tensors(
+                    tensors, prefix, in_features, rows, qc["bits"], qc["group_size"], qc["zero_point"]
+                )
+            used.update(k for k in tensors if k.startswith(prefix + "."))
+            qparts.append((prefix, qw))
+        set_module(model, module_name, QuantLinear(concat_rows(module_name, qparts), compute_dtype=dtype))
+    load_dense_params(model, tensors, used)
+    unused = sorted(set(tensors) - used)
+    if unused:
+        raise CheckpointError(f"{path}: tensors not used by the model: {unused[:8]}{' ...' if len(unused) > 8 else ''}")
+    return model
+
+
+def hf_key(tensors: dict[str, Tensor], name: str) -> str | None:
+    """The checkpoint's key for an HF name, with or without the leading 'model.'."""
+    for key in (name, name.removeprefix("model."), "model." + name):
+        if key in tensors:
+            return key
+    return None
+
+
+def load_dense_linear(module: nn.Module, module_name: str, parts, tensors: dict[str, Tensor], used: set[str]) -> None:
+    weights, biases = [], []
+    for prefix, rows in parts:
+        key = hf_key(tensors, prefix + ".weight")
+        if key is None:
+            raise CheckpointError(f"tensor {prefix + '.qweight'!r} (or {prefix + '.weight'!r}) is missing")
+        if tuple(tensors[key].shape) != (rows, module.in_features):
+            raise CheckpointError(
+                f"tensor {key!r} has shape {tuple(tensors[key].shape)}, expected {(rows, module.in_features)}"
+            )
+        weights.append(tensors[key])
+        used.add(key)
+        bias_key = hf_key(tensors, prefix + ".bias")
+        if bias_key is not None:
+            biases.append(tensors[bias_key])
+            used.add(bias_key)
+    with torch.no_grad():
+        module.weight.copy_(torch.cat(weights).to(module.weight.dtype))
+        if module.bias is not None:
+            if len(biases) != len(parts):
+                raise CheckpointError(f"{module_name}: bias tensors missing for some of {[p for p, _ in parts]}")
+            module.bias.copy_(torch.cat(biases).to(module.bias.dtype))
+
+
+def load_dense_params(model, tensors: dict[str, Tensor], used: set[str]) -> None:
+    """Embeddings and norms (everything that is not a linear layer) from HF names."""
+    linear_prefixes = tuple(name + "." for name, _ in linear_layout(model)) + ("lm_head.",)
+    for name, param in model.named_parameters():
+        if name.startswith(linear_prefixes) or ".qkv_proj." in name or ".gate_up_proj." in name:
+            continue
+        key = hf_key(tensors, "model." + name)
+        if key is None:
+            raise CheckpointError(f"tensor {'model.' + name!r} is missing from the checkpoint")
+        if tensors[key].shape != param.shape:
+            raise CheckpointError(
+                f"tensor {key!r} has shape {tuple(tensors[key].shape)}, expected {tuple(param.shape)}"
+            )
+        with torch.no_grad():
+            param.copy_(tensors[key].to(param.dtype))
+        used.add(key)
