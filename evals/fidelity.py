@@ -110,6 +110,61 @@ def batched_scorer(model, companions: Sequence[Sequence[int]]) -> Scorer:
     return score
 
 
+class FidelityAccumulator:
+    """Running aggregate of reference vs test logits at predicted positions (see TeacherForcedStats)."""
+
+    def __init__(self):
+        self.n = self.agree = 0
+        self.sum_abs = self.sum_kl = self.sum_ref_nll = self.sum_test_nll = 0.0
+        self.max_abs = self.max_abs_vocab = self.max_kl = 0.0
+        self.gaps: list[float] = []
+        self.identical = True
+
+    @torch.inference_mode()
+    def add(self, ref_logits: Tensor, test_logits: Tensor, targets: Tensor) -> None:
+        """ref/test logits [..., V] predicting targets [...] (the observed next tokens)."""
+        ref_logits, test_logits = ref_logits.float(), test_logits.float()
+        self.identical &= torch.equal(ref_logits, test_logits)
+        lp_ref, lp_test = ref_logits.log_softmax(-1), test_logits.log_softmax(-1)
+        target = targets[..., None]
+        obs_ref, obs_test = lp_ref.gather(-1, target)[..., 0], lp_test.gather(-1, target)[..., 0]
+        d_obs = (obs_ref - obs_test).abs()
+        kl = (lp_ref.exp() * (lp_ref - lp_test)).sum(-1).clamp_min(0)
+        self.n += d_obs.numel()
+        self.sum_abs += float(d_obs.double().sum())
+        self.max_abs = max(self.max_abs, float(d_obs.max()))
+        self.max_abs_vocab = max(self.max_abs_vocab, float((lp_ref - lp_test).abs().max()))
+        self.sum_kl += float(kl.double().sum())
+        self.max_kl = max(self.max_kl, float(kl.max()))
+        self.sum_ref_nll -= float(obs_ref.double().sum())
+        self.sum_test_nll -= float(obs_test.double().sum())
+        same = lp_ref.argmax(-1) == lp_test.argmax(-1)
+        self.agree += int(same.sum())
+        if not bool(same.all()):
+            top2 = lp_ref.topk(2, dim=-1).values
+            self.gaps += (top2[..., 0] - top2[..., 1])[~same].tolist()
+
+    def result(self) -> TeacherForcedStats:
+        if self.n == 0:
+            raise ValueError("no positions compared")
+        n, gaps = self.n, self.gaps
+        return TeacherForcedStats(
+            positions=n,
+            max_abs_dlogprob=self.max_abs,
+            mean_abs_dlogprob=self.sum_abs / n,
+            max_abs_dlogprob_vocab=self.max_abs_vocab,
+            mean_kl=self.sum_kl / n,
+            max_kl=self.max_kl,
+            top1_agreement=self.agree / n,
+            disagreements=n - self.agree,
+            mean_top2_gap_at_disagreement=sum(gaps) / len(gaps) if gaps else None,
+            max_top2_gap_at_disagreement=max(gaps) if gaps else None,
+            ref_nll=self.sum_ref_nll / n,
+            test_nll=self.sum_test_nll / n,
+            bit_identical=bool(self.identical),
+        )
+
+
 @torch.inference_mode()
 def compare_teacher_forced(
     ref: Scorer, test: Scorer, sequences: Sequence[Sequence[int]], batch_size: int = 4
@@ -117,54 +172,15 @@ def compare_teacher_forced(
     """Score every sequence with both scorers (batches of equal-length sequences) and aggregate."""
     if not sequences or any(len(s) < 2 for s in sequences):
         raise ValueError("need at least one sequence of at least 2 tokens")
-    n = 0
-    sum_abs = sum_kl = sum_ref_nll = sum_test_nll = 0.0
-    max_abs = max_abs_vocab = max_kl = 0.0
-    agree = 0
-    gaps: list[float] = []
-    identical = True
+    acc = FidelityAccumulator()
     by_len: dict[int, list[Sequence[int]]] = {}
     for s in sequences:
         by_len.setdefault(len(s), []).append(s)
     for group in by_len.values():
         for i in range(0, len(group), batch_size):
             tokens = torch.tensor([list(s) for s in group[i : i + batch_size]])
-            ref_logits, test_logits = ref(tokens)[:, :-1].float(), test(tokens)[:, :-1].float()
-            identical &= torch.equal(ref_logits, test_logits)
-            lp_ref, lp_test = ref_logits.log_softmax(-1), test_logits.log_softmax(-1)
-            target = tokens[:, 1:, None]
-            obs_ref, obs_test = lp_ref.gather(-1, target)[..., 0], lp_test.gather(-1, target)[..., 0]
-            d_obs = (obs_ref - obs_test).abs()
-            kl = (lp_ref.exp() * (lp_ref - lp_test)).sum(-1).clamp_min(0)
-            top_ref, top_test = lp_ref.argmax(-1), lp_test.argmax(-1)
-            n += d_obs.numel()
-            sum_abs += float(d_obs.double().sum())
-            max_abs = max(max_abs, float(d_obs.max()))
-            max_abs_vocab = max(max_abs_vocab, float((lp_ref - lp_test).abs().max()))
-            sum_kl += float(kl.double().sum())
-            max_kl = max(max_kl, float(kl.max()))
-            sum_ref_nll -= float(obs_ref.double().sum())
-            sum_test_nll -= float(obs_test.double().sum())
-            same = top_ref == top_test
-            agree += int(same.sum())
-            if not bool(same.all()):
-                top2 = lp_ref.topk(2, dim=-1).values
-                gaps += (top2[..., 0] - top2[..., 1])[~same].tolist()
-    return TeacherForcedStats(
-        positions=n,
-        max_abs_dlogprob=max_abs,
-        mean_abs_dlogprob=sum_abs / n,
-        max_abs_dlogprob_vocab=max_abs_vocab,
-        mean_kl=sum_kl / n,
-        max_kl=max_kl,
-        top1_agreement=agree / n,
-        disagreements=n - agree,
-        mean_top2_gap_at_disagreement=sum(gaps) / len(gaps) if gaps else None,
-        max_top2_gap_at_disagreement=max(gaps) if gaps else None,
-        ref_nll=sum_ref_nll / n,
-        test_nll=sum_test_nll / n,
-        bit_identical=bool(identical),
-    )
+            acc.add(ref(tokens)[:, :-1], test(tokens)[:, :-1], tokens[:, 1:])
+    return acc.result()
 
 
 @dataclass
