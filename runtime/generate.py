@@ -85,7 +85,7 @@ def generate(
     B = len(prompts)
     row_params = params if isinstance(params, list) else [params] * B
     device = model.embed_tokens.weight.device
-    dtype = model.embed_tokens.weight.dtype
+    dtype = model.compute_dtype
     cfg = model.config
     lengths = torch.tensor([len(p) for p in prompts], device=device)
     max_new = max(p.max_tokens for p in row_params)

@@ -49,6 +49,18 @@ class AttentionMetadata:
         return AttentionMetadata(positions=positions, slots=positions, mask=mask, kv_len=kv)
 
 
+class Linear(nn.Linear):
+    """nn.Linear with a CPU decode fast path: a single bf16 row goes through torch.mv, whose GEMV kernel
+    reads the weight ~1.5x faster than the one addmm picks for M=1 (measured by evals.bench_decode)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.dtype == torch.bfloat16 and x.is_cpu and x.numel() == x.shape[-1]:
+            row = x.reshape(-1)
+            y = torch.mv(self.weight, row) if self.bias is None else torch.addmv(self.bias, self.weight, row)
+            return y.view(*x.shape[:-1], self.out_features)
+        return F.linear(x, self.weight, self.bias)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -137,8 +149,8 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         self.q_size, self.kv_size = config.q_size, config.kv_size
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -165,8 +177,8 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -193,7 +205,7 @@ class Transformer(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         # None: the residual stream has the weights' dtype (the reference behaviour). torch.float32 with
@@ -222,13 +234,17 @@ class Transformer(nn.Module):
         if meta is None:
             positions = torch.arange(tokens.shape[1], device=tokens.device).expand(tokens.shape[0], -1)
             meta = AttentionMetadata.causal(positions, kv_len=None if cache is None else tokens.shape[1])
-        compute_dtype = self.layers[0].input_layernorm.weight.dtype  # norms are never quantized
-        x = self.embed_tokens(tokens).to(self.residual_dtype or compute_dtype)
-        cos, sin = self.rope(meta.positions, compute_dtype)
+        x = self.embed_tokens(tokens).to(self.residual_dtype or self.compute_dtype)
+        cos, sin = self.rope(meta.positions, self.compute_dtype)
         for layer in self.layers:
             x = layer(x, cos, sin, meta, cache)
         x = self.norm(x)
         return x if hidden_only else self.logits(x)
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The decoder layers' dtype (also the KV cache's); norms are never quantized, so ask one."""
+        return self.layers[0].input_layernorm.weight.dtype
 
     def logits(self, hidden: Tensor) -> Tensor:
         return self.lm_head(hidden.to(self.norm.weight.dtype))
