@@ -21,8 +21,6 @@ def fmt(x, spec: str, missing: str = "—") -> str:
 
 def table_rows(records: list[dict]) -> list[dict]:
     """One flat dict per record: the table's columns (None where not measured)."""
-    ref = next((r for r in records if r["row"]["kind"] == "reference" and r["status"] == "ok"), None)
-    ref_ppl = ref["results"]["fidelity"]["test_perplexity"] if ref and "fidelity" in ref["results"] else None
     out = []
     for r in records:
         res = r.get("results", {})
@@ -37,7 +35,9 @@ def table_rows(records: list[dict]) -> list[dict]:
             "mean_kl": None if fid is None else fid["mean_kl"],
             "top1_agreement_pct": None if fid is None else 100 * fid["top1_agreement"],
             "perplexity": None if fid is None else fid["test_perplexity"],
-            "perplexity_delta": None if fid is None or ref_ppl is None else fid["test_perplexity"] - ref_ppl,
+            # Δ against the reference on the same sequences (engine rows score their own greedy outputs)
+            "perplexity_delta": None if fid is None else fid["test_perplexity"] - fid["ref_perplexity"],
+            "scored_on": None if fid is None else fid.get("sequences"),
             "speedup": None if speed is None else speed["speedup"],
             "baseline": None if speed is None else speed["baseline"],
             "tokens_per_s": None if speed is None else speed["variant_tokens_per_s"],
@@ -63,7 +63,9 @@ def render_table(cfg, records: list[dict], out_dir: Path) -> list[Path]:
         "",
         cfg.description.strip(),
         "",
-        f"Perplexity: wiki eval split, {n} windows x {seqlen} tokens, teacher-forced through the row's path. "
+        f"Perplexity: wiki eval split, {n} windows x {seqlen} tokens, teacher-forced through the row's path, Δ vs "
+        "the fp32 reference on the same tokens (engine rows, which emit tokens only, are scored on their own greedy "
+        "outputs with the logits their sampler saw: [own outputs]). "
         f"Greedy match: {cfg.evals.greedy_prompts} prompts x {cfg.evals.greedy_tokens} new tokens vs plain fp32 "
         f"decoding (tokens before the first divergence). Tasks: lm-eval, {cfg.evals.task_limit} documents each. "
         f"Speedup: median of {cfg.bench.repeats} interleaved runs against the baseline named, same run.",
@@ -78,6 +80,8 @@ def render_table(cfg, records: list[dict], out_dir: Path) -> list[Path]:
             ppl = fmt(r["perplexity"], ".3f")
             if r["perplexity_delta"] is not None:
                 ppl += f" ({r['perplexity_delta']:+.3f})"
+            if r["scored_on"] == "engine greedy outputs":
+                ppl += " [own outputs]"
             cells = [
                 r["row"],
                 r["class"],
@@ -118,7 +122,9 @@ def plot_table(cfg, rows: list[dict], path: Path) -> Path | None:
             continue
         ax1.scatter([r["speedup"] for r in pts], [r["perplexity"] for r in pts], c=color, label=cls, s=40)
         for r in pts:
-            ax1.annotate(r["row"], (r["speedup"], r["perplexity"]), fontsize=7, xytext=(3, 3), textcoords="offset points")
+            ax1.annotate(
+                r["row"], (r["speedup"], r["perplexity"]), fontsize=7, xytext=(3, 3), textcoords="offset points"
+            )
     ax1.axvline(1.0, color="gray", lw=0.8, ls="--")
     ax1.set_xlabel("speedup over the row's baseline (x, same run)")
     ax1.set_ylabel(f"perplexity (wiki eval, {cfg.evals.fidelity_seqlen}-token windows)")
@@ -161,7 +167,9 @@ def render_sweep(cfg, records: list[dict], out_dir: Path) -> list[Path]:
         writer = csv.DictWriter(f, fieldnames=["series", "x", "status", *keys])
         writer.writeheader()
         for r in records:
-            writer.writerow({"series": r["series"], "x": r["x"], "status": r["status"], **{k: r["results"].get(k) for k in keys}})
+            writer.writerow(
+                {"series": r["series"], "x": r["x"], "status": r["status"], **{k: r["results"].get(k) for k in keys}}
+            )
     paths = [md, csv_path]
     if points:
         paths.append(PLOTTERS[cfg.kind](cfg, points, out_dir))

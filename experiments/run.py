@@ -100,7 +100,10 @@ def load_context(cfg: ExperimentConfig) -> Context:
 
         ev, bench = cfg.evals, cfg.bench
         fidelity = windows(ev.fidelity_sequences, ev.fidelity_seqlen)
-        greedy = [w[: max(2, ev.greedy_prompt_tokens - 3 * i)] for i, w in enumerate(windows(ev.greedy_prompts, ev.greedy_prompt_tokens))]
+        greedy = [
+            w[: max(2, ev.greedy_prompt_tokens - 3 * i)]
+            for i, w in enumerate(windows(ev.greedy_prompts, ev.greedy_prompt_tokens))
+        ]
         prompts = windows(max(bench.prompts, 16), bench.prompt_tokens)
         return Context(cfg, model, tokenizer, path, fidelity, greedy, prompts)
 
