@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
         args.limit = int(args.limit)
 
     from evals.lm_eval_adapter import QspecLM
-    from experiments.records import provenance
+    from experiments.records import module_command, provenance
 
     start = time.time()
     try:
@@ -138,7 +138,12 @@ def main(argv: list[str] | None = None) -> None:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
     print(render(summary))
-    record = {"config": vars(args), **summary, "seconds": time.time() - start, **provenance(args.seed)}
+    record = {
+        "config": vars(args),
+        **summary,
+        "seconds": time.time() - start,
+        **provenance(args.seed, module_command("evals.tasks", argv)),
+    }
     if args.output:
         Path(args.output).write_text(json.dumps(record, indent=2, default=str))
         print(f"[qspec] record written to {args.output}", file=sys.stderr)

@@ -1,73 +1,45 @@
-"""Result records: provenance (git sha, package versions, device, command, seed) and JSONL append/read."""
+"""Result records: provenance (from evals.record: git sha, versions, device) plus the exact command, JSONL I/O."""
 
 from __future__ import annotations
 
 import json
 import os
-import platform
 import shlex
-import subprocess
 import sys
 import time
-from importlib import metadata
 from pathlib import Path
 
-PACKAGES = ("torch", "transformers", "lm_eval", "numpy", "safetensors", "triton")
+from evals.record import device_info, git_sha, versions
+
+EXTRA_PACKAGES = ("lm_eval", "lm-eval", "matplotlib", "pyyaml")
 
 
-def git_sha() -> str:
-    root = Path(__file__).resolve().parent.parent
-    try:
-        sha = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True, text=True
-        ).stdout
-        return sha + ("-dirty" if dirty.strip() else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+def provenance(seed: int | None, command: str | None = None) -> dict:
+    """seed, git sha, package versions, device and the command that reproduces the record.
 
+    command: the exact ``python -m ...`` line (callers that run in-process pass their own argv, so the record
+    names the experiment, not the test runner that imported it)."""
+    from importlib import metadata
 
-def versions() -> dict[str, str]:
-    out = {"python": platform.python_version()}
-    for name in PACKAGES:
+    vers = versions()
+    for name in EXTRA_PACKAGES:
         try:
-            out[name] = metadata.version(name.replace("_", "-"))
+            vers[name.replace("-", "_")] = metadata.version(name)
         except metadata.PackageNotFoundError:
             continue
-    return out
-
-
-def device_info() -> dict:
-    import torch
-
-    info = {
-        "platform": platform.platform(),
-        "machine": platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "cuda": torch.cuda.is_available(),
-    }
-    if info["cuda"]:
-        info["gpu"] = torch.cuda.get_device_name(0)
-    try:
-        info["loadavg_1m"] = os.getloadavg()[0]  # how busy the shared machine was
-    except OSError:
-        pass
-    return info
-
-
-def provenance(seed: int | None) -> dict:
     return {
         "seed": seed,
         "git_sha": git_sha(),
-        "versions": versions(),
+        "versions": vers,
         "device": device_info(),
-        "command": " ".join(shlex.quote(a) for a in getattr(sys, "orig_argv", [sys.executable, *sys.argv])),
+        "command": command or shlex.join(getattr(sys, "orig_argv", [sys.executable, *sys.argv])),
         "cwd": os.getcwd(),
         "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
+
+
+def module_command(module: str, argv: list[str] | None) -> str:
+    return shlex.join(["python", "-m", module, *(sys.argv[1:] if argv is None else argv)])
 
 
 def append_jsonl(path: str | Path, record: dict) -> None:

@@ -82,7 +82,7 @@ def reference_row(ctx, params: dict) -> Variant:
         timed=plain_generate(m),
         baseline_timed=None,
         scorer=model_scorer(m),
-        lm_factory=qspec_lm(ctx, m, "forward"),
+        lm_factory=qspec_lm(ctx, m, "cache"),
         model=m,
     )
 
@@ -95,7 +95,8 @@ def kv_cache_row(ctx, params: dict) -> Variant:
         baseline_timed=plain_generate(m, use_cache=False),
         baseline_name="full recompute of the sequence every step (no cache)",
         scorer=cached_scorer(m, prefill=params.get("prefill"), chunk=int(params.get("chunk", 1))),
-        lm_factory=qspec_lm(ctx, m, "cache"),
+        # every other row scores tasks through the cache; this row's task column is the no-cache path
+        lm_factory=qspec_lm(ctx, m, "forward"),
         model=m,
     )
 

@@ -27,7 +27,7 @@ import torch
 
 from evals.fidelity import FidelityAccumulator, compare_teacher_forced, model_scorer, token_match
 from experiments.config import ConfigError, ExperimentConfig, Row, load_config
-from experiments.records import append_jsonl, provenance
+from experiments.records import append_jsonl, module_command, provenance
 from experiments.rows import ROWS, RowUnavailable, Variant, plain_generate, weight_bytes
 
 BENCH_LOCK = "/tmp/qspec-bench.lock"
@@ -237,11 +237,14 @@ def run_row(ctx: Context, row: Row) -> dict:
 
 
 def run_table(cfg: ExperimentConfig, ctx: Context, rows: list[Row], records_path: Path, base: dict) -> list[dict]:
+    from experiments.report import render_table
+
     out = []
     for row in rows:
-        rec = {**base, **run_row(ctx, row), **provenance(cfg.seed)}
+        rec = {**base, **run_row(ctx, row), **provenance(cfg.seed, base["command"])}
         append_jsonl(records_path, rec)
         out.append(rec)
+        render_table(cfg, out, records_path.parent)  # a long run shows its table as it goes
     return out
 
 
@@ -276,7 +279,11 @@ def main(argv: list[str] | None = None) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     records_path = out_dir / "records.jsonl"
     started = time.time()
-    base = {"config": dataclasses.asdict(cfg), "run_id": time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())}
+    base = {
+        "config": dataclasses.asdict(cfg),
+        "run_id": time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()),
+        "command": module_command("experiments.run", argv),
+    }
     try:
         ctx = load_context(cfg)
     except ConfigError as err:

@@ -156,7 +156,7 @@ def run_sweep(cfg, ctx, series: list[dict], records_path: Path, base: dict) -> l
                 rec["results"] = POINTS[cfg.kind](ctx, s, x)
             except RowUnavailable as err:
                 rec.update(status="wired, not run", reason=str(err))
-            rec.update(provenance(cfg.seed))
+            rec.update(provenance(cfg.seed, base["command"]))
             append_jsonl(records_path, rec)
             out.append(rec)
     return out
