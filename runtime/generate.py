@@ -179,10 +179,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     ap.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--speculator", default=None, help="ngram | draft | medusa | quant-draft (see speculate/)")
+    ap.add_argument(
+        "--speculator", default=None, choices=["ngram", "draft", "medusa", "quant-draft"], help="see speculate/"
+    )
     ap.add_argument("--num-speculative-tokens", "-k", type=int, default=4)
     ap.add_argument("--draft-model", default=None, help="draft model spec for --speculator draft")
     ap.add_argument("--medusa-heads", default=None, help="trained Medusa heads for --speculator medusa")
+    ap.add_argument("--tree-size", type=int, default=None, help="Medusa candidate-tree nodes (default: top-1 chain)")
+    ap.add_argument("--typical-acceptance", action="store_true", help="Medusa typical acceptance (APPROXIMATE)")
+    ap.add_argument("--quant-bits", type=int, default=8, help="weight bits of the --speculator quant-draft copy")
     args = ap.parse_args(argv)
 
     try:

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from quantize.config import QuantConfig
 from quantize.gptq import GPTQConfig, GPTQError, accumulate_hessian, gptq_quantize, inverse_cholesky, layer_error
 from quantize.rtn import quantize_weight
-from quantize.config import QuantConfig
 
 
 def oracle_grid(w: torch.Tensor, bits: int, sym: bool) -> tuple[torch.Tensor, torch.Tensor]:

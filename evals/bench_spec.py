@@ -1,0 +1,309 @@
+"""Speculative decoding speed vs plain decoding on the default model: CPU, batch 1, greedy, 128 new tokens.
+
+Tasks (prompts from the wiki *evaluation* split, never the Medusa training documents):
+- ``rewrite``: chat prompts asking the model to repeat a wiki passage (n-gram lookup's home ground);
+- ``continue``: raw wiki-text prefixes to continue (Medusa's and the drafts' test).
+
+Every method runs on every prompt, interleaved (prompt by prompt, method order rotated), so machine load
+hits all methods alike; speed is reported as a ratio against plain decoding measured in the same run.
+Greedy outputs are compared token by token with plain decoding (lossless methods must match exactly).
+HF transformers' ``generate`` runs on the same prompts as the peer: plain greedy and prompt lookup
+(``prompt_lookup_num_tokens``), with its ratio against HF plain.
+
+Methods: plain, ngram:k=K, medusa:k=K (top-1 chain) or medusa:tree=N, draft:layers=L,k=K,
+quant-draft:bits=B,k=K, hf-plain, hf-pld:k=K.
+
+    python -m evals.bench_spec --task rewrite --methods plain ngram:k=2 ngram:k=4 hf-plain hf-pld:k=10
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+DEFAULT_METHODS = {
+    "rewrite": ["plain", "ngram:k=2", "ngram:k=4", "ngram:k=8", "hf-plain", "hf-pld:k=4", "hf-pld:k=10"],
+    "continue": ["plain", "medusa:k=1", "medusa:k=2", "medusa:tree=4", "draft:layers=8,k=2", "quant-draft:bits=8,k=2"],
+}
+
+
+class BenchError(ValueError):
+    pass
+
+
+@dataclass
+class MethodResult:
+    method: str
+    seconds: float = 0.0
+    tokens: int = 0
+    exact_prompts: int = 0  # prompts whose output equals plain greedy decoding
+    prompts: int = 0
+    stats: dict = field(default_factory=dict)  # aggregated speculation statistics
+    steps: int = 0
+    accepted: int = 0
+    row_steps: int = 0
+    drafted: int = 0
+    accepted_at: list[int] = field(default_factory=list)
+    proposed_at: list[int] = field(default_factory=list)
+
+
+@dataclass
+class HFStats:
+    """HF generate's speculation counted from its forwards (it does not report acceptance itself)."""
+
+    steps: int
+    row_steps: int
+    accepted: int
+    drafted: int = 0
+    accepted_at: list[int] = field(default_factory=list)
+    proposed_at: list[int] = field(default_factory=list)
+
+
+def parse_method(spec: str) -> tuple[str, dict]:
+    name, _, opts = spec.partition(":")
+    known = {"plain", "ngram", "medusa", "draft", "quant-draft", "hf-plain", "hf-pld"}
+    if name not in known:
+        raise BenchError(f"unknown method {spec!r}; methods: {', '.join(sorted(known))} (with :key=value options)")
+    kwargs = {}
+    for item in filter(None, opts.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq or key not in {"k", "tree", "layers", "bits"}:
+            raise BenchError(f"bad option {item!r} in method {spec!r}; options are k=, tree=, layers=, bits=")
+        try:
+            kwargs[key] = int(value)
+        except ValueError:
+            raise BenchError(f"option {key} of method {spec!r} must be an integer, got {value!r}") from None
+    return name, kwargs
+
+
+def rewrite_prompts(tokenizer, n: int, min_tokens: int) -> list[list[int]]:
+    from runtime.data import wiki_split
+    from runtime.generate import encode_prompt
+
+    out = []
+    for doc in wiki_split("eval"):
+        passage = doc.extract.strip()
+        n_tok = len(tokenizer(passage, add_special_tokens=False).input_ids)
+        if min_tokens <= n_tok <= 2 * min_tokens:
+            out.append(encode_prompt(tokenizer, f"Repeat the following passage exactly.\n\n{passage}", chat=True))
+        if len(out) == n:
+            return out
+    raise BenchError(f"found only {len(out)} eval passages of {min_tokens}-{2 * min_tokens} tokens")
+
+
+def continue_prompts(tokenizer, n: int, prefix_tokens: int) -> list[list[int]]:
+    from runtime.data import wiki_split
+
+    out = []
+    for doc in wiki_split("eval"):
+        ids = tokenizer(doc.extract, add_special_tokens=False).input_ids
+        if len(ids) >= prefix_tokens:
+            out.append(ids[:prefix_tokens])
+        if len(out) == n:
+            return out
+    raise BenchError(f"found only {len(out)} eval documents with {prefix_tokens} tokens")
+
+
+def provenance(argv: list[str] | None) -> dict:
+    import transformers
+
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+        dirty = bool(subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True).stdout.strip())
+    except (OSError, subprocess.CalledProcessError):
+        sha, dirty = "unknown", False
+    return {
+        "command": "python -m evals.bench_spec " + shlex.join(argv if argv is not None else sys.argv[1:]),
+        "git_sha": sha,
+        "git_dirty": dirty,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "device": f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)",
+        "threads": torch.get_num_threads(),
+        "load_average_start": os.getloadavg(),
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    from runtime.generate import generate
+    from runtime.loader import DEFAULT_MODEL, load_model, load_tokenizer
+    from runtime.sampling import SamplingParams
+    from speculate.cli import build_speculator
+    from speculate.generate import speculative_generate
+
+    ap = argparse.ArgumentParser(prog="python -m evals.bench_spec", description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=DEFAULT_MODEL)
+    ap.add_argument("--task", choices=["rewrite", "continue"], default="rewrite")
+    ap.add_argument("--methods", nargs="+", default=None, help="methods to compare (default: per task)")
+    ap.add_argument("--prompts", type=int, default=4, help="number of prompts")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--prompt-tokens", type=int, default=128, help="passage (rewrite) / prefix (continue) length")
+    ap.add_argument("--medusa-heads", default=None, help="Medusa checkpoint (default $QSPEC_HOME/medusa/MODEL)")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed warm-up generations per method")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None, help="write the JSON record here")
+    args = ap.parse_args(argv)
+    methods = args.methods or DEFAULT_METHODS[args.task]
+    try:
+        parsed = [parse_method(m) for m in methods]
+    except BenchError as err:
+        ap.error(str(err))
+    if "plain" not in methods:
+        ap.error("--methods must include 'plain' (the baseline every ratio is against)")
+    if args.prompts < 1 or args.max_tokens < 1:
+        ap.error("--prompts and --max-tokens must be >= 1")
+
+    record = provenance(argv)
+    model, _, path = load_model(args.model, dtype=torch.float32)
+    tokenizer = load_tokenizer(str(path))
+    prompts = (rewrite_prompts if args.task == "rewrite" else continue_prompts)(
+        tokenizer, args.prompts, args.prompt_tokens
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, seed=args.seed)
+
+    hf = None
+    if any(name.startswith("hf-") for name, _ in parsed):
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        hf_calls = [0]  # forwards of HF's model: prefill + one per (assisted) step
+        hf.register_forward_pre_hook(lambda *_: hf_calls.__setitem__(0, hf_calls[0] + 1))
+
+    runners = {}
+    for spec, (name, kw) in zip(methods, parsed):
+        if name == "plain":
+            runners[spec] = lambda p: (generate(model, [p], params, tokenizer=tokenizer).tokens[0], None)
+        elif name in ("hf-plain", "hf-pld"):
+
+            def run_hf(p, kw=kw, name=name):
+                extra = {"prompt_lookup_num_tokens": kw.get("k", 10)} if name == "hf-pld" else {}
+                ids = torch.tensor([p])
+                hf_calls[0] = 0
+                with torch.inference_mode():
+                    out = hf.generate(
+                        ids,
+                        attention_mask=torch.ones_like(ids),
+                        max_new_tokens=args.max_tokens,
+                        do_sample=False,
+                        pad_token_id=tokenizer.eos_token_id,
+                        **extra,
+                    )
+                new = out[0, len(p) :].tolist()
+                steps = max(hf_calls[0] - 1, 1)  # decode forwards after the prefill (which gave token 1)
+                return new, HFStats(steps=steps, row_steps=steps, accepted=len(new) - 1 - steps)
+
+            runners[spec] = run_hf
+        else:
+            speculator = build_speculator(
+                name,
+                model,
+                path,
+                k=kw.get("k", 4),
+                draft_model=f"layers:{kw['layers']}" if "layers" in kw else None,
+                medusa_heads=args.medusa_heads,
+                tree_size=kw.get("tree"),
+                quant_bits=kw.get("bits", 8),
+            )
+
+            def run_spec(p, speculator=speculator):
+                out = speculative_generate(model, [p], params, speculator, tokenizer=tokenizer)
+                return out.tokens[0], out.stats
+
+            runners[spec] = run_spec
+
+    print(
+        f"[bench_spec] {args.task}: {len(prompts)} prompts x {args.max_tokens} tokens, methods {methods}",
+        file=sys.stderr,
+    )
+    for spec in methods:  # warm-up (first-call allocations, lazy imports)
+        for _ in range(args.warmup):
+            runners[spec](prompts[0][: min(len(prompts[0]), 32)])
+    results = {spec: MethodResult(spec) for spec in methods}
+    for i, p in enumerate(prompts):
+        order = methods[i % len(methods) :] + methods[: i % len(methods)]  # rotate who goes first
+        outputs = {}
+        for spec in order:
+            t0 = time.perf_counter()
+            toks, stats = runners[spec](p)
+            dt = time.perf_counter() - t0
+            r = results[spec]
+            r.seconds += dt
+            r.tokens += len(toks)
+            r.prompts += 1
+            outputs[spec] = toks
+            if stats is not None:
+                r.steps += stats.steps
+                r.row_steps += stats.row_steps
+                r.accepted += stats.accepted
+                r.drafted += stats.drafted
+                for j, (a, n) in enumerate(zip(stats.accepted_at, stats.proposed_at)):
+                    if j >= len(r.accepted_at):
+                        r.accepted_at.append(0)
+                        r.proposed_at.append(0)
+                    r.accepted_at[j] += a
+                    r.proposed_at[j] += n
+        for spec in methods:
+            results[spec].exact_prompts += int(outputs[spec] == outputs["plain"])
+        print(f"[bench_spec] prompt {i + 1}/{len(prompts)} done", file=sys.stderr, flush=True)
+
+    base = results["plain"]
+    base_tps = base.tokens / base.seconds
+    hf_base = results.get("hf-plain")
+    rows = []
+    for spec in methods:
+        r = results[spec]
+        tps = r.tokens / r.seconds
+        row = {
+            "method": spec,
+            "tokens": r.tokens,
+            "seconds": round(r.seconds, 3),
+            "tok_per_s": round(tps, 2),
+            "speedup_vs_plain": round(tps / base_tps, 3),
+            "exact_match_prompts": f"{r.exact_prompts}/{r.prompts}",
+        }
+        if hf_base is not None and spec.startswith("hf-"):
+            row["speedup_vs_hf_plain"] = round(tps / (hf_base.tokens / hf_base.seconds), 3)
+        if r.row_steps:
+            row.update(
+                mean_accepted_per_step=round(r.accepted / r.row_steps, 3),
+                tokens_per_step=round(1 + r.accepted / r.row_steps, 3),
+                acceptance_rate=round(r.accepted / r.drafted, 3) if r.drafted else None,
+                per_position_acceptance=[round(a / max(n, 1), 3) for a, n in zip(r.accepted_at, r.proposed_at)],
+                target_forwards_per_token=round((r.row_steps + r.prompts) / r.tokens, 3),
+            )
+        rows.append(row)
+    record.update(task=args.task, prompts=len(prompts), max_tokens=args.max_tokens, results=rows)
+    record["load_average_end"] = os.getloadavg()
+    print_table(rows)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(record, indent=2))
+    print(json.dumps(record))
+    return record
+
+
+def print_table(rows: list[dict]) -> None:
+    head = f"{'method':28s} {'tok/s':>7s} {'vs plain':>8s} {'exact':>6s} {'acc/step':>8s} {'tok/step':>8s} per-position"
+    print(head, file=sys.stderr)
+    for r in rows:
+        print(
+            f"{r['method']:28s} {r['tok_per_s']:7.2f} {r['speedup_vs_plain']:7.2f}x {r['exact_match_prompts']:>6s} "
+            f"{r.get('mean_accepted_per_step', float('nan')):8.2f} {r.get('tokens_per_step', float('nan')):8.2f} "
+            f"{r.get('per_position_acceptance', '')}",
+            file=sys.stderr,
+        )
+
+
+if __name__ == "__main__":
+    main()

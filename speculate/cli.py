@@ -1,0 +1,107 @@
+"""Speculator construction by name, and ``python -m runtime.generate --speculator ...`` (the runtime CLI
+dispatches here).
+
+    python -m runtime.generate --speculator ngram -k 4 --prompt "..."
+    python -m runtime.generate --speculator draft --draft-model layers:8 -k 3 --prompt "..."
+    python -m runtime.generate --speculator medusa --medusa-heads DIR --tree-size 8 --prompt "..."
+    python -m runtime.generate --speculator quant-draft --quant-bits 8 -k 3 --prompt "..."
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from speculate.base import Speculator, SpeculatorError, check_k
+
+SPECULATORS = ("ngram", "draft", "medusa", "quant-draft")
+
+
+def default_medusa_dir(model_path: Path | str) -> Path:
+    from runtime.loader import qspec_home
+
+    return qspec_home() / "medusa" / Path(model_path).name
+
+
+def build_speculator(
+    name: str,
+    model,
+    model_path: Path | str = "",
+    k: int = 4,
+    draft_model: str | None = None,
+    medusa_heads: str | None = None,
+    tree_size: int | None = None,
+    acceptance: str = "rejection",
+    quant_bits: int = 8,
+    quant_group_size: int = 128,
+) -> Speculator:
+    """A speculator by name; every argument error is a SpeculatorError naming the problem."""
+    if name not in SPECULATORS:
+        raise SpeculatorError(f"unknown speculator {name!r}; choose from {', '.join(SPECULATORS)}")
+    if name != "medusa" and acceptance != "rejection":
+        raise SpeculatorError(f"typical acceptance is a Medusa mode; {name} verifies losslessly only")
+    if name == "ngram":
+        from speculate.ngram import NgramSpeculator
+
+        return NgramSpeculator(k=k)
+    if name == "draft":
+        from speculate.draft import DraftModelSpeculator, parse_draft_spec
+
+        check_k(k)
+        draft, label = parse_draft_spec(draft_model, model)
+        return DraftModelSpeculator(model, draft, k=k, name=f"draft({label})")
+    if name == "quant-draft":
+        from speculate.draft import DraftModelSpeculator, quantized_draft
+
+        check_k(k)
+        if quant_bits not in (4, 8):
+            raise SpeculatorError(f"quant-draft supports 8 or 4 bits, got {quant_bits}")
+        return DraftModelSpeculator(
+            model, quantized_draft(model, quant_bits, quant_group_size), k=k, name=f"quant-draft(int{quant_bits})"
+        )
+    from speculate.medusa.heads import load_medusa
+    from speculate.medusa.speculator import MedusaSpeculator, build_tree
+    from speculate.verify import CandidateTree
+
+    heads = load_medusa(medusa_heads or default_medusa_dir(model_path), model)
+    if tree_size is None:  # a chain of the heads' top-1 candidates, k long
+        tree = CandidateTree.chain(min(check_k(k), heads.config.num_heads))
+    elif not heads.config.accuracy:
+        raise SpeculatorError("the Medusa checkpoint has no accuracy table to build a tree from; retrain it")
+    else:
+        tree = build_tree(heads.config.accuracy, tree_size)
+    return MedusaSpeculator(model, heads, tree, acceptance=acceptance)
+
+
+def generate_speculative(model, path, tokenizer, prompts: list[list[int]], params, args):
+    """Entry point of ``python -m runtime.generate --speculator NAME``: build, generate, print, return."""
+    from speculate.generate import speculative_generate
+
+    try:
+        spec = build_speculator(
+            args.speculator,
+            model,
+            path,
+            k=args.num_speculative_tokens,
+            draft_model=getattr(args, "draft_model", None),
+            medusa_heads=getattr(args, "medusa_heads", None),
+            tree_size=getattr(args, "tree_size", None),
+            acceptance="typical" if getattr(args, "typical_acceptance", False) else "rejection",
+            quant_bits=getattr(args, "quant_bits", 8),
+        )
+    except (SpeculatorError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+    out = speculative_generate(model, prompts, params, spec, tokenizer=tokenizer)
+    for i, toks in enumerate(out.tokens):
+        text = tokenizer.decode(toks, skip_special_tokens=True)
+        print(text if len(prompts) == 1 else f"--- [{i}] {text}")
+    n_new = sum(len(t) for t in out.tokens)
+    mode = "lossless" if spec.lossless else "APPROXIMATE (typical acceptance)"
+    print(
+        f"\n[qspec] {spec.name}, {mode}: {n_new} tokens, TTFT {out.ttft_s * 1e3:.1f} ms, "
+        f"decode {(n_new - len(prompts)) / max(out.decode_s, 1e-9):.1f} tok/s (batch {len(prompts)}, "
+        f"finish: {','.join(out.finish_reasons)})\n[qspec] {out.stats.summary()}",
+        file=sys.stderr,
+    )
+    return out

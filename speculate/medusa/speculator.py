@@ -1,0 +1,77 @@
+"""Medusa speculation: the heads read the target's hidden state of the last committed token and propose a
+tree of candidates (node (i1, .., id) = head-1's i1-th token, then head-2's i2-th, ...), verified in one
+target forward with a tree attention mask. Lossless with the rejection/greedy verifier; Medusa's typical
+acceptance is available as an APPROXIMATE mode.
+
+The tree is built from the heads' measured top-i accuracies (stored in the checkpoint by the trainer):
+best-first, each path scored by the product of its ranks' accuracies, the ``tree_size`` best paths kept
+(a prefix-closed set, since extending a path never raises its score).
+"""
+
+from __future__ import annotations
+
+import heapq
+
+import torch
+
+from speculate.base import Proposal, SpecState, Speculator, SpeculatorError
+from speculate.medusa.heads import MedusaHeads
+from speculate.verify import CandidateTree
+
+
+def build_tree(accuracy: list[list[float]], size: int, max_depth: int | None = None) -> CandidateTree:
+    """The ``size`` candidate paths (root excluded) with the highest estimated acceptance probability."""
+    if size < 1:
+        raise SpeculatorError(f"the Medusa tree needs at least 1 candidate node, got {size}")
+    depth_limit = len(accuracy) if max_depth is None else min(max_depth, len(accuracy))
+    heap: list[tuple[float, tuple[int, ...]]] = [(-accuracy[0][i], (i,)) for i in range(len(accuracy[0]))]
+    heapq.heapify(heap)
+    chosen: list[tuple[int, ...]] = []
+    while heap and len(chosen) < size:
+        neg, path = heapq.heappop(heap)
+        chosen.append(path)
+        if len(path) < depth_limit:
+            for i, acc in enumerate(accuracy[len(path)]):
+                heapq.heappush(heap, (neg * acc, (*path, i)))
+    return CandidateTree.from_choices(chosen)
+
+
+class MedusaSpeculator(Speculator):
+    name = "medusa"
+
+    def __init__(self, target, heads: MedusaHeads, tree: CandidateTree, acceptance: str = "rejection"):
+        if acceptance not in ("rejection", "typical"):
+            raise SpeculatorError(f"Medusa acceptance must be 'rejection' (lossless) or 'typical', got {acceptance!r}")
+        if tree.max_depth > heads.config.num_heads:
+            raise SpeculatorError(f"tree depth {tree.max_depth} exceeds the {heads.config.num_heads} Medusa heads")
+        self.target, self.heads, self.tree, self.acceptance = target, heads, tree, acceptance
+        # candidates needed per head: the largest rank used at each depth
+        self.ranks = [0] * tree.max_depth
+        for choice in tree.choices[1:]:
+            d = len(choice) - 1
+            self.ranks[d] = max(self.ranks[d], choice[-1] + 1)
+        depth, last_rank = tree.depth[1:], [c[-1] for c in tree.choices[1:]]
+        self.node_depth = torch.tensor(depth)  # [N-1] depth (head index + 1) of each non-root node
+        self.node_rank = torch.tensor(last_rank)  # [N-1] candidate rank within its head
+
+    def max_tokens_per_step(self) -> int:
+        return len(self.tree)
+
+    @torch.no_grad()
+    def propose(self, state: SpecState) -> Proposal:
+        B = state.tokens.shape[0]
+        rows = torch.arange(B, device=state.tokens.device)
+        logits = self.heads(state.hidden, self.target.lm_head)  # [K, B, V]
+        width = max(self.ranks)
+        top = logits[: len(self.ranks)].topk(width, -1).indices  # [D, B, width]
+        nodes = top[self.node_depth - 1, :, self.node_rank].T  # [B, N-1]
+        root = state.tokens[rows, state.lengths - 1][:, None]
+        return Proposal(tokens=torch.cat([root, nodes], 1), tree=self.tree)
+
+    def describe(self) -> dict:
+        return {
+            **super().describe(),
+            "tree_size": len(self.tree) - 1,
+            "tree_depth": self.tree.max_depth,
+            "num_heads": self.heads.config.num_heads,
+        }

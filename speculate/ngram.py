@@ -1,0 +1,51 @@
+"""Prompt lookup (n-gram) speculation: match the last n tokens in the prompt and the output so far, and
+propose the k tokens that followed the most recent earlier occurrence. Deterministic drafts (q = one-hot);
+no model, no training. Tries n = max_ngram down to min_ngram; a row with no match drafts nothing that step.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from speculate.base import Proposal, SpecState, Speculator, SpeculatorError, check_k
+
+
+def lookup(seq: Tensor, k: int, max_ngram: int, min_ngram: int) -> Tensor:
+    """seq [L] -> up to k tokens that followed the latest earlier occurrence of seq's last n tokens."""
+    L = seq.numel()
+    for n in range(min(max_ngram, L - 1), min_ngram - 1, -1):
+        windows = seq[: L - 1].unfold(0, n, 1)  # [L-n, n]: every earlier n-gram with a following token
+        hits = torch.nonzero((windows == seq[L - n :]).all(-1)).flatten()
+        if hits.numel():
+            start = int(hits[-1]) + n
+            return seq[start : start + k]
+    return seq[:0]
+
+
+class NgramSpeculator(Speculator):
+    name = "ngram"
+
+    def __init__(self, k: int = 4, max_ngram: int = 3, min_ngram: int = 1):
+        self.k = check_k(k)
+        if not 1 <= min_ngram <= max_ngram:
+            raise SpeculatorError(f"n-gram sizes need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+
+    def max_tokens_per_step(self) -> int:
+        return self.k + 1
+
+    def propose(self, state: SpecState) -> Proposal:
+        B = state.tokens.shape[0]
+        drafts = torch.zeros(B, self.k, dtype=torch.long, device=state.tokens.device)
+        num = torch.zeros(B, dtype=torch.long, device=state.tokens.device)
+        for b in range(B):
+            if not bool(state.active[b]):
+                continue
+            found = lookup(state.tokens[b, : int(state.lengths[b])], self.k, self.max_ngram, self.min_ngram)
+            drafts[b, : found.numel()] = found
+            num[b] = found.numel()
+        return Proposal(tokens=drafts, num_drafted=num)
+
+    def describe(self) -> dict:
+        return {**super().describe(), "k": self.k, "max_ngram": self.max_ngram, "min_ngram": self.min_ngram}

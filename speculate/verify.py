@@ -1,0 +1,342 @@
+"""The one verifier: which drafted tokens the target accepts, and the token it emits after them.
+
+Lossless rules (the output has exactly the target's distribution):
+- ``rejection_sample`` (chain of k drafts per sequence, batched): accept draft x_j with probability
+  min(1, p_j(x_j) / q_j(x_j)); at the first rejection emit a sample of norm(max(0, p_j - q_j)); when all
+  drafts are accepted emit a bonus sample of p_k. Deterministic drafts (n-gram, Medusa) are the case
+  q = one-hot (``draft_probs=None``): accept with probability p_j(x_j), on rejection sample p_j with x_j
+  removed. Greedy is the case p = one-hot: ``greedy_verify`` is that case without random draws.
+- ``tree_rejection_sample`` / ``tree_greedy_verify``: a tree of deterministic candidates. At each node the
+  children are tried in order, each as a one-hot draft against the residual left by its rejected elder
+  siblings (multi-candidate rejection, SpecInfer-style); the first accepted child is descended into.
+  Sequential residuals make the emitted token at every depth an exact sample of the target's distribution.
+
+Approximate rules (change the output distribution; labelled as such wherever reported):
+- ``typical_accept_chain`` / ``typical_accept_tree``: Medusa's typical acceptance, a candidate is kept if
+  p(x) > min(epsilon, delta * exp(-H(p))).
+
+p and q are probabilities from ``runtime.sampling.logits_to_probs`` with the same SamplingParams.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from runtime.sampling import SamplingParams, logits_to_probs, sample
+
+
+@dataclass
+class ChainResult:
+    num_accepted: Tensor  # [B] drafted tokens accepted (a prefix of each row's drafts)
+    next_token: Tensor  # [B] the token emitted after them (residual sample at a rejection, or bonus)
+
+
+@dataclass
+class TreeResult:
+    path: list[list[int]]  # per row: accepted node indices, root (0) first; the last one produced next_token
+    next_token: Tensor  # [B]
+
+    @property
+    def num_accepted(self) -> Tensor:
+        return torch.tensor([len(p) - 1 for p in self.path])
+
+
+def _draft_mask(num_drafted: Tensor | None, B: int, k: int, device) -> Tensor:
+    """[B, k] True where a draft exists (rows may draft fewer than k tokens)."""
+    if num_drafted is None:
+        return torch.ones(B, k, dtype=torch.bool, device=device)
+    return torch.arange(k, device=device)[None, :] < num_drafted[:, None]
+
+
+def _prefix_length(ok: Tensor) -> Tensor:
+    """[B, k] bool -> [B] length of the all-True prefix of each row."""
+    return ok.long().cumprod(-1).sum(-1)
+
+
+def rejection_sample(
+    draft_tokens: Tensor,
+    target_probs: Tensor,
+    draft_probs: Tensor | None = None,
+    num_drafted: Tensor | None = None,
+    generator: torch.Generator | None = None,
+) -> ChainResult:
+    """Speculative sampling for a batch of drafted chains.
+
+    draft_tokens [B, k]; target_probs [B, k+1, V] (p_j: the target's distribution of the token after
+    draft j-1, p_k for the bonus); draft_probs [B, k, V] (q_j, the draft's distribution x_j was sampled
+    from) or None for deterministic drafts (q_j = one-hot(x_j)); num_drafted [B] (<= k) drafts per row.
+    """
+    B, k = draft_tokens.shape
+    device = target_probs.device
+    p = target_probs.float()
+    drafted = _draft_mask(num_drafted, B, k, device)
+    p_draft = p[:, :k].gather(-1, draft_tokens[..., None]).squeeze(-1)  # [B, k]
+    q_draft = (
+        torch.ones_like(p_draft)
+        if draft_probs is None
+        else draft_probs.float().gather(-1, draft_tokens[..., None]).squeeze(-1)
+    )
+    u = torch.rand(B, k, generator=generator, device=device)
+    accept = (u * q_draft < p_draft) & drafted  # u < p/q without dividing by q
+    n = _prefix_length(accept)  # [B]
+    rows = torch.arange(B, device=device)
+    p_next = p[rows, n]  # [B, V]
+    rejected = n < (k if num_drafted is None else num_drafted)  # a real rejection (not out of drafts)
+    j = n.clamp(max=k - 1) if k > 0 else n
+    if draft_probs is None:
+        q_next = torch.zeros_like(p_next)
+        if k > 0:
+            q_next.scatter_(-1, draft_tokens[rows, j][:, None], 1.0)
+    else:
+        q_next = draft_probs.float()[rows, j]
+    residual = (p_next - q_next).clamp(min=0)
+    mass = residual.sum(-1, keepdim=True)
+    # p == q at a rejection has probability 0; guard the rounding case by falling back to p.
+    residual = torch.where(mass > 0, residual / mass.clamp(min=1e-30), p_next)
+    dist = torch.where(rejected[:, None], residual, p_next)
+    next_token = sample(dist, generator)
+    return ChainResult(num_accepted=n, next_token=next_token)
+
+
+def greedy_verify(draft_tokens: Tensor, target_argmax: Tensor, num_drafted: Tensor | None = None) -> ChainResult:
+    """p = one-hot: accept the longest prefix equal to the target's argmax, then emit the target's token.
+
+    draft_tokens [B, k]; target_argmax [B, k+1] (argmax of the target's logits after each prefix)."""
+    B, k = draft_tokens.shape
+    match = (draft_tokens == target_argmax[:, :k]) & _draft_mask(num_drafted, B, k, draft_tokens.device)
+    n = _prefix_length(match)
+    return ChainResult(num_accepted=n, next_token=target_argmax[torch.arange(B, device=n.device), n])
+
+
+def verify_chain(
+    draft_tokens: Tensor,
+    target_logits: Tensor,
+    params: SamplingParams,
+    draft_probs: Tensor | None = None,
+    num_drafted: Tensor | None = None,
+    generator: torch.Generator | None = None,
+) -> ChainResult:
+    """Lossless verification from the target's logits [B, k+1, V] under ``params`` (the one sampler)."""
+    if params.greedy:
+        return greedy_verify(draft_tokens, target_logits.argmax(-1), num_drafted)
+    target_probs = logits_to_probs(target_logits, params)
+    return rejection_sample(draft_tokens, target_probs, draft_probs, num_drafted, generator)
+
+
+# ---- trees of deterministic candidates ----------------------------------------------------------------
+
+
+@dataclass
+class CandidateTree:
+    """A static tree of candidate slots, node 0 = root (the last committed token, not yet in the cache).
+
+    Nodes are in topological order (parents before children); siblings are tried in index order, so
+    put the most likely candidate first. ``choices[i]`` is the path of candidate ranks from the root
+    (Medusa's notation: node (0, 1) = head-1's top candidate, then head-2's second candidate).
+    """
+
+    parents: list[int]  # [N], parents[0] = -1
+    choices: list[tuple[int, ...]]  # [N], choices[0] = ()
+
+    def __post_init__(self):
+        if not self.parents or self.parents[0] != -1:
+            raise ValueError("a candidate tree needs a root (node 0) with parent -1")
+        for i, par in enumerate(self.parents[1:], 1):
+            if not 0 <= par < i:
+                raise ValueError(f"node {i}'s parent {par} must be an earlier node")
+        self.depth = [0] * len(self.parents)
+        for i in range(1, len(self.parents)):
+            self.depth[i] = self.depth[self.parents[i]] + 1
+        self.children = [[] for _ in self.parents]
+        for i, par in enumerate(self.parents[1:], 1):
+            self.children[par].append(i)
+
+    @classmethod
+    def from_choices(cls, choices: list[tuple[int, ...]] | list[list[int]]) -> CandidateTree:
+        """Build from rank paths (any order); missing prefixes are an error."""
+        paths = sorted({tuple(c) for c in choices if len(c) > 0}, key=lambda c: (len(c), c))
+        index = {(): 0}
+        parents = [-1]
+        for path in paths:
+            if path[:-1] not in index:
+                raise ValueError(f"tree choice {list(path)} has no parent {list(path[:-1])}")
+            index[path] = len(parents)
+            parents.append(index[path[:-1]])
+        return cls(parents=parents, choices=[(), *paths])
+
+    @classmethod
+    def chain(cls, k: int) -> CandidateTree:
+        return cls.from_choices([(0,) * d for d in range(1, k + 1)])
+
+    def __len__(self) -> int:
+        return len(self.parents)
+
+    @property
+    def max_depth(self) -> int:
+        return max(self.depth)
+
+    def ancestor_mask(self, device=None) -> Tensor:
+        """[N, N] bool: node i may attend to node j iff j is i or an ancestor of i."""
+        N = len(self)
+        mask = torch.eye(N, dtype=torch.bool, device=device)
+        for i in range(1, N):
+            mask[i] |= mask[self.parents[i]]
+        return mask
+
+    def padded_children(self, device=None) -> Tensor:
+        """[N, C] child indices per node, -1 padded (C = the widest node's child count, >= 1)."""
+        width = max(1, max(len(c) for c in self.children))
+        out = torch.full((len(self), width), -1, dtype=torch.long, device=device)
+        for i, ch in enumerate(self.children):
+            out[i, : len(ch)] = torch.tensor(ch, dtype=torch.long)
+        return out
+
+
+def tree_rejection_sample(
+    tree: CandidateTree, node_tokens: Tensor, target_probs: Tensor, generator: torch.Generator | None = None
+) -> TreeResult:
+    """Multi-candidate rejection sampling down a tree of deterministic candidates, batched over rows.
+
+    node_tokens [B, N] (node 0 = root); target_probs [B, N, V]: the target's distribution of the token
+    after each node's path. At node i the children are tried in order: child c is accepted with
+    probability r(c) / sum(r), where r is p_i with the already-rejected siblings' tokens zeroed (the
+    residual norm(max(0, r - onehot(c))) of a one-hot draft). If all are rejected, the emitted token is
+    a sample of the final residual; at a leaf, a bonus sample of p_i.
+    """
+    B, N = node_tokens.shape
+    device = target_probs.device
+    children = tree.padded_children(device)  # [N, C]
+    rows = torch.arange(B, device=device)
+    cur = torch.zeros(B, dtype=torch.long, device=device)
+    active = torch.ones(B, dtype=torch.bool, device=device)
+    next_token = torch.zeros(B, dtype=torch.long, device=device)
+    paths = [[0] for _ in range(B)]
+    for _ in range(tree.max_depth + 1):
+        if not bool(active.any()):
+            break
+        dist = target_probs[rows, cur].float().clone()  # [B, V]
+        moved = torch.zeros(B, dtype=torch.bool, device=device)
+        new_cur = cur.clone()
+        for c in range(children.shape[1]):
+            child = children[cur, c]  # [B]
+            trying = active & ~moved & (child >= 0)
+            if not bool(trying.any()):
+                break
+            tok = torch.where(trying, node_tokens[rows, child.clamp(min=0)], 0)
+            mass = dist.sum(-1)
+            prob = dist[rows, tok] / mass.clamp(min=1e-30)
+            u = torch.rand(B, generator=generator, device=device)
+            accept = trying & (u < prob)
+            new_cur = torch.where(accept, child, new_cur)
+            moved |= accept
+            reject = trying & ~accept
+            dist[rows[reject], tok[reject]] = 0.0  # residual of a one-hot draft: remove the rejected token
+        finishing = active & ~moved
+        if bool(finishing.any()):
+            mass = dist.sum(-1, keepdim=True)
+            safe = torch.where(mass > 0, dist, target_probs[rows, cur].float())  # rounding guard, as above
+            drawn = sample(safe, generator)
+            next_token = torch.where(finishing, drawn, next_token)
+        for b in torch.nonzero(moved).flatten().tolist():
+            paths[b].append(int(new_cur[b]))
+        cur = new_cur
+        active = moved
+    return TreeResult(path=paths, next_token=next_token)
+
+
+def tree_greedy_verify(tree: CandidateTree, node_tokens: Tensor, target_argmax: Tensor) -> TreeResult:
+    """p = one-hot: follow the child equal to the target's argmax while one exists.
+
+    node_tokens [B, N]; target_argmax [B, N]."""
+    B = node_tokens.shape[0]
+    toks, top = node_tokens.tolist(), target_argmax.tolist()
+    paths = []
+    for b in range(B):
+        path = [0]
+        while True:
+            nxt = next((c for c in tree.children[path[-1]] if toks[b][c] == top[b][path[-1]]), None)
+            if nxt is None:
+                break
+            path.append(nxt)
+        paths.append(path)
+    next_token = torch.tensor([top[b][p[-1]] for b, p in enumerate(paths)], device=node_tokens.device)
+    return TreeResult(path=paths, next_token=next_token)
+
+
+def verify_tree(
+    tree: CandidateTree,
+    node_tokens: Tensor,
+    target_logits: Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | None = None,
+) -> TreeResult:
+    """Lossless tree verification from the target's logits [B, N, V] under ``params``."""
+    if params.greedy:
+        return tree_greedy_verify(tree, node_tokens, target_logits.argmax(-1))
+    return tree_rejection_sample(tree, node_tokens, logits_to_probs(target_logits, params), generator)
+
+
+# ---- approximate: Medusa typical acceptance -----------------------------------------------------------
+
+
+def typical_threshold(probs: Tensor, epsilon: float, delta: float) -> Tensor:
+    """[..., V] -> [...]: min(epsilon, delta * exp(-entropy)) (Medusa, Cai et al. 2024, sec. 3.3.1)."""
+    entropy = -(probs * probs.clamp(min=1e-30).log()).sum(-1)
+    return torch.minimum(torch.full_like(entropy, epsilon), delta * torch.exp(-entropy))
+
+
+def typical_accept_chain(
+    draft_tokens: Tensor,
+    target_probs: Tensor,
+    epsilon: float = 0.09,
+    delta: float = 0.3,
+    num_drafted: Tensor | None = None,
+    generator: torch.Generator | None = None,
+) -> ChainResult:
+    """APPROXIMATE: keep drafts whose target probability clears the typical threshold; the next token is
+    a sample of p after the kept prefix. Does not preserve the target's distribution."""
+    B, k = draft_tokens.shape
+    p = target_probs.float()
+    p_draft = p[:, :k].gather(-1, draft_tokens[..., None]).squeeze(-1)
+    ok = (p_draft > typical_threshold(p[:, :k], epsilon, delta)) & _draft_mask(num_drafted, B, k, p.device)
+    n = _prefix_length(ok)
+    p_next = p[torch.arange(B, device=p.device), n]
+    return ChainResult(num_accepted=n, next_token=sample(p_next, generator))
+
+
+def typical_accept_tree(
+    tree: CandidateTree,
+    node_tokens: Tensor,
+    target_probs: Tensor,
+    epsilon: float = 0.09,
+    delta: float = 0.3,
+    generator: torch.Generator | None = None,
+) -> TreeResult:
+    """APPROXIMATE: the deepest tree node whose whole path clears the typical threshold (first in node
+    order among equals); the next token is a sample of p at that node."""
+    B, N = node_tokens.shape
+    p = target_probs.float()
+    thresh = typical_threshold(p, epsilon, delta)  # [B, N]
+    parents = torch.tensor(tree.parents[1:], device=p.device)
+    node_ok = torch.ones(B, N, dtype=torch.bool, device=p.device)
+    node_ok[:, 1:] = p[:, parents].gather(-1, node_tokens[:, 1:, None]).squeeze(-1) > thresh[:, parents]
+    path_ok = node_ok.clone()
+    for i in range(1, N):  # topological order: a node's path is ok if its parent's is
+        path_ok[:, i] &= path_ok[:, tree.parents[i]]
+    depth = torch.tensor(tree.depth, device=p.device)
+    score = torch.where(
+        path_ok, depth * N - torch.arange(N, device=p.device), torch.full_like(path_ok, -1, dtype=torch.long)
+    )
+    best = score.argmax(-1).tolist()
+    paths = []
+    for b in range(B):
+        path, node = [], best[b]
+        while node != -1:
+            path.append(node)
+            node = tree.parents[node]
+        paths.append(path[::-1])
+    p_end = p[torch.arange(B, device=p.device), torch.tensor(best, device=p.device)]
+    return TreeResult(path=paths, next_token=sample(p_end, generator))

@@ -1,0 +1,208 @@
+"""Speculative generation end to end on tiny random models: greedy output identical to plain greedy decoding
+for every lossless speculator (batch 1 and a batch of mixed prompt lengths), KV bookkeeping of trees, and
+sampled output distributed as plain sampling from the target (chi-square)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from runtime.generate import generate
+from runtime.model import random_model
+from runtime.sampling import SamplingParams
+from speculate.base import SpeculatorError
+from speculate.draft import DraftModelSpeculator, layer_skip_draft, quantized_draft
+from speculate.generate import speculative_generate, tree_metadata
+from speculate.medusa.heads import MedusaConfig, MedusaHeads
+from speculate.medusa.speculator import MedusaSpeculator, build_tree
+from speculate.ngram import NgramSpeculator, lookup
+from speculate.verify import CandidateTree
+from tests.conftest import TINY_CONFIGS
+
+CFG = TINY_CONFIGS["llama"]
+
+
+def repetitive_prompts(n: int, seed: int) -> list[list[int]]:
+    """Prompts with repeated spans (so n-gram lookup finds matches) of different lengths."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        span = torch.randint(2, CFG.vocab_size, (int(torch.randint(3, 9, (1,), generator=gen)),), generator=gen)
+        out.append((span.tolist() * (2 + i % 3))[: 5 + 3 * i])
+    return out
+
+
+def random_heads(model, num_heads: int = 3, seed: int = 0) -> MedusaHeads:
+    cfg = MedusaConfig(num_heads=num_heads, hidden_size=model.config.hidden_size, vocab_size=model.config.vocab_size)
+    heads = MedusaHeads(cfg)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.copy_(0.3 * torch.randn(p.shape, generator=gen))
+    return heads.eval()
+
+
+def speculators(model, k: int):
+    tree = build_tree([[0.5, 0.2, 0.1], [0.4, 0.2, 0.1], [0.3, 0.1, 0.05]], size=8)
+    return {
+        "ngram": NgramSpeculator(k=k),
+        "draft": DraftModelSpeculator(model, random_model(CFG, seed=5), k=k),
+        "layer-skip": DraftModelSpeculator(model, layer_skip_draft(model, 1), k=k),
+        "medusa": MedusaSpeculator(model, random_heads(model), tree),
+        "medusa-chain": MedusaSpeculator(model, random_heads(model), CandidateTree.chain(3)),
+    }
+
+
+@pytest.mark.parametrize("name", ["ngram", "draft", "layer-skip", "medusa", "medusa-chain"])
+def test_greedy_output_equals_plain_greedy(name):
+    model = random_model(CFG, seed=0)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    prompts = repetitive_prompts(4, seed=1)
+    plain = generate(model, prompts, params).tokens
+    for k in (1, 3):
+        spec = speculators(model, k)[name]
+        batched = speculative_generate(model, prompts, params, spec)
+        assert batched.tokens == plain, (name, k)
+        single = speculative_generate(model, prompts[2:3], params, spec)
+        assert single.tokens[0] == plain[2]
+        assert batched.stats.generated == 4 * 40
+    assert batched.stats.accepted > 0 or name in ("draft", "medusa", "medusa-chain")
+
+
+def test_greedy_stops_like_plain_decoding():
+    """EOS (token 1 here) and max_tokens end each row at the same token as plain decoding, mid-acceptance."""
+    model = random_model(CFG, seed=3)
+    prompts = repetitive_prompts(4, seed=2)
+    for params in (SamplingParams(max_tokens=60), SamplingParams(max_tokens=60, stop_token_ids=[7, 9, 11])):
+        plain = generate(model, prompts, params)
+        for spec in speculators(model, 3).values():
+            out = speculative_generate(model, prompts, params, spec)
+            assert out.tokens == plain.tokens and out.finish_reasons == plain.finish_reasons
+
+
+def test_quant_draft_greedy_and_acceptance():
+    model = random_model(CFG, seed=0)
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    prompts = repetitive_prompts(3, seed=4)
+    plain = generate(model, prompts, params).tokens
+    spec = DraftModelSpeculator(model, quantized_draft(model, bits=8, group_size=32), k=3, name="quant-draft")
+    out = speculative_generate(model, prompts, params, spec)
+    assert out.tokens == plain
+    assert out.stats.acceptance_rate > 0.8  # an int8 copy of the target agrees with it almost always
+
+
+def test_stats_are_consistent():
+    model = random_model(CFG, seed=0)
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    out = speculative_generate(model, repetitive_prompts(2, seed=6), params, NgramSpeculator(k=4))
+    s = out.stats
+    assert s.generated == 60
+    # each step commits accepted + 1 per row, except that a row's last step may be cut short by max_tokens
+    assert 0 <= s.accepted + s.row_steps - (s.generated - s.rows) <= s.rows * 4
+    assert s.proposed_at[0] >= s.proposed_at[-1] and s.accepted_at[0] >= s.accepted_at[-1]
+    assert sum(s.accepted_at) == s.accepted
+    assert s.mean_tokens_per_step <= 1 + s.mean_accepted_per_step
+
+
+def test_tree_metadata_positions_slots_and_mask():
+    tree = CandidateTree.from_choices([(0,), (1,), (0, 0)])  # root; a, b children; c under a
+    meta = tree_metadata(tree, torch.tensor([5, 3]))
+    assert meta.positions.tolist() == [[4, 5, 5, 6], [2, 3, 3, 4]]
+    assert meta.slots.tolist() == [[4, 5, 6, 7], [2, 3, 4, 5]]
+    assert meta.kv_len == 8
+    m = meta.mask[:, 0]
+    assert m[0, 3].tolist() == [True] * 4 + [True, True, False, True]  # c sees prefix, root, a, itself
+    assert m[0, 2].tolist() == [True] * 4 + [True, False, True, False]  # b sees prefix, root, itself
+    assert m[1, 0].tolist() == [True, True, True, False, False, False, False, False]  # row 1 root
+
+
+def test_ngram_lookup():
+    seq = torch.tensor([5, 6, 7, 8, 9, 5, 6, 7])
+    assert lookup(seq, 3, 3, 1).tolist() == [8, 9, 5]  # '5 6 7' matched at 0
+    assert lookup(torch.tensor([1, 2, 3, 4]), 3, 3, 1).tolist() == []  # nothing repeats
+    assert lookup(torch.tensor([4, 1, 2, 4, 1, 3, 4]), 2, 3, 1).tolist() == [1, 3]  # latest occurrence of 4
+
+
+def test_bad_inputs_give_clear_errors():
+    model = random_model(CFG, seed=0)
+    other_vocab = random_model(TINY_CONFIGS["llama-tied-mha"], seed=0)  # 80 tokens vs 96
+    with pytest.raises(SpeculatorError, match="vocabulary"):
+        DraftModelSpeculator(model, other_vocab, k=2)
+    for k in (0, -1):
+        with pytest.raises(SpeculatorError, match="k must be an integer >= 1"):
+            NgramSpeculator(k=k)
+        with pytest.raises(SpeculatorError, match="k must be an integer >= 1"):
+            DraftModelSpeculator(model, layer_skip_draft(model, 1), k=k)
+    with pytest.raises(SpeculatorError, match="layer-skip draft needs"):
+        layer_skip_draft(model, CFG.num_layers)
+    with pytest.raises(SpeculatorError, match="exceeds the 2 Medusa heads"):
+        MedusaSpeculator(model, random_heads(model, num_heads=2), CandidateTree.chain(3))
+
+
+def test_medusa_checkpoint_for_another_model_is_refused(tmp_path):
+    from speculate.medusa.heads import MedusaCheckpointError, load_medusa, model_fingerprint
+
+    model = random_model(CFG, seed=0)
+    heads = random_heads(model)
+    heads.config.base_fingerprint = model_fingerprint(model)
+    heads.save(tmp_path / "heads")
+    loaded = load_medusa(tmp_path / "heads", model)
+    h = torch.randn(2, CFG.hidden_size)
+    assert torch.equal(loaded(h, model.lm_head), heads(h, model.lm_head))
+    same_shape_other_weights = random_model(CFG, seed=1)
+    with pytest.raises(MedusaCheckpointError, match="trained for another model"):
+        load_medusa(tmp_path / "heads", same_shape_other_weights)
+    with pytest.raises(MedusaCheckpointError, match="hidden size"):
+        load_medusa(tmp_path / "heads", random_model(TINY_CONFIGS["llama-tied-mha"], seed=0))
+    with pytest.raises(MedusaCheckpointError, match="not a Medusa checkpoint"):
+        load_medusa(tmp_path / "missing", model)
+
+
+def test_build_tree_is_best_first_and_prefix_closed():
+    acc = [[0.6, 0.2, 0.1], [0.5, 0.2, 0.1], [0.4, 0.1, 0.05]]
+    tree = build_tree(acc, size=5)
+    # scores: (0)=.6 (0,0)=.3 (1)=.2 (0,0,0)=.12 (0,1)=.12 (2)=.1 ...
+    assert set(tree.choices[1:]) == {(0,), (0, 0), (1,), (0, 0, 0), (0, 1)}
+    assert len(build_tree(acc, size=30)) == 31
+
+
+# ---- end-to-end distribution: speculative sampling vs plain sampling of the target ---------------------
+
+SMALL = TINY_CONFIGS["llama"]
+
+
+@pytest.mark.parametrize("kind", ["draft", "medusa"])
+def test_sampled_two_token_continuations_match_plain_sampling(kind):
+    """Temperature 1, a tiny random target and a different tiny draft (or random Medusa heads). The target's
+    exact two-token distribution is computed by enumeration (V + 1 forwards); 4000 speculative runs in one
+    batch are compared by chi-square (cells with expected count < 5 pooled). alpha = 1e-3 per test, two
+    tests: false-failure rate <= 0.2% per fresh seed (the seeds are fixed)."""
+    from runtime.model import Transformer
+
+    cfg = SMALL
+    target = random_model(cfg, seed=11, std=0.3)  # std 0.3: peaked enough that 2-token cells are populated
+    prompt = [3, 17, 42, 5]
+    params = SamplingParams(temperature=1.0, max_tokens=2, ignore_eos=True, seed=123)
+    with torch.no_grad():
+        p1 = torch.softmax(target(torch.tensor([prompt]))[0, -1].double(), -1)  # [V]
+        seqs = torch.tensor([prompt + [t] for t in range(cfg.vocab_size)])
+        p2 = torch.softmax(target(seqs)[:, -1].double(), -1)  # [V, V]
+    joint = (p1[:, None] * p2).flatten()
+    if kind == "draft":
+        spec = DraftModelSpeculator(target, random_model(cfg, seed=12, std=0.3), k=2)
+    else:
+        spec = MedusaSpeculator(
+            target, random_heads(target, num_heads=2, seed=3), build_tree([[0.5, 0.3], [0.5, 0.3]], 4)
+        )
+    n = 4000
+    out = speculative_generate(target, [prompt] * n, params, spec)
+    pairs = torch.tensor([t[0] * cfg.vocab_size + t[1] for t in out.tokens])
+    counts = torch.bincount(pairs, minlength=joint.numel()).double()
+    expected = joint * n
+    big = expected >= 5
+    obs = torch.cat([counts[big], counts[~big].sum()[None]])
+    exp = torch.cat([expected[big], expected[~big].sum()[None]])
+    assert out.stats.accepted > 0  # speculation actually happened
+    assert chisquare(obs.numpy(), (exp * obs.sum() / exp.sum()).numpy()).pvalue > 1e-3
+    assert isinstance(target, Transformer)
