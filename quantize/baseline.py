@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> None:
     except ModelSpecError as err:
         ap.error(str(err))
     record = {"quant_config": None, "model": args.model, **cli.provenance(argv, "quantize.baseline")}
-    record.update(cli.evaluate(model, load_tokenizer(str(path)), args.eval, args.eval_windows))
+    record.update(cli.evaluate(model, cli.CachedTokenizer(load_tokenizer(str(path))), args.eval, args.eval_windows))
     cli.write_record(record, args.record)
 
 

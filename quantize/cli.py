@@ -75,7 +75,42 @@ def load(ap: argparse.ArgumentParser, args, cfg: QuantConfig):
         cfg.targets(model)
     except (ModelSpecError, QuantConfigError, KeyError) as err:
         ap.error(str(err).strip("'\""))
-    return model, load_tokenizer(str(path)), path
+    return model, CachedTokenizer(load_tokenizer(str(path))), path
+
+
+class CachedTokenizer:
+    """Wraps a tokenizer so that tokenizing a whole split (~90 s for the calibration split on a busy 2-core
+    machine) happens once: ``tok(text, add_special_tokens=...)`` ids are kept under $QSPEC_HOME/token_cache,
+    keyed by the tokenizer and the text's hash. Everything else passes through."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def __call__(self, text, add_special_tokens: bool = True, **kwargs):
+        if kwargs or not isinstance(text, str):
+            return self.tokenizer(text, add_special_tokens=add_special_tokens, **kwargs)
+        import hashlib
+        from types import SimpleNamespace
+
+        from runtime.loader import qspec_home
+
+        ident = f"{getattr(self.tokenizer, 'name_or_path', '')}|{len(self.tokenizer)}|{add_special_tokens}|"
+        key = hashlib.sha256((ident + text).encode()).hexdigest()[:32]
+        path = qspec_home() / "token_cache" / f"{key}.pt"
+        if path.is_file():
+            return SimpleNamespace(input_ids=torch.load(path).tolist())
+        ids = self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        torch.save(torch.tensor(ids, dtype=torch.int32), tmp)
+        tmp.replace(path)
+        return SimpleNamespace(input_ids=ids)
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+    def __len__(self) -> int:
+        return len(self.tokenizer)
 
 
 def calibration_tokens(ap: argparse.ArgumentParser, args, tokenizer) -> torch.Tensor:
@@ -87,6 +122,8 @@ def calibration_tokens(ap: argparse.ArgumentParser, args, tokenizer) -> torch.Te
         ap.error(f"--calib {args.calib!r}: choose wiki or wiki-LANG with LANG in {sorted(LANGUAGES)}")
     if args.seqlen < 2:
         ap.error(f"--seqlen must be at least 2, got {args.seqlen}")
+    if args.nsamples < 1:
+        ap.error(f"--nsamples must be at least 1, got {args.nsamples}")
     try:
         windows = calibration_windows(tokenizer, args.nsamples, args.seqlen, args.seed, lang)
     except ValueError as err:
