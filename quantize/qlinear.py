@@ -75,36 +75,197 @@ def quantize_activations_per_token(x: Tensor) -> tuple[Tensor, Tensor]:
     return q, scale
 
 
+PATHS = ("reference", "cpu_int4", "cpu_int8", "cpu_w8a8", "triton")
+
+
 class QuantLinear(nn.Module):
-    """nn.Linear stand-in holding a QuantizedWeight.
+    """nn.Linear stand-in holding a QuantizedWeight, with one forward contract and several paths.
 
     act_quant=True is W8A8: activations are quantized per token to int8 before the matmul (the reference
     path dequantizes both; fast paths use an integer matmul and give the same result up to summation order).
+
+    Paths (``path="auto"`` picks one at the first forward from the input's device):
+      reference  dequantize-then-matmul in fp32 (what every other path is tested against)
+      cpu_int4   torch's int4 packed matmul (2/3/4-bit codes, group size a multiple of 32; bf16 activations)
+      cpu_int8   torch's int8 weight-only matmul (8-bit codes)
+      cpu_w8a8   torch._int_mm on int8 activations and weights (act_quant=True)
+      triton     fused dequantize + matmul Triton kernels (CUDA; CPU only under TRITON_INTERPRET=1)
+    Each path keeps only its own weight layout (so resident bytes are the packed size); ``qweight()``
+    recovers the exact codes, scales and zeros from any of them.
     """
 
-    def __init__(self, qweight: QuantizedWeight, act_quant: bool = False, compute_dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        qweight: QuantizedWeight,
+        act_quant: bool = False,
+        compute_dtype: torch.dtype = torch.float32,
+        path: str = "auto",
+    ):
         super().__init__()
         if act_quant and qweight.bits != 8:
             raise ValueError("W8A8 needs 8-bit weights")
+        if path not in PATHS + ("auto",):
+            raise ValueError(f"unknown QuantLinear path {path!r}; choose from {PATHS + ('auto',)}")
         self.in_features, self.out_features = qweight.in_features, qweight.out_features
         self.bits, self.group_size, self.act_quant = qweight.bits, qweight.group_size, act_quant
-        self.register_buffer("codes", qweight.codes.to(torch.uint8))
-        self.register_buffer("scales", qweight.scales.to(compute_dtype))
-        self.register_buffer("zeros", qweight.zeros.to(compute_dtype))
+        self.compute_dtype = compute_dtype  # activation dtype the fast paths prepare their scales in
+        self.auto = path == "auto"  # re-pick the path whenever the input's device type changes
+        self.auto_device: str | None = None
+        self.register_buffer("scales", qweight.scales.float().contiguous())  # [out, n_groups]
+        self.register_buffer("zeros", qweight.zeros.float().contiguous())  # [out, n_groups]
         self.register_buffer("g_idx", None if qweight.g_idx is None else qweight.g_idx.to(torch.int32))
         self.register_buffer("bias", None if qweight.bias is None else qweight.bias.to(compute_dtype))
-        self.path = "reference"  # which forward implementation runs; fast paths set this
+        self.path = "reference"
+        self.store(qweight.codes, "reference")
+        if path != "auto":
+            self.set_path(path)
+
+    # ---- storage ----------------------------------------------------------------------------------------
+
+    def store(self, codes: Tensor, path: str) -> None:
+        """Keep the codes in the layout `path` reads, dropping every other layout."""
+        from quantize.kernels import cpu
+
+        for name in ("packed_codes", "int4_weight", "int4_scales_zeros", "int8_weight", "in_perm", "zero_shift"):
+            self._buffers.pop(name, None)
+        self.path = path
+        if path in ("reference", "triton"):
+            from quantize.packing import block_shape, pack_codes
+
+            per_block = block_shape(self.bits)[0]
+            k_pad = -(-self.in_features // per_block) * per_block
+            padded = F.pad(codes.t().to(torch.int32), (0, 0, 0, k_pad - self.in_features))
+            # [k_pad * bits / 32, out] int32, GPTQ's layout (low bits first, 3-bit codes straddle words)
+            self.register_buffer("packed_codes", pack_codes(padded, self.bits).to(codes.device))
+            return
+        perm = cpu.contiguous_group_order(self.g_idx, self.group_size, self.in_features)
+        self.register_buffer("in_perm", perm)
+        if path == "cpu_int4":
+            weight, scales_zeros, self.int4_group = cpu.int4_pack(codes, self.scales, self.zeros, self.group_size, perm)
+            self.register_buffer("int4_weight", weight)
+            self.register_buffer("int4_scales_zeros", scales_zeros)
+        else:  # cpu_int8, cpu_w8a8
+            self.register_buffer("int8_weight", cpu.int8_pack(codes, self.group_size, perm))
+            shift = self.zeros - 128
+            self.register_buffer("zero_shift", None if bool((shift == 0).all()) else shift.to(self.compute_dtype))
+        self.compact_scales()
+
+    def compact_scales(self) -> None:
+        """fp16 scales and uint8 zeros when that is exact (what checkpoints store): fewer resident bytes."""
+        if torch.equal(self.scales.half().float(), self.scales.float()):
+            self.scales = self.scales.half()
+        z = self.zeros.float()
+        if torch.equal(z, z.round()) and float(z.min()) >= 0 and float(z.max()) <= 255:
+            self.zeros = z.to(torch.uint8)
+
+    def codes_now(self) -> Tensor:
+        """The uint8 codes [out, in], recovered from whichever layout this path keeps."""
+        from quantize.kernels import cpu
+
+        if "packed_codes" in self._buffers:  # by layout, not path name: subclasses may rename paths
+            from quantize.packing import block_shape, unpack_codes
+
+            per_block = block_shape(self.bits)[0]
+            k_pad = -(-self.in_features // per_block) * per_block
+            return unpack_codes(self.packed_codes.cpu(), self.bits, k_pad)[: self.in_features].t().contiguous()
+        if "int4_weight" in self._buffers:
+            n_sub = self.int4_scales_zeros.shape[0]
+            return cpu.int4_unpack(
+                self.int4_weight, self.int4_group, n_sub, self.out_features, self.in_features, self.in_perm
+            )
+        n, k = self.out_features, self.in_features
+        return cpu.int8_unpack(self.int8_weight.cpu(), n, k, self.group_size, self.in_perm)
+
+    def set_path(self, path: str, pin: bool = True) -> QuantLinear:
+        """Switch to another path (re-laying out the codes); raises if this layer cannot take it.
+        pin=True (the default for callers) stops ``auto`` from switching it again."""
+        self.auto = self.auto and not pin
+        if path not in PATHS:
+            raise ValueError(f"unknown QuantLinear path {path!r}; choose from {PATHS}")
+        reason = self.unsupported_reason(path)
+        if reason:
+            raise ValueError(f"path {path!r} cannot run this layer: {reason}")
+        if path != self.path:
+            device = self.scales.device
+            codes = self.codes_now()
+            self.scales, self.zeros = self.scales.float(), self.zeros.float()
+            self.store(codes.to(device), path)
+        return self
+
+    def unsupported_reason(self, path: str) -> str | None:
+        from quantize.kernels import cpu
+
+        if path in ("reference", "triton"):
+            return None
+        if path == "cpu_w8a8" and not self.act_quant:
+            return "cpu_w8a8 quantizes activations; build the layer with act_quant=True"
+        if path != "cpu_w8a8" and self.act_quant:
+            return "act_quant=True layers run on cpu_w8a8, reference or triton"
+        if path == "cpu_int4" and not cpu.int4_supported(self.bits, self.group_size, self.out_features):
+            return "cpu_int4 needs <= 4 bits, a group size that is a multiple of 32 and out_features % 16 == 0"
+        if path in ("cpu_int8", "cpu_w8a8") and self.bits != 8:
+            return f"{path} needs 8-bit codes"
+        try:
+            cpu.contiguous_group_order(self.g_idx, self.group_size, self.in_features)
+        except ValueError as err:
+            return str(err)
+        return None
+
+    def auto_path(self, device: torch.device) -> str:
+        if device.type == "cuda":
+            return "triton"
+        preferred = "cpu_w8a8" if self.act_quant else ("cpu_int8" if self.bits == 8 else "cpu_int4")
+        return preferred if self.unsupported_reason(preferred) is None else "reference"
+
+    def weight_bytes(self) -> int:
+        """Resident bytes of this layer's tensors in its current layout (weights, scales, zeros, indices)."""
+        return sum(b.numel() * b.element_size() for b in self.buffers())
+
+    # ---- the nn.Linear face ------------------------------------------------------------------------------
 
     @property
     def weight(self) -> Tensor:
         """The dequantized weight (for code that inspects .weight; not used by forward fast paths)."""
-        return self.qweight().dequantize(self.scales.dtype)
+        return self.qweight().dequantize(self.compute_dtype)
+
+    @property
+    def codes(self) -> Tensor:
+        return self.codes_now()
 
     def qweight(self) -> QuantizedWeight:
-        return QuantizedWeight(self.codes, self.scales, self.zeros, self.bits, self.group_size, self.g_idx, self.bias)
+        return QuantizedWeight(
+            self.codes_now().to(self.scales.device),
+            self.scales.float(),
+            self.zeros.float(),
+            self.bits,
+            self.group_size,
+            self.g_idx,
+            self.bias,
+        )
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.reference_forward(x)
+        if self.auto and self.auto_device != x.device.type:
+            self.set_path(self.auto_path(x.device), pin=False)
+            self.auto_device = x.device.type
+        if self.path == "reference":
+            return self.reference_forward(x)
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)
+        if self.path == "triton":
+            from quantize.kernels.triton_qmm import quant_matmul
+
+            y = quant_matmul(x2, self)
+        else:
+            from quantize.kernels import cpu
+
+            if self.path == "cpu_int4":
+                y = cpu.int4_mm(x2, self.int4_weight, self.int4_scales_zeros, self.int4_group, self.in_perm)
+            else:
+                mm = cpu.w8a8_mm if self.path == "cpu_w8a8" else cpu.int8_mm
+                y = mm(x2, self.int8_weight, self.scales, self.zero_shift, self.group_size, self.in_perm)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
 
     def reference_forward(self, x: Tensor) -> Tensor:
         w = self.qweight().dequantize(torch.float32)

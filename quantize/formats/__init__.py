@@ -113,12 +113,18 @@ def quantization_config_for(model, quant_config: dict, fmt: str) -> dict:
         )
     else:
         derived.update(quant_method="awq", version="gemm", zero_point=True, modules_to_not_convert=None)
-    for key in ("bits", "group_size", "quant_method", "checkpoint_format", "version", "desc_act"):
-        if key in quant_config and key in derived and quant_config[key] != derived[key]:
-            raise ValueError(
-                f"save_quantized: quant_config[{key!r}] = {quant_config[key]!r} but the layers say {derived[key]!r}"
-            )
-    return {**quant_config, **derived}
+    out = {**quant_config, **derived}
+    for key, value in quant_config.items():
+        if key in derived and value != derived[key]:
+            if key in ("bits", "group_size", "desc_act"):
+                raise ValueError(
+                    f"save_quantized: quant_config[{key!r}] = {value!r} but the layers say {derived[key]!r}"
+                )
+            # e.g. quant_method "rtn": the algorithm, not the format other loaders dispatch on; kept under meta
+            out.setdefault("meta", {})[key] = value
+    if any(m.act_quant for _, m in layers):
+        out["act_quant"] = True  # qspec extension: W8A8 layers quantize activations per token at run time
+    return out
 
 
 def save_quantized(
@@ -194,7 +200,8 @@ def parse_quantization_config(qc: dict) -> dict:
             raise CheckpointError(f"unsupported GPTQ checkpoint_format {fmt!r}; supported: {gptq.CHECKPOINT_FORMATS}")
         if bits not in (2, 3, 4, 8):
             raise CheckpointError(f"unsupported GPTQ bit width {bits}")
-        return {"method": "gptq", "format": fmt, "bits": bits, "group_size": group_size}
+        act_quant = bool(qc.get("act_quant", False))
+        return {"method": "gptq", "format": fmt, "bits": bits, "group_size": group_size, "act_quant": act_quant}
     if method == "awq":
         version = str(qc.get("version", "gemm")).lower()
         if version not in awq.VERSIONS:
@@ -239,7 +246,9 @@ def load_quantized_into(model, path: str | Path, quantization_config: dict, dtyp
                 )
             used.update(k for k in tensors if k.startswith(prefix + "."))
             qparts.append((prefix, qw))
-        set_module(model, module_name, QuantLinear(concat_rows(module_name, qparts), compute_dtype=dtype))
+        act_quant = qc.get("act_quant", False) and qc["bits"] == 8
+        layer = QuantLinear(concat_rows(module_name, qparts), act_quant=act_quant, compute_dtype=dtype)
+        set_module(model, module_name, layer)
     load_dense_params(model, tensors, used)
     unused = sorted(set(tensors) - used)
     if unused:

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from quantize.formats.errors import CheckpointError, expect_tensor
-from quantize.formats.packing import pack_codes_awq, unpack_codes_awq
+from quantize.packing import pack_codes_awq, unpack_codes_awq
 from quantize.qlinear import QuantizedWeight
 
 VERSIONS = ("gemm",)

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from quantize.formats.errors import CheckpointError, expect_tensor
-from quantize.formats.packing import block_shape, pack_codes, unpack_codes
+from quantize.packing import block_shape, pack_codes, unpack_codes
 from quantize.qlinear import QuantizedWeight
 
 CHECKPOINT_FORMATS = ("gptq", "gptq_v2")

@@ -1,0 +1,158 @@
+"""CPU fast paths on torch's packed ops, with the layout conversions they need.
+
+- int4 (and 2/3-bit codes, which fit in 4 bits): ``aten._weight_int4pack_mm_for_cpu``. Its dequantization is
+  tinygemm's ``(q - 8) * scale + zero``; ours is ``(q - z) * s``, so zero = (8 - z) * s. It needs contiguous
+  groups of 32/64/128/256 columns: act-order columns are permuted so each group is contiguous (the input is
+  gathered with the same permutation), and a larger group is split into sub-groups that repeat its scale.
+- int8 weight-only: ``aten._weight_int8pack_mm`` (per output channel scales), once per group, on codes - 128;
+  an asymmetric zero point adds a rank-1 correction: x @ ((q - z) s)^T = s (x @ (q - 128)^T) - s (z - 128) sum(x).
+- W8A8: ``torch._int_mm`` on int8 activations (dynamic per-token scales) and int8 codes, exact int32 sums.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+INT4_GROUP_SIZES = (256, 128, 64, 32)
+
+
+def contiguous_group_order(g_idx: Tensor | None, group_size: int, in_features: int) -> Tensor | None:
+    """A column permutation that makes every group contiguous (act-order), None when already contiguous.
+
+    Raises ValueError when the groups do not have group_size columns each (last one excepted).
+    """
+    if g_idx is None:
+        return None
+    g = g_idx.long()
+    n_groups = -(-in_features // group_size)
+    expected = torch.full((n_groups,), group_size)
+    expected[-1] = in_features - group_size * (n_groups - 1)
+    if not torch.equal(torch.bincount(g, minlength=n_groups), expected):
+        raise ValueError("act-order groups do not each hold group_size columns; no contiguous reordering")
+    perm = torch.argsort(g, stable=True)
+    return None if torch.equal(perm, torch.arange(in_features)) else perm
+
+
+def int4_subgroup_size(group_size: int, in_features: int) -> int | None:
+    """The kernel's group size: the largest of 256/128/64/32 dividing group_size, preferring no K padding."""
+    fits = [g for g in INT4_GROUP_SIZES if group_size % g == 0]
+    return next((g for g in fits if in_features % g == 0), fits[0] if fits else None)
+
+
+def int4_supported(bits: int, group_size: int, out_features: int) -> bool:
+    return bits <= 4 and out_features % 16 == 0 and int4_subgroup_size(group_size, group_size) is not None
+
+
+def int4_pack(codes: Tensor, scales: Tensor, zeros: Tensor, group_size: int, perm: Tensor | None):
+    """codes [N, K] (groups contiguous after perm) -> (packed uint8, scales_and_zeros [K_pad/gk, N, 2], gk)."""
+    n, k = codes.shape
+    gk = int4_subgroup_size(group_size, k)
+    k_pad = -(-k // gk) * gk
+    if perm is not None:
+        codes = codes[:, perm]
+    codes = torch.nn.functional.pad(codes.to(torch.int32), (0, k_pad - k))  # padded columns meet zero inputs
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 2)
+    group = torch.arange(0, k_pad, gk).clamp(max=k - 1) // group_size  # group of each sub-group's first column
+    s, z = scales.float()[:, group], zeros.float()[:, group]  # [N, K_pad / gk]
+    scales_and_zeros = torch.stack([s.t(), ((8 - z) * s).t()], dim=-1).to(torch.bfloat16).contiguous()
+    return packed, scales_and_zeros, gk
+
+
+def int4_mm(x: Tensor, packed: Tensor, scales_and_zeros: Tensor, gk: int, perm: Tensor | None) -> Tensor:
+    """x [M, K] -> [M, N] in scales_and_zeros' dtype (bf16): fp32 inputs are rounded to bf16, because the
+    op's fp32 variant runs ~10x slower than bf16 on this CPU (slower than dequantize + fp32 matmul)."""
+    if perm is not None:
+        x = x.index_select(1, perm)
+    k_pad = scales_and_zeros.shape[0] * gk
+    if x.shape[1] != k_pad:
+        x = torch.nn.functional.pad(x, (0, k_pad - x.shape[1]))
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(
+        x.to(scales_and_zeros.dtype).contiguous(), packed, gk, scales_and_zeros
+    )
+
+
+def int4_unpack(packed: Tensor, gk: int, n_groups_k: int, n: int, k: int, perm: Tensor | None) -> Tensor:
+    """Recover the codes [N, K] uint8 from the opaque packed layout: multiply by the identity with scale 1, zero 8."""
+    k_pad = n_groups_k * gk
+    unit = torch.stack([torch.ones(n_groups_k, n), torch.full((n_groups_k, n), 8.0)], dim=-1)
+    eye = torch.eye(k_pad)
+    codes = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, packed.cpu(), gk, unit).t()[:, :k]  # [N, K]
+    codes = codes.round().to(torch.uint8)
+    if perm is None:
+        return codes
+    out = torch.empty_like(codes)
+    out[:, perm.cpu()] = codes
+    return out
+
+
+def group_bounds(in_features: int, group_size: int) -> list[tuple[int, int]]:
+    return [(start, min(start + group_size, in_features)) for start in range(0, in_features, group_size)]
+
+
+def int8_pack(codes: Tensor, group_size: int, perm: Tensor | None) -> Tensor:
+    """codes [N, K] -> flat int8 (codes - 128), group-major so that each group is a contiguous [N, len] block."""
+    if perm is not None:
+        codes = codes[:, perm]
+    signed = (codes.to(torch.int16) - 128).to(torch.int8)
+    n, k = codes.shape
+    return torch.cat([signed[:, a:b].reshape(-1) for a, b in group_bounds(k, group_size)])
+
+
+def int8_blocks(flat: Tensor, n: int, k: int, group_size: int) -> list[Tensor]:
+    """Views [N, len] of each group's block in the flat buffer (no copies)."""
+    blocks, offset = [], 0
+    for a, b in group_bounds(k, group_size):
+        blocks.append(flat[offset : offset + n * (b - a)].view(n, b - a))
+        offset += n * (b - a)
+    return blocks
+
+
+def int8_unpack(flat: Tensor, n: int, k: int, group_size: int, perm: Tensor | None) -> Tensor:
+    codes = torch.cat(int8_blocks(flat, n, k, group_size), dim=1).to(torch.int16) + 128
+    codes = codes.to(torch.uint8)
+    if perm is None:
+        return codes
+    out = torch.empty_like(codes)
+    out[:, perm] = codes
+    return out
+
+
+def int8_mm(
+    x: Tensor, flat: Tensor, scales: Tensor, zero_shift: Tensor | None, group_size: int, perm: Tensor | None
+) -> Tensor:
+    """Weight-only int8: x [M, K] -> [M, N] in x's dtype. scales / zero_shift (= z - 128, or None) are [N, G]."""
+    n, k = scales.shape[0], x.shape[1]
+    if perm is not None:
+        x = x.index_select(1, perm)
+    if scales.dtype != x.dtype:
+        scales = scales.to(x.dtype)
+    y = None
+    for g, ((a, b), w) in enumerate(zip(group_bounds(k, group_size), int8_blocks(flat, n, k, group_size))):
+        xg = x[:, a:b].contiguous()
+        part = torch.ops.aten._weight_int8pack_mm(xg, w, scales[:, g].contiguous())
+        if zero_shift is not None:
+            part = part - xg.sum(-1, keepdim=True) * (scales[:, g] * zero_shift[:, g].to(x.dtype))
+        y = part if y is None else y + part
+    return y
+
+
+def w8a8_mm(
+    x: Tensor, flat: Tensor, scales: Tensor, zero_shift: Tensor | None, group_size: int, perm: Tensor | None
+) -> Tensor:
+    """int8 activations (per-token dynamic, as quantize_activations_per_token) x int8 codes: fp32 [M, N]."""
+    from quantize.qlinear import quantize_activations_per_token
+
+    n, k = scales.shape[0], x.shape[1]
+    q, x_scale = quantize_activations_per_token(x)
+    if perm is not None:
+        q = q.index_select(1, perm)
+    acc = None
+    for g, ((a, b), w) in enumerate(zip(group_bounds(k, group_size), int8_blocks(flat, n, k, group_size))):
+        qg = q[:, a:b].contiguous()
+        dots = torch._int_mm(qg, w.t())  # [M, N] exact int32
+        if zero_shift is not None:
+            dots = dots - qg.sum(-1, keepdim=True, dtype=torch.int32) * zero_shift[:, g].to(torch.int32)
+        part = dots.float() * scales[:, g].float()
+        acc = part if acc is None else acc + part
+    return acc * x_scale
