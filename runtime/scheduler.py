@@ -2,12 +2,13 @@
 
 Continuous batching (the default) admits waiting requests and retires finished ones at every step; the
 static mode admits a batch only when the previous batch has fully finished (the comparison baseline).
-Each step has a token budget: running sequences go first (a decode costs one token; a prompt still being
-prefilled costs the rest of its prompt, cut to the budget when chunked prefill is on, so a long prompt
-cannot stall everyone's decode), then waiting requests are admitted in arrival order while budget, batch
-slots and KV blocks last. When a running sequence needs a block and none is free, the most recently
-admitted running sequence is preempted: its blocks are freed and it goes back to the front of the queue,
-to be recomputed from its prompt and the tokens it has generated so far.
+Each step has a token budget: running sequences go first, decodes before prompts still being prefilled
+(a decode costs one token; a prompt costs the rest of its tokens, cut to the remaining budget when
+chunked prefill is on, so a long prompt cannot stall everyone's decode), then waiting requests are
+admitted in arrival order while budget, batch slots and KV blocks last. When a running sequence needs a
+block and none is free, the most recently admitted running sequence not yet scheduled is preempted: its
+blocks are freed and it goes back to the front of the queue, to be recomputed from its prompt and the
+tokens it has generated so far.
 """
 
 from __future__ import annotations
@@ -147,28 +148,32 @@ class Scheduler:
         work: list[ScheduledWork] = []
         preempted: list[Sequence] = []
 
-        # 1. running sequences, oldest first; make room by preempting the newest
-        i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
+        # 1. running sequences: decodes first (a long prompt's chunks must not starve them), then prompts
+        # still being prefilled, each group oldest first; make room by preempting the newest unscheduled
+        scheduled: set[int] = set()
+        decoding = [s for s in self.running if s.num_uncomputed == 1]
+        for seq in decoding + [s for s in self.running if s.num_uncomputed > 1]:
+            if budget <= 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
+                continue
             n = seq.num_uncomputed
             if self.config.chunked_prefill:
                 n = min(n, budget)
             elif n > budget:
-                i += 1
                 continue
             while not self.blocks.can_allocate(seq, seq.num_computed_tokens + n):
-                victim = self.running[-1]
+                victim = next(s for s in reversed(self.running) if id(s) not in scheduled)  # seq at the latest
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is seq:
                     break
             if seq.status is not SequenceStatus.RUNNING:  # it preempted itself
-                break
+                continue
             self.blocks.allocate(seq, seq.num_computed_tokens + n)
             work.append(ScheduledWork(seq, n))
+            scheduled.add(id(seq))
             budget -= n
-            i += 1
 
         # 2. admissions (none in a step that had to preempt: memory is tight)
         # a static batch is admitted whole (up to max_num_seqs) even when its prompts exceed one budget

@@ -128,3 +128,30 @@ def test_lru_evicts_least_recently_freed_cached_block_first():
     bm.allocate(fresh, 6)  # 3 blocks: 2 never-hashed, then the LRU cached one (seq 0's prefix)
     assert first_prefix_block in fresh.block_table
     assert bm.match_prefix([0, 1, 2]).num_blocks == 0 and bm.match_prefix([10, 11, 12]).num_blocks == 1
+
+
+def test_chunked_long_prompt_does_not_stall_running_decodes():
+    bm = BlockManager(num_blocks=64, block_size=4)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8), bm)
+    old = Sequence("old", [1, 2, 3], 3, SamplingParams(max_tokens=50))
+    sched.add(old)
+    work = sched.schedule().work
+    old.num_computed_tokens += work[0].num_tokens
+    old.token_ids.append(5)  # now decoding
+    long = Sequence("long", list(range(2, 102)), 100, SamplingParams(max_tokens=2))
+    newer = Sequence("newer", [7, 8], 2, SamplingParams(max_tokens=50))
+    sched.add(long)
+    sched.add(newer)
+    steps = 0
+    while long.num_computed_tokens < 100:
+        out = sched.schedule()
+        tokens = {w.seq.request_id: w.num_tokens for w in out.work}
+        assert out.num_tokens <= 8 and tokens["old"] == 1, tokens  # the decode runs every step
+        if newer.status is SequenceStatus.RUNNING and newer.num_uncomputed == 1:
+            assert tokens.get("newer") == 1, tokens  # so does a decode admitted after the long prompt
+        for w in out.work:
+            w.seq.num_computed_tokens += w.num_tokens
+            if w.seq.num_computed_tokens == w.seq.num_tokens:
+                w.seq.token_ids.append(9)
+        steps += 1
+    assert steps >= 100 // 8

@@ -270,3 +270,22 @@ def test_bounded_fuzz_of_malformed_requests_and_disconnects(server, oracle):
 
     asyncio.run(run())
     assert min(stats.values()) > 0, stats
+
+
+def test_loadgen_cli_against_the_server(server, tiny_checkpoint, tmp_path, capsys):
+    from evals import loadgen
+
+    out = tmp_path / "load.json"
+    loadgen.main(["--url", server, "--model", str(tiny_checkpoint), "--num-requests", "6", "--arrival", "poisson",
+                  "--rate", "50", "--max-prompt-tokens", "32", "--min-output-tokens", "3", "--max-output-tokens", "9",
+                  "--slo-ttft-ms", "60000", "--out", str(out)])  # fmt: skip
+    printed = capsys.readouterr().out
+    assert "TTFT" in printed and "goodput" in printed
+    record = json.loads(out.read_text())
+    summary = record["summary"]
+    assert summary["completed"] == 6 and summary["failed"] == 0
+    assert all(3 <= r["output_tokens"] <= 9 for r in record["requests"])  # lengths enforced with ignore_eos
+    assert summary["output_tokens"] == sum(r["output_tokens"] for r in record["requests"])
+    assert summary["ttft_s"]["p50"] <= summary["e2e_s"]["p50"] and summary["goodput"] > 0
+    for key in ("git_sha", "versions", "device", "command", "seed", "config"):
+        assert key in record

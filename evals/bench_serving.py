@@ -1,0 +1,193 @@
+"""Serving benchmark: ``python -m evals.bench_serving --model smollm2-135m``.
+
+Drives the serving engine in-process (no HTTP, so the numbers are the scheduler's and the model's; the
+HTTP path is measured by ``evals.loadgen``) with a closed loop of C requests in flight: a new request is
+added the moment one finishes. Two parts:
+
+1. batching: continuous vs static batching at each concurrency (default 1, 4, 16) on wiki prompts with
+   mixed output lengths: output-token throughput, TTFT P50/P99, TPOT. Bars: continuous batching at the
+   highest concurrency reaches >= 3x the output-token throughput of concurrency 1, and beats static
+   batching on TTFT P99.
+2. prefix caching: requests sharing a ~1k-token system prompt, one at a time, with and without prefix
+   caching. Bar: median TTFT cut >= 3x.
+
+Modes are interleaved per concurrency level, and every claim is a ratio within this one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from evals.loadgen import WorkItem, build_workload
+from evals.metrics import RequestRecord, distribution, summarize
+from evals.record import provenance
+from runtime.engine import EngineConfig, LLMEngine
+from runtime.sampling import SamplingParams
+
+
+def run_closed_loop(engine: LLMEngine, items: list[WorkItem], concurrency: int) -> tuple[list[RequestRecord], float]:
+    """Keep `concurrency` requests in flight until all items are served; records from engine timestamps."""
+    pending = list(items)
+    records: list[RequestRecord] = []
+    start = time.perf_counter()
+
+    def admit() -> None:
+        item = pending.pop(0)
+        engine.add_request(item.prompt_ids, SamplingParams(max_tokens=item.output_tokens, ignore_eos=True))
+
+    for _ in range(min(concurrency, len(pending))):
+        admit()
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                records.append(
+                    RequestRecord(
+                        send_time=out.arrival_time,
+                        token_times=out.token_times,
+                        end_time=out.token_times[-1],
+                        prompt_tokens=out.num_prompt_tokens,
+                        output_tokens=len(out.output_ids),
+                    )
+                )
+                if pending:
+                    admit()
+    return records, time.perf_counter() - start
+
+
+def bench_batching(model, tokenizer, args) -> dict:
+    results: dict[str, dict] = {}
+    for c in args.concurrency:
+        n = args.num_requests or max(6, 2 * c)
+        items = build_workload(
+            tokenizer, n, args.seed, max_prompt_tokens=args.max_prompt_tokens,
+            min_output_tokens=args.min_output_tokens, max_output_tokens=args.max_output_tokens,
+        )  # fmt: skip
+        for policy in ("continuous", "static"):
+            config = EngineConfig(
+                max_num_seqs=c, max_num_batched_tokens=args.max_num_batched_tokens, policy=policy,
+                kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)), enable_prefix_caching=False,
+            )  # fmt: skip
+            engine = LLMEngine(model, tokenizer, config)
+            records, duration = run_closed_loop(engine, items, c)
+            summary = summarize(records, duration)
+            results[f"{policy}@{c}"] = summary
+            print(
+                f"{policy:<11} c={c:<3} n={n:<3} {summary['output_token_throughput']:7.1f} out tok/s   "
+                f"TTFT P50 {summary['ttft_s']['p50'] * 1e3:8.1f} ms  P99 {summary['ttft_s']['p99'] * 1e3:8.1f} ms   "
+                f"TPOT P50 {summary['tpot_s']['p50'] * 1e3:6.1f} ms   ({duration:.1f} s)",
+                flush=True,
+            )
+    return results
+
+
+def bench_prefix(model, tokenizer, args) -> dict:
+    from runtime.data import wiki_text
+
+    text_ids = tokenizer(wiki_text("eval")[:20000], add_special_tokens=False).input_ids
+    system = text_ids[: args.system_prompt_tokens]
+    items = build_workload(
+        tokenizer, args.prefix_requests, args.seed + 7, prompt_tokens=args.question_tokens,
+        output_tokens=args.prefix_output_tokens, prefix_ids=system,
+    )  # fmt: skip
+    out = {}
+    for enabled in (False, True):
+        config = EngineConfig(
+            max_num_seqs=1, max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=enabled,
+            kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)),
+        )  # fmt: skip
+        engine = LLMEngine(model, tokenizer, config)
+        records, duration = run_closed_loop(engine, items, 1)
+        key = "prefix_caching_on" if enabled else "prefix_caching_off"
+        out[key] = summarize(records, duration)
+        out[key]["prefix_cache_hit_rate"] = engine.block_manager.prefix_hit_rate
+        ttft = distribution([r.ttft for r in records])
+        print(
+            f"prefix caching {'on ' if enabled else 'off'}  system prompt {len(system)} tok, n={len(items)}: "
+            f"TTFT P50 {ttft['p50'] * 1e3:8.1f} ms  mean {ttft['mean'] * 1e3:8.1f} ms   "
+            f"hit rate {engine.block_manager.prefix_hit_rate:.1%}",
+            flush=True,
+        )
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    from runtime.generate import DTYPES
+    from runtime.loader import DEFAULT_MODEL, load_model, load_tokenizer
+
+    ap = argparse.ArgumentParser(prog="python -m evals.bench_serving", description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=DEFAULT_MODEL)
+    ap.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--num-requests", type=int, default=None, help="per level (default: max(6, 2 x concurrency))")
+    ap.add_argument("--max-prompt-tokens", type=int, default=128)
+    ap.add_argument("--min-output-tokens", type=int, default=8)
+    ap.add_argument("--max-output-tokens", type=int, default=96)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=512)
+    ap.add_argument("--kv-cache-gb", type=float, default=1.0)
+    ap.add_argument("--system-prompt-tokens", type=int, default=1024)
+    ap.add_argument("--question-tokens", type=int, default=24)
+    ap.add_argument("--prefix-requests", type=int, default=6)
+    ap.add_argument("--prefix-output-tokens", type=int, default=8)
+    ap.add_argument("--skip", choices=["batching", "prefix"], action="append", default=[])
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--out", type=Path, default=None, help="JSON record path")
+    args = ap.parse_args(argv)
+    if any(c < 1 for c in args.concurrency):
+        ap.error("--concurrency values must be >= 1")
+    for name in ("max_prompt_tokens", "min_output_tokens", "max_output_tokens", "system_prompt_tokens",
+                 "question_tokens", "prefix_requests", "prefix_output_tokens", "max_num_batched_tokens"):  # fmt: skip
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.num_requests is not None and args.num_requests < 1:
+        ap.error("--num-requests must be >= 1")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    model, _, path = load_model(args.model, dtype=DTYPES[args.dtype])
+    tokenizer = load_tokenizer(str(path))
+    record = {
+        **provenance(args.seed),
+        "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+    }
+    bars = {}
+    if "batching" not in args.skip:
+        batching = record["batching"] = bench_batching(model, tokenizer, args)
+        lo, hi = min(args.concurrency), max(args.concurrency)
+        speedup = (
+            batching[f"continuous@{hi}"]["output_token_throughput"]
+            / batching[f"continuous@{lo}"]["output_token_throughput"]
+        )
+        print(f"\ncontinuous throughput c={hi} / c={lo}: {speedup:.2f}x  (bar >= 3x)")
+        bars["continuous_throughput_ratio"] = speedup
+        for c in args.concurrency:
+            s, cont = batching[f"static@{c}"], batching[f"continuous@{c}"]
+            ratio = s["ttft_s"]["p99"] / cont["ttft_s"]["p99"]
+            tput = cont["output_token_throughput"] / s["output_token_throughput"]
+            print(f"c={c:<3} TTFT P99 static / continuous: {ratio:.2f}x   throughput continuous / static: {tput:.2f}x")
+            bars[f"ttft_p99_static_over_continuous@{c}"] = ratio
+        bars["throughput_bar_met"] = speedup >= 3
+        bars["ttft_p99_bar_met"] = bars[f"ttft_p99_static_over_continuous@{hi}"] > 1
+    if "prefix" not in args.skip:
+        prefix = record["prefix"] = bench_prefix(model, tokenizer, args)
+        cut = prefix["prefix_caching_off"]["ttft_s"]["p50"] / prefix["prefix_caching_on"]["ttft_s"]["p50"]
+        print(f"median TTFT without / with prefix caching: {cut:.2f}x  (bar >= 3x)")
+        bars["prefix_ttft_median_ratio"] = cut
+        bars["prefix_bar_met"] = cut >= 3
+    record["bars"] = bars
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(record, indent=2))
+        print(f"wrote {args.out}")
+    if not all(v for k, v in bars.items() if k.endswith("_met")):
+        print("some bars are not met (see above)", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
