@@ -317,39 +317,62 @@ def engine_row(ctx, params: dict) -> Variant:
 
 
 def speculative_row(ctx, params: dict) -> Variant:
-    """Wired against issue 5's interface: ``speculate.build_speculator(name, target, tokenizer, path,
-    **settings)`` returning an engine Speculator, run inside runtime.engine with k = params.k."""
+    """issue 5's public entry points: ``speculate.cli.build_speculator`` and
+    ``speculate.generate.speculative_generate``. The greedy column always decodes greedily (the lossless
+    speculators must reproduce plain greedy output exactly); the speed column runs at the row's temperature
+    against plain decoding at the same temperature. The teacher-forced columns score the target itself:
+    speculation never changes the model, only how many target forwards a token costs."""
     try:
-        from speculate import build_speculator  # noqa: F401
+        from speculate.base import SpeculatorError
+        from speculate.cli import build_speculator
+        from speculate.generate import speculative_generate
     except ImportError as err:
-        raise RowUnavailable(f"speculate.build_speculator is not in this checkout (issue 5): {err}") from err
-    from runtime.engine import EngineConfig, LLMEngine
+        raise RowUnavailable(f"speculate.cli.build_speculator is not in this checkout (issue 5): {err}") from err
 
     m = ctx.model
     name = params.get("speculator")
     k = int(params.get("k", 4))
     temperature = float(params.get("temperature", 0.0))
     settings = dict(params.get("settings", {}))
+    try:
+        spec = build_speculator(name, m, ctx.path or "", k=k, **settings)
+    except TypeError as err:
+        raise ValueError(f"rows.params.settings: {err}") from err
+    except (SpeculatorError, FileNotFoundError, OSError) as err:  # e.g. Medusa heads not trained yet
+        raise RowUnavailable(f"{name}: {err}") from err
 
-    def make_engine():
-        spec = build_speculator(name, m, ctx.tokenizer, ctx.path, **settings)
-        return LLMEngine(m, ctx.tokenizer, EngineConfig(max_num_seqs=1, num_speculative_tokens=k), speculator=spec)
+    def run(temp: float):
+        def go(prompts, max_tokens):
+            p = SamplingParams(temperature=temp, max_tokens=max_tokens, ignore_eos=True, seed=ctx.cfg.seed)
+            out = speculative_generate(m, [list(q) for q in prompts], p, spec)
+            # one row at a time (batch 1) would be slower to aggregate; the loop batches rows itself
+            stats = out.stats.to_dict()
+            ctx.spec_stats = {
+                key: stats[key]
+                for key in ("acceptance_rate", "mean_accepted_per_step", "target_forwards_per_token", "drafted")
+                if key in stats
+            }
+            return out.tokens
 
-    def spec_generate(prompts, max_tokens):
+        return go
+
+    def plain(prompts, max_tokens):
+        from runtime.generate import generate
+
         p = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True, seed=ctx.cfg.seed)
-        engine = make_engine()
-        outs = [engine.generate([q], p)[0].output_ids for q in prompts]
-        ctx.spec_stats = {"proposed": engine.num_spec_proposed, "accepted": engine.num_spec_accepted}
-        return outs
+        return [generate(m, [list(q)], p).tokens[0] for q in prompts]
+
+    def speculative_batch1(prompts, max_tokens):
+        return [run(temperature)([q], max_tokens)[0] for q in prompts]
 
     return Variant(
-        greedy=spec_generate,
-        timed=spec_generate,
-        baseline_timed=None,
-        engine_logits=None,
-        scorer=model_scorer(m),  # the target scores: speculation does not change the model
+        greedy=run(0.0),
+        timed=speculative_batch1,
+        baseline_timed=plain,
+        baseline_name=f"plain decoding, batch 1, temperature {temperature:g}",
+        scorer=model_scorer(m),
         model=m,
-        extra={"speculator": name, "k": k, "temperature": temperature},
+        extra={"speculator": spec.name, "k": k, "temperature": temperature, "lossless": spec.lossless},
     )
 
 

@@ -231,6 +231,9 @@ def run_row(ctx: Context, row: Row) -> dict:
     if row.run_bench:
         log(f"row {row.name}: timing against {variant.baseline_name}")
         res["speed"] = time_pair(ctx, variant)
+        if ctx.spec_stats:  # acceptance at the timed temperature
+            res["speculation_timed"] = ctx.spec_stats
+            ctx.spec_stats = None
     res["claim_check"] = check_claim(row.lossless_class, fid, greedy)
     res["row_seconds"] = time.time() - started
     return record

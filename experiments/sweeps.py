@@ -12,7 +12,7 @@ import torch
 from evals.metrics import RequestRecord, distribution, summarize
 from experiments.config import ConfigError
 from experiments.records import append_jsonl, provenance
-from experiments.rows import RowUnavailable, plain_generate, speculative_row
+from experiments.rows import RowUnavailable, speculative_row
 from runtime.generate import DTYPES, generate
 from runtime.sampling import SamplingParams
 
@@ -118,7 +118,7 @@ def spec_k_point(ctx, series: dict, k: int) -> dict:
     params = {key: v for key, v in series.items() if key != "name"}
     variant = speculative_row(ctx, {**params, "k": k})
     prompts = ctx.bench_prompts[: ctx.cfg.bench.prompts]
-    base = plain_generate(ctx.model)
+    base = variant.baseline_timed
     times = {"baseline": [], "variant": []}
     with bench_section():
         for r in range(sw.repeats):
@@ -127,12 +127,13 @@ def spec_k_point(ctx, series: dict, k: int) -> dict:
                 t0 = time.perf_counter()
                 fn(prompts, sw.new_tokens)
                 times[name].append(time.perf_counter() - t0)
-    stats = ctx.spec_stats or {}
+    stats = ctx.spec_stats or {}  # from the last timed speculative run
     ctx.spec_stats = None
-    proposed, accepted = stats.get("proposed", 0), stats.get("accepted", 0)
     return {
         "k": k,
-        "acceptance_rate": accepted / proposed if proposed else float("nan"),
+        "acceptance_rate": stats.get("acceptance_rate", float("nan")),
+        "mean_accepted_per_step": stats.get("mean_accepted_per_step", float("nan")),
+        "target_forwards_per_token": stats.get("target_forwards_per_token", float("nan")),
         "speedup": min(times["baseline"]) / min(times["variant"]),
         "baseline_s": min(times["baseline"]),
         "variant_s": min(times["variant"]),
