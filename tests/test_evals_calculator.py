@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from evals.calculator import CalculatorError, Shapes, calculate, count_params, parse_quantity
+from evals.calculator import CalculatorError, Shapes, calculate, count_params, main, parse_quantity
 from runtime.config import ModelConfig
 from runtime.model import Transformer
 
@@ -140,40 +138,31 @@ def test_parse_quantity_units():
         parse_quantity("12XB", "B/s")
 
 
-def test_bad_inputs_name_the_problem(tmp_path):
+def test_bad_inputs_name_the_problem(tmp_path, capsys):
     with pytest.raises(CalculatorError, match="num_hidden_layers"):
         calculate({k: v for k, v in QWEN3_06B.items() if k != "num_hidden_layers"})
     with pytest.raises(CalculatorError, match="dtype 'fp7'"):
         calculate(QWEN3_06B, dtype="fp7")
     bad = tmp_path / "config.json"
     bad.write_text("{not json")
-    out = subprocess.run(
-        [sys.executable, "-m", "evals.calculator", "--config", str(bad)], capture_output=True, text=True
-    )
-    assert out.returncode == 2 and "not valid JSON" in out.stderr
-    out = subprocess.run(
-        [sys.executable, "-m", "evals.calculator", "--config", str(tmp_path / "missing.json")],
-        capture_output=True,
-        text=True,
-    )
-    assert out.returncode == 2 and "config not found" in out.stderr
+    for path, message in ((bad, "not valid JSON"), (tmp_path / "missing.json", "config not found")):
+        with pytest.raises(SystemExit) as exit_:
+            main(["--config", str(path)])
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and message in err and "Traceback" not in err
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps(QWEN3_06B))
+    with pytest.raises(SystemExit) as exit_:
+        main(["--config", str(good), "--bandwidth", "lots"])
+    assert exit_.value.code == 2 and "'lots'" in capsys.readouterr().err
 
 
-def test_cli_prints_gb_and_gib_apart(tmp_path):
+def test_cli_prints_gb_and_gib_apart(tmp_path, capsys):
     path = tmp_path / "config.json"
     path.write_text(json.dumps({**MADE_UP_8B, "head_dim": 128}))
-    out = subprocess.run(
-        [sys.executable, "-m", "evals.calculator", "--config", str(path), "--context", "8192", "--json"],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    report = json.loads(out.stdout)
+    main(["--config", str(path), "--context", "8192", "--json"])
+    report = json.loads(capsys.readouterr().out)
     assert report["kv_bytes_per_sequence"] == 1_073_741_824
-    text = subprocess.run(
-        [sys.executable, "-m", "evals.calculator", "--config", str(path), "--context", "8192"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    assert "1.07 GB (1.00 GiB)" in text
+    main(["--config", str(path), "--context", "8192", "--memory", "80GB"])
+    text = capsys.readouterr().out
+    assert "1.07 GB (1.00 GiB)" in text and "80.00 GB (74.51 GiB)" in text
