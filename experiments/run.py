@@ -13,9 +13,7 @@ torch's default thread count; evaluations run single-threaded so the shared mach
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
-import fcntl
 import math
 import statistics
 import sys
@@ -26,42 +24,10 @@ from pathlib import Path
 import torch
 
 from evals.fidelity import FidelityAccumulator, compare_teacher_forced, model_scorer, token_match
+from experiments.bench import DEFAULT_THREADS, LOCKING, bench_section, log
 from experiments.config import ConfigError, ExperimentConfig, Row, load_config
 from experiments.records import append_jsonl, module_command, provenance
 from experiments.rows import ROWS, RowUnavailable, Variant, plain_generate, weight_bytes
-
-BENCH_LOCK = "/tmp/qspec-bench.lock"
-DEFAULT_THREADS = torch.get_num_threads()
-
-
-def log(msg: str) -> None:
-    print(f"[qspec] {msg}", file=sys.stderr, flush=True)
-
-
-LOCKING = {"enabled": True}
-
-
-@contextlib.contextmanager
-def bench_section():
-    """Exclusive benchmark lock (shared with every qspec benchmark on this machine) and default threads."""
-    with open(BENCH_LOCK, "a") as lock:
-        if LOCKING["enabled"]:
-            log("waiting for the benchmark lock" if not try_lock(lock) else "benchmark lock taken")
-            fcntl.flock(lock, fcntl.LOCK_EX)
-        torch.set_num_threads(DEFAULT_THREADS)
-        try:
-            yield
-        finally:
-            torch.set_num_threads(1)
-            fcntl.flock(lock, fcntl.LOCK_UN)
-
-
-def try_lock(lock) -> bool:
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
-    except BlockingIOError:
-        return False
 
 
 @dataclass

@@ -42,7 +42,7 @@ def series_model(ctx, series: dict):
 
 
 def prompt_length_point(ctx, series: dict, length: int) -> dict:
-    from experiments.run import bench_section
+    from experiments.bench import bench_section
 
     sw = ctx.cfg.sweep
     model = series_model(ctx, series)
@@ -70,7 +70,7 @@ def prompt_length_point(ctx, series: dict, length: int) -> dict:
 
 
 def concurrency_point(ctx, series: dict, concurrency: int) -> dict:
-    from experiments.run import bench_section
+    from experiments.bench import bench_section
     from runtime.engine import EngineConfig, LLMEngine
 
     sw = ctx.cfg.sweep
@@ -112,7 +112,7 @@ def concurrency_point(ctx, series: dict, concurrency: int) -> dict:
 
 
 def spec_k_point(ctx, series: dict, k: int) -> dict:
-    from experiments.run import bench_section
+    from experiments.bench import bench_section
 
     sw = ctx.cfg.sweep
     params = {key: v for key, v in series.items() if key != "name"}
@@ -144,7 +144,7 @@ POINTS = {"prompt_length": prompt_length_point, "concurrency": concurrency_point
 
 
 def run_sweep(cfg, ctx, series: list[dict], records_path: Path, base: dict) -> list[dict]:
-    from experiments.run import log
+    from experiments.bench import log
 
     out = []
     for s in series:
