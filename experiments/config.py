@@ -151,7 +151,23 @@ def from_dict(cls, data: dict, where: str = "config"):
     return cls(**kwargs)
 
 
-def load_config(path: str | Path) -> ExperimentConfig:
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """--set evals.task_limit=20 bench.repeats=2: dotted keys, YAML values, validated like the file."""
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--set {item!r}: expected dotted.key=value")
+        node = data
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"--set {item!r}: {part!r} is not a section")
+        node[parts[-1]] = yaml.safe_load(raw)
+    return data
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> ExperimentConfig:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
@@ -161,4 +177,4 @@ def load_config(path: str | Path) -> ExperimentConfig:
         raise ConfigError(f"{path}: not valid YAML: {err}") from err
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping")
-    return from_dict(ExperimentConfig, data)
+    return from_dict(ExperimentConfig, apply_overrides(data, overrides or []))

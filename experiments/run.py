@@ -227,9 +227,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--results-dir", default=None, help="override the config's results_dir")
     ap.add_argument("--no-bench", action="store_true", help="skip the timed sections")
     ap.add_argument("--no-evals", action="store_true", help="skip fidelity and tasks")
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config value, e.g. --set evals.task_limit=20 --set bench.repeats=2 (kept in the records)",
+    )
     args = ap.parse_args(argv)
     try:
-        cfg = load_config(args.config)
+        cfg = load_config(args.config, args.set)
         if args.rows:
             wanted = [r.strip() for r in args.rows.split(",")]
             known = [r.name for r in cfg.rows] + [s.get("name") for s in cfg.sweep.series]

@@ -122,6 +122,15 @@ def test_cli_help(capsys):
     assert exit_.value.code == 0 and "configs/lossless.yaml" in capsys.readouterr().out
 
 
+def test_overrides_are_validated(tmp_path):
+    cfg = load_config(TINY, ["evals.greedy_tokens=5", "bench.repeats=1"])
+    assert cfg.evals.greedy_tokens == 5 and cfg.bench.repeats == 1
+    with pytest.raises(ConfigError, match="evals: unknown key"):
+        load_config(TINY, ["evals.greedy_tokenz=5"])
+    with pytest.raises(ConfigError, match="bench.repeats: expected int"):
+        load_config(TINY, ["bench.repeats=many"])
+
+
 def test_shipped_configs_load():
     for path in sorted((ROOT / "configs").glob("*.yaml")):
         cfg = load_config(path)
