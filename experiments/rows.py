@@ -1,0 +1,388 @@
+"""The experiment rows: each kind builds a Variant from the other packages' public entry points.
+
+A Variant says how to (1) score sequences teacher-forced or, for engine paths that only emit tokens,
+capture the logits they sampled from, (2) generate greedily, (3) build an lm-eval model for tasks,
+(4) time itself against the baseline it claims to speed up. A kind whose package has not landed raises
+RowUnavailable with the missing entry point; the runner records the row as "wired, not run".
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from evals.fidelity import Scorer, batched_scorer, cached_scorer, greedy_outputs, model_scorer
+from evals.naive_attention import naive_attention
+from runtime.sampling import SamplingParams
+
+
+class RowUnavailable(RuntimeError):
+    """The row's implementation (another issue's package) is not in this checkout."""
+
+
+@dataclass
+class Variant:
+    greedy: Callable[[list[list[int]], int], list[list[int]]]  # (prompts, max_tokens) -> outputs
+    timed: Callable[[list[list[int]], int], object]  # what the speed column times
+    baseline_timed: Callable[[list[list[int]], int], object] | None  # None: the plain reference decode
+    baseline_name: str = "plain decode (contiguous cache, batch 1, fp32)"
+    scorer: Scorer | None = None  # teacher-forced logits; None: use engine_logits
+    engine_logits: Callable[[list[list[int]], int], tuple[list[list[int]], list[torch.Tensor]]] | None = None
+    lm_factory: Callable[[], object] | None = None
+    model: object = None  # the model the variant runs (for weight memory)
+    extra: dict = field(default_factory=dict)
+    bench_batch: int = 1  # prompts per timed call (both sides)
+
+
+def weight_bytes(model) -> int:
+    """Bytes of the model's weights as stored: packed size for quantized layers, tied tensors once."""
+    from quantize.qlinear import QuantLinear
+
+    total, seen = 0, set()
+    for module in model.modules():
+        if isinstance(module, QuantLinear):
+            total += module.qweight().weight_bytes()
+            seen.update(id(b) for b in module.buffers(recurse=False))
+            continue
+        for p in module.parameters(recurse=False):
+            if id(p) not in seen:
+                seen.add(id(p))
+                total += p.numel() * p.element_size()
+    return total
+
+
+def plain_generate(model, batch: int = 1, use_cache: bool = True):
+    def run(prompts, max_tokens):
+        return greedy_outputs(model, prompts, max_tokens, batch_size=batch, use_cache=use_cache)
+
+    return run
+
+
+def qspec_lm(ctx, model, score_mode: str = "cache", batch_size: int = 8):
+    from evals.lm_eval_adapter import QspecLM
+
+    return lambda: QspecLM(model=model, tokenizer=ctx.tokenizer, batch_size=batch_size, score_mode=score_mode)
+
+
+# ---- rows on the runtime that exists ----------------------------------------------------------------
+
+
+def reference_row(ctx, params: dict) -> Variant:
+    m = ctx.model
+    return Variant(
+        greedy=plain_generate(m),
+        timed=plain_generate(m),
+        baseline_timed=None,
+        scorer=model_scorer(m),
+        lm_factory=qspec_lm(ctx, m, "cache"),
+        model=m,
+    )
+
+
+def kv_cache_row(ctx, params: dict) -> Variant:
+    m = ctx.model
+    return Variant(
+        greedy=plain_generate(m, use_cache=True),
+        timed=plain_generate(m, use_cache=True),
+        baseline_timed=plain_generate(m, use_cache=False),
+        baseline_name="full recompute of the sequence every step (no cache)",
+        scorer=cached_scorer(m, prefill=params.get("prefill"), chunk=int(params.get("chunk", 1))),
+        # every other row scores tasks through the cache; this row's task column is the no-cache path
+        lm_factory=qspec_lm(ctx, m, "forward"),
+        model=m,
+    )
+
+
+def batching_row(ctx, params: dict) -> Variant:
+    m, b = ctx.model, int(params.get("batch_size", 8))
+    # companions of other lengths share each scored sequence's batch, as in a serving batch
+    companions = [s[: max(8, len(s) * (i + 1) // (b + 1))] for i, s in enumerate(ctx.fidelity_seqs[: b - 1])]
+    return Variant(
+        greedy=plain_generate(m, batch=b),
+        timed=plain_generate(m, batch=b),
+        baseline_timed=plain_generate(m, batch=1),
+        baseline_name="the same prompts one at a time",
+        scorer=batched_scorer(m, companions),
+        lm_factory=qspec_lm(ctx, m, "forward", batch_size=b),
+        model=m,
+        bench_batch=b,
+    )
+
+
+def attention_row(ctx, params: dict) -> Variant:
+    """SDPA is what the runtime runs; naive attention is the textbook baseline. The fidelity columns
+    measure the naive path against the SDPA reference (symmetric), the speed column SDPA over naive."""
+    m = ctx.model
+
+    def naive_scorer(tokens):
+        with naive_attention(m):
+            return m(tokens)
+
+    def naive_generate(prompts, max_tokens):
+        with naive_attention(m):
+            return greedy_outputs(m, prompts, max_tokens)
+
+    def naive_lm():
+        from evals.lm_eval_adapter import QspecLM
+
+        class NaiveLM(QspecLM):
+            def score_pairs(self, pairs):
+                with naive_attention(self.model):
+                    return super().score_pairs(pairs)
+
+        return NaiveLM(model=m, tokenizer=ctx.tokenizer, batch_size=8, score_mode="cache")
+
+    return Variant(
+        greedy=naive_generate,
+        timed=plain_generate(m),
+        baseline_timed=naive_generate,
+        baseline_name="naive attention (materialised softmax(QK^T)V)",
+        scorer=naive_scorer,
+        lm_factory=naive_lm,
+        model=m,
+    )
+
+
+def dtype_row(ctx, params: dict) -> Variant:
+    from runtime.generate import DTYPES
+
+    name = params.get("dtype", "bf16")
+    if name not in DTYPES:
+        raise ValueError(f"rows.params.dtype: {name!r} not in {sorted(DTYPES)}")
+    m = copy.deepcopy(ctx.model).set_dtype(DTYPES[name], mixed=bool(params.get("mixed", True)))
+    return Variant(
+        greedy=plain_generate(m),
+        timed=plain_generate(m),
+        baseline_timed=None,
+        scorer=model_scorer(m),
+        lm_factory=qspec_lm(ctx, m, "cache"),
+        model=m,
+        extra={"dtype": name, "mixed": bool(params.get("mixed", True))},
+    )
+
+
+# ---- quantized models (issue 3 quantizers, issue 4 formats) -------------------------------------------
+
+QUANT_MODULES = {"rtn": "quantize.rtn", "int8": "quantize.int8", "gptq": "quantize.gptq", "awq": "quantize.awq"}
+
+
+def quantized_checkpoint(ctx, params: dict) -> tuple[Path, list[str]]:
+    """The cached checkpoint for these settings under $QSPEC_HOME/quantized (built once by the quantizer's
+    own CLI; every later run reuses it)."""
+    from runtime.loader import qspec_home
+
+    method = params.get("method")
+    if method not in QUANT_MODULES:
+        raise ValueError(f"rows.params.method: {method!r} not in {sorted(QUANT_MODULES)}")
+    args = ["--model", ctx.cfg.model.spec]
+    if method != "int8":
+        args += ["--bits", str(params.get("bits", 4)), "--group-size", str(params.get("group_size", 128))]
+    args += [str(a) for a in params.get("args", [])]
+    key = hashlib.sha256(json.dumps([method, args]).encode()).hexdigest()[:10]
+    out = qspec_home() / "quantized" / f"{ctx.cfg.model.spec.replace('/', '_')}-{method}-{key}"
+    command = [sys.executable, "-m", QUANT_MODULES[method], *args, "--out", str(out)]
+    return out, command
+
+
+def quantized_row(ctx, params: dict) -> Variant:
+    import importlib.util
+
+    from runtime.loader import is_checkpoint_dir, load_model
+
+    method = params.get("method")
+    if importlib.util.find_spec(QUANT_MODULES.get(method, "quantize.rtn")) is None:
+        raise RowUnavailable(f"{QUANT_MODULES.get(method)} is not in this checkout (issue 3)")
+    out, command = quantized_checkpoint(ctx, params)
+    if not is_checkpoint_dir(out):
+        print(f"[qspec] building {out.name}: {' '.join(command[1:])}", file=sys.stderr, flush=True)
+        done = subprocess.run(command, stdout=sys.stderr)
+        if done.returncode != 0 or not is_checkpoint_dir(out):
+            raise RowUnavailable(f"quantizer failed (exit {done.returncode}): {' '.join(command[1:])}")
+    m, _, _ = load_model(str(out), dtype=torch.float32)
+    return Variant(
+        greedy=plain_generate(m),
+        timed=plain_generate(m),
+        baseline_timed=None,
+        scorer=model_scorer(m),
+        lm_factory=qspec_lm(ctx, m, "cache"),
+        model=m,
+        extra={"checkpoint": str(out), "build_command": " ".join(command[1:])},
+    )
+
+
+# ---- serving engine (issue 6) -----------------------------------------------------------------------
+
+
+def engine_logits_run(make_engine, ctx, concurrent: bool):
+    """Greedy outputs from the engine plus, per request, the logits its sampler saw (captured at the
+    model's logits() call; a step's rows are in the order of the outputs it returns)."""
+
+    def run(prompts, max_tokens):
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        engine = make_engine()
+        model = engine.model
+        captured: list[torch.Tensor] = []
+        original = model.logits
+
+        def capture(hidden):
+            out = original(hidden)
+            captured.append(out.detach().float())
+            return out
+
+        model.logits = capture
+        final: dict[str, list[int]] = {}
+        try:
+            logits_by_id: dict[str, list[torch.Tensor]] = {}
+            ids = []
+            batches = [prompts] if concurrent else [[p] for p in prompts]
+            for batch in batches:
+                ids_batch = [engine.add_request(p, params) for p in batch]
+                ids += ids_batch
+                while engine.has_unfinished():
+                    captured.clear()
+                    outs = engine.step()
+                    rows = torch.cat(captured) if captured else torch.empty(0)
+                    sampled = [o for o in outs if o.new_token_ids]
+                    if len(sampled) != rows.shape[0]:
+                        raise RuntimeError("engine step: sampled rows and outputs do not line up")
+                    for o, row in zip(sampled, rows):
+                        logits_by_id.setdefault(o.request_id, []).append(row)
+                    for o in outs:
+                        if o.finished:
+                            final[o.request_id] = o.output_ids
+        finally:
+            del model.logits  # back to the class method
+        return [final[i] for i in ids], [torch.stack(logits_by_id[i]) for i in ids]
+
+    return run
+
+
+def engine_row(ctx, params: dict) -> Variant:
+    try:
+        from runtime.engine import EngineConfig, LLMEngine
+    except ImportError as err:
+        raise RowUnavailable(f"runtime.engine is not in this checkout (issue 6): {err}") from err
+    m = ctx.model
+    mode = params.get("mode", "paged")
+    settings = dict(params.get("engine", {}))
+    try:
+        EngineConfig(**settings)
+    except TypeError as err:
+        raise ValueError(f"rows.params.engine: {err}") from err
+    concurrent = mode in ("continuous", "prefix")
+    default = {"enable_prefix_caching": mode == "prefix", "max_num_seqs": 16 if concurrent else 1}
+
+    def make_engine(**over):
+        return LLMEngine(m, ctx.tokenizer, EngineConfig(**{**default, **settings, **over}))
+
+    def engine_generate(**over):
+        def run(prompts, max_tokens):
+            p = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+            return [o.output_ids for o in make_engine(**over).generate(prompts, p)]
+
+        return run
+
+    if mode == "paged":
+        baseline, baseline_name, bench_batch = plain_generate(m), "contiguous KV cache (runtime.generate)", 1
+    elif mode == "continuous":
+        b = int(settings.get("max_num_seqs", 16))
+        baseline = engine_generate(policy="static")
+        baseline_name, bench_batch = "static batching (same engine, policy=static)", b
+    elif mode == "prefix":
+        baseline = engine_generate(enable_prefix_caching=False)
+        baseline_name, bench_batch = "same engine without prefix caching", int(params.get("bench_batch", 4))
+    else:
+        raise ValueError(f"rows.params.mode: {mode!r} not in ['paged', 'continuous', 'prefix']")
+    return Variant(
+        greedy=engine_generate(),
+        timed=engine_generate(),
+        baseline_timed=baseline,
+        baseline_name=baseline_name,
+        engine_logits=engine_logits_run(make_engine, ctx, concurrent),
+        model=m,
+        bench_batch=bench_batch,
+        extra={"mode": mode, "engine": {**default, **settings}},
+    )
+
+
+# ---- speculative decoding (issue 5) -----------------------------------------------------------------
+
+
+def speculative_row(ctx, params: dict) -> Variant:
+    """issue 5's public entry points: ``speculate.cli.build_speculator`` and
+    ``speculate.generate.speculative_generate``. The greedy column always decodes greedily (the lossless
+    speculators must reproduce plain greedy output exactly); the speed column runs at the row's temperature
+    against plain decoding at the same temperature. The teacher-forced columns score the target itself:
+    speculation never changes the model, only how many target forwards a token costs."""
+    try:
+        from speculate.base import SpeculatorError
+        from speculate.cli import build_speculator
+        from speculate.generate import speculative_generate
+    except ImportError as err:
+        raise RowUnavailable(f"speculate.cli.build_speculator is not in this checkout (issue 5): {err}") from err
+
+    m = ctx.model
+    name = params.get("speculator")
+    k = int(params.get("k", 4))
+    temperature = float(params.get("temperature", 0.0))
+    settings = dict(params.get("settings", {}))
+    try:
+        spec = build_speculator(name, m, ctx.path or "", k=k, **settings)
+    except TypeError as err:
+        raise ValueError(f"rows.params.settings: {err}") from err
+    except (SpeculatorError, FileNotFoundError, OSError) as err:  # e.g. Medusa heads not trained yet
+        raise RowUnavailable(f"{name}: {err}") from err
+
+    def run(temp: float):
+        def go(prompts, max_tokens):
+            p = SamplingParams(temperature=temp, max_tokens=max_tokens, ignore_eos=True, seed=ctx.cfg.seed)
+            out = speculative_generate(m, [list(q) for q in prompts], p, spec)
+            # one row at a time (batch 1) would be slower to aggregate; the loop batches rows itself
+            stats = out.stats.to_dict()
+            ctx.spec_stats = {
+                key: stats[key]
+                for key in ("acceptance_rate", "mean_accepted_per_step", "target_forwards_per_token", "drafted")
+                if key in stats
+            }
+            return out.tokens
+
+        return go
+
+    def plain(prompts, max_tokens):
+        from runtime.generate import generate
+
+        p = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True, seed=ctx.cfg.seed)
+        return [generate(m, [list(q)], p).tokens[0] for q in prompts]
+
+    def speculative_batch1(prompts, max_tokens):
+        return [run(temperature)([q], max_tokens)[0] for q in prompts]
+
+    return Variant(
+        greedy=run(0.0),
+        timed=speculative_batch1,
+        baseline_timed=plain,
+        baseline_name=f"plain decoding, batch 1, temperature {temperature:g}",
+        scorer=model_scorer(m),
+        model=m,
+        extra={"speculator": spec.name, "k": k, "temperature": temperature, "lossless": spec.lossless},
+    )
+
+
+ROWS: dict[str, Callable] = {
+    "reference": reference_row,
+    "kv_cache": kv_cache_row,
+    "batching": batching_row,
+    "attention": attention_row,
+    "dtype": dtype_row,
+    "quantized": quantized_row,
+    "engine": engine_row,
+    "speculative": speculative_row,
+}

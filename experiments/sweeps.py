@@ -1,0 +1,163 @@
+"""Curves: TTFT/TPOT vs prompt length, the throughput-latency frontier vs concurrency, acceptance and
+speedup vs k. Latency statistics come from evals.metrics (the serving benchmarks' definitions)."""
+
+from __future__ import annotations
+
+import copy
+import time
+from pathlib import Path
+
+import torch
+
+from evals.metrics import RequestRecord, distribution, summarize
+from experiments.config import ConfigError
+from experiments.records import append_jsonl, provenance
+from experiments.rows import RowUnavailable, speculative_row
+from runtime.generate import DTYPES, generate
+from runtime.sampling import SamplingParams
+
+
+def prompts_of_length(ctx, length: int, n: int) -> list[list[int]]:
+    if ctx.tokenizer is None:
+        gen = torch.Generator().manual_seed(ctx.cfg.seed + length)
+        return torch.randint(2, ctx.model.config.vocab_size, (n, length), generator=gen).tolist()
+    if "eval_ids" not in ctx.cache:  # tokenize the eval split once per run
+        from runtime.data import wiki_text
+
+        ctx.cache["eval_ids"] = ctx.tokenizer(wiki_text("eval"), add_special_tokens=False).input_ids
+    ids = ctx.cache["eval_ids"]
+    windows = [ids[i * length : (i + 1) * length] for i in range(min(n, len(ids) // length))]
+    if len(windows) < n:
+        raise ConfigError(f"sweep.values: the wiki eval split has fewer than {n} windows of {length} tokens")
+    return windows
+
+
+def series_model(ctx, series: dict):
+    dtype = series.get("dtype", "fp32")
+    if dtype not in DTYPES:
+        raise ConfigError(f"sweep.series[{series.get('name')}].dtype: {dtype!r} not in {sorted(DTYPES)}")
+    if dtype == "fp32":
+        return ctx.model
+    return copy.deepcopy(ctx.model).set_dtype(DTYPES[dtype], mixed=bool(series.get("mixed", True)))
+
+
+def prompt_length_point(ctx, series: dict, length: int) -> dict:
+    from experiments.bench import bench_section
+
+    sw = ctx.cfg.sweep
+    model = series_model(ctx, series)
+    if length + sw.new_tokens > model.config.max_position_embeddings:
+        raise ConfigError(f"sweep.values: {length} + {sw.new_tokens} exceeds the model's positions")
+    params = SamplingParams(temperature=0.0, max_tokens=sw.new_tokens, ignore_eos=True)
+    ttft, tpot = [], []
+    with bench_section():
+        generate(model, prompts_of_length(ctx, min(length, 16), 1), SamplingParams(max_tokens=2))  # warm up
+        for prompt in prompts_of_length(ctx, length, sw.repeats):
+            out = generate(model, [prompt], params)
+            ttft.append(out.ttft_s)
+            tpot.append(out.tpot_s)
+    t, p = distribution(ttft), distribution(tpot)
+    return {
+        "prompt_tokens": length,
+        "new_tokens": sw.new_tokens,
+        "ttft_ms_p50": 1e3 * t["p50"],
+        "ttft_ms_mean": 1e3 * t["mean"],
+        "tpot_ms_p50": 1e3 * p["p50"],
+        "tpot_ms_mean": 1e3 * p["mean"],
+        "decode_tokens_per_s": 1 / p["p50"],
+        "runs": len(ttft),
+    }
+
+
+def concurrency_point(ctx, series: dict, concurrency: int) -> dict:
+    from experiments.bench import bench_section
+    from runtime.engine import EngineConfig, LLMEngine
+
+    sw = ctx.cfg.sweep
+    n_requests = int(series.get("requests_per_slot", 2)) * concurrency
+    lengths = [64 + 32 * (i % 4) for i in range(n_requests)]  # mixed prompt lengths
+    prompts = [prompts_of_length(ctx, n, i + 1)[i] for i, n in enumerate(lengths)]
+    # mixed output lengths: static batching waits for the longest in each batch, continuous does not
+    outs = [max(4, sw.new_tokens // (1 + i % 3)) for i in range(n_requests)]
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in outs]
+    policy = series.get("policy", "continuous")
+    engine = LLMEngine(ctx.model, ctx.tokenizer, EngineConfig(max_num_seqs=concurrency, policy=policy))
+    with bench_section():
+        engine.generate(prompts[:1], SamplingParams(max_tokens=2))  # warm up
+        t0 = time.perf_counter()
+        results = engine.generate(prompts, params)
+        duration = time.perf_counter() - t0
+    records = [
+        RequestRecord(
+            send_time=t0,
+            token_times=o.token_times,
+            end_time=o.token_times[-1],
+            prompt_tokens=o.num_prompt_tokens,
+            output_tokens=len(o.output_ids),
+        )
+        for o in results
+    ]
+    s = summarize(records, duration)
+    return {
+        "concurrency": concurrency,
+        "requests": n_requests,
+        "policy": policy,
+        "output_tokens_per_s": s["output_token_throughput"],
+        "ttft_ms_p50": 1e3 * s["ttft_s"]["p50"],
+        "ttft_ms_p99": 1e3 * s["ttft_s"]["p99"],
+        "tpot_ms_p50": 1e3 * s["tpot_s"]["p50"],
+        "e2e_ms_p50": 1e3 * s["e2e_s"]["p50"],
+        "duration_s": duration,
+    }
+
+
+def spec_k_point(ctx, series: dict, k: int) -> dict:
+    from experiments.bench import bench_section
+
+    sw = ctx.cfg.sweep
+    params = {key: v for key, v in series.items() if key != "name"}
+    variant = speculative_row(ctx, {**params, "k": k})
+    prompts = ctx.bench_prompts[: ctx.cfg.bench.prompts]
+    base = variant.baseline_timed
+    times = {"baseline": [], "variant": []}
+    with bench_section():
+        for r in range(sw.repeats):
+            order = [("baseline", base), ("variant", variant.timed)]
+            for name, fn in order if r % 2 == 0 else order[::-1]:
+                t0 = time.perf_counter()
+                fn(prompts, sw.new_tokens)
+                times[name].append(time.perf_counter() - t0)
+    stats = ctx.spec_stats or {}  # from the last timed speculative run
+    ctx.spec_stats = None
+    return {
+        "k": k,
+        "acceptance_rate": stats.get("acceptance_rate", float("nan")),
+        "mean_accepted_per_step": stats.get("mean_accepted_per_step", float("nan")),
+        "target_forwards_per_token": stats.get("target_forwards_per_token", float("nan")),
+        "speedup": min(times["baseline"]) / min(times["variant"]),
+        "baseline_s": min(times["baseline"]),
+        "variant_s": min(times["variant"]),
+    }
+
+
+POINTS = {"prompt_length": prompt_length_point, "concurrency": concurrency_point, "spec_k": spec_k_point}
+
+
+def run_sweep(cfg, ctx, series: list[dict], records_path: Path, base: dict) -> list[dict]:
+    from experiments.bench import log
+
+    out = []
+    for s in series:
+        if "name" not in s:
+            raise ConfigError("sweep.series: every series needs a name")
+        for x in cfg.sweep.values:
+            log(f"{cfg.kind}: {s['name']} at {x}")
+            rec = {**base, "series": s["name"], "series_settings": s, "x": x, "status": "ok", "results": {}}
+            try:
+                rec["results"] = POINTS[cfg.kind](ctx, s, x)
+            except RowUnavailable as err:
+                rec.update(status="wired, not run", reason=str(err))
+            rec.update(provenance(cfg.seed, base["command"]))
+            append_jsonl(records_path, rec)
+            out.append(rec)
+    return out
