@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from evals.env import run_info
+from evals.record import provenance
 from runtime.data import wiki_split
 from runtime.generate import DTYPES, generate
 from runtime.loader import DEFAULT_MODEL, load_model, load_tokenizer
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> None:
     prompt = tokenizer(text, add_special_tokens=False).input_ids[: args.prompt_tokens]
     bandwidth = measure_bandwidth()
     print(f"[bench_decode] streaming bandwidth {bandwidth / 1e9:.1f} GB/s, {args.threads} threads", file=sys.stderr)
-    record = {"run": run_info(), "bandwidth_GBps": bandwidth / 1e9, "args": vars(args), "results": {}}
+    record = {"run": provenance(), "bandwidth_GBps": bandwidth / 1e9, "args": vars(args), "results": {}}
     rows = []
     for dtype_name in args.dtypes.split(","):
         dtype = DTYPES[dtype_name]

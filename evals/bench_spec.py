@@ -21,15 +21,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import shlex
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from evals.record import module_command, provenance
 
 DEFAULT_METHODS = {
     "rewrite": ["plain", "ngram:k=2", "ngram:k=4", "ngram:k=8", "hf-plain", "hf-pld:k=4", "hf-pld:k=10"],
@@ -114,27 +113,6 @@ def continue_prompts(tokenizer, n: int, prefix_tokens: int) -> list[list[int]]:
     raise BenchError(f"found only {len(out)} eval documents with {prefix_tokens} tokens")
 
 
-def provenance(argv: list[str] | None) -> dict:
-    import transformers
-
-    try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-        dirty = bool(subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True).stdout.strip())
-    except (OSError, subprocess.CalledProcessError):
-        sha, dirty = "unknown", False
-    return {
-        "command": "python -m evals.bench_spec " + shlex.join(argv if argv is not None else sys.argv[1:]),
-        "git_sha": sha,
-        "git_dirty": dirty,
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
-        "device": f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)",
-        "threads": torch.get_num_threads(),
-        "load_average_start": os.getloadavg(),
-    }
-
-
 def main(argv: list[str] | None = None) -> dict:
     from runtime.generate import generate
     from runtime.loader import DEFAULT_MODEL, load_model, load_tokenizer
@@ -164,7 +142,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.prompts < 1 or args.max_tokens < 1:
         ap.error("--prompts and --max-tokens must be >= 1")
 
-    record = provenance(argv)
+    record = provenance(command=module_command("evals.bench_spec", argv))
     model, _, path = load_model(args.model, dtype=torch.float32)
     tokenizer = load_tokenizer(str(path))
     prompts = (rewrite_prompts if args.task == "rewrite" else continue_prompts)(

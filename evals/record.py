@@ -1,4 +1,4 @@
-"""Provenance for result records: git sha, package versions, device, exact command, time."""
+"""Provenance for every result record: seed, git sha, package versions, device, exact command, time."""
 
 from __future__ import annotations
 
@@ -11,14 +11,17 @@ import time
 from importlib import metadata
 from pathlib import Path
 
-PACKAGES = ("torch", "transformers", "triton", "aiohttp", "numpy")
+PACKAGES = ("torch", "triton", "transformers", "safetensors", "gguf", "lm-eval", "numpy", "aiohttp", "matplotlib")
 
 
 def git_sha(repo: Path | None = None) -> str:
+    """HEAD's sha, with "-dirty" when tracked files differ from it."""
     repo = repo or Path(__file__).resolve().parents[1]
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=repo, capture_output=True, text=True)
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo, capture_output=True, text=True
+        )
         return sha.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
@@ -28,7 +31,7 @@ def versions() -> dict[str, str]:
     out = {"python": platform.python_version()}
     for name in PACKAGES:
         try:
-            out[name] = metadata.version(name)
+            out[name.replace("-", "_")] = metadata.version(name)
         except metadata.PackageNotFoundError:
             pass
     return out
@@ -49,18 +52,26 @@ def device_info() -> dict:
     return info
 
 
-def provenance(seed: int | None = None) -> dict:
+def module_command(module: str, argv: list[str] | None = None) -> str:
+    """The ``python -m module ...`` line that reproduces a run (argv=None: this process's arguments)."""
+    return shlex.join(["python", "-m", module, *(sys.argv[1:] if argv is None else argv)])
+
+
+def provenance(seed: int | None = None, command: str | None = None) -> dict:
+    """command: the exact reproducing line; by default this process's ``python -m`` module and arguments
+    (callers running in-process, e.g. from tests, pass their own so the record names the tool, not pytest)."""
     return {
-        "command": "python -m " + shlex.join([_module_name(), *sys.argv[1:]]),
+        "command": command or module_command(_main_module()),
         "seed": seed,
         "git_sha": git_sha(),
         "versions": versions(),
         "device": device_info(),
+        "cwd": os.getcwd(),
         "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
 
 
-def _module_name() -> str:
+def _main_module() -> str:
     main = sys.modules.get("__main__")
     spec = getattr(main, "__spec__", None)
     return spec.name if spec is not None else Path(sys.argv[0]).stem

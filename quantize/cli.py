@@ -5,11 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
-import shlex
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -155,34 +151,10 @@ def calibration_tokens(ap: argparse.ArgumentParser, args, tokenizer) -> torch.Te
 
 
 def provenance(argv: list[str] | None, module: str) -> dict:
-    def git(*cmd: str) -> str:
-        try:
-            return subprocess.run(
-                ["git", *cmd], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10
-            ).stdout.strip()
-        except OSError:
-            return ""
+    from evals.record import module_command
+    from evals.record import provenance as record_provenance
 
-    import safetensors
-    import transformers
-
-    argv = sys.argv[1:] if argv is None else argv
-    return {
-        "command": f"python -m {module} {shlex.join(argv)}".strip(),
-        "git_sha": git("rev-parse", "HEAD"),
-        "git_dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
-        "versions": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "safetensors": safetensors.__version__,
-        },
-        "device": torch.cuda.get_device_name()
-        if torch.cuda.is_available()
-        else f"cpu ({platform.processor() or platform.machine()})",
-        "threads": torch.get_num_threads(),
-        "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }
+    return {**record_provenance(command=module_command(module, argv)), "threads": torch.get_num_threads()}
 
 
 def peak_rss_gb() -> float:
