@@ -59,8 +59,11 @@ def unpack_codes(packed: Tensor, bits: int, n: int) -> Tensor:
     n_words, cols = packed.shape
     if n_words != packed_length(n, bits):
         raise ValueError(f"{n_words} packed rows do not hold {n} codes of {bits} bits")
-    w = (packed.to(torch.int64) & 0xFFFFFFFF).reshape(n // per_block, words_per_block, cols)
     mask = (1 << bits) - 1
+    if words_per_block == 1:  # whole codes per word: one vectorised shift (masking undoes sign extension)
+        shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=packed.device)
+        return ((packed[:, None, :] >> shifts[None, :, None]) & mask).reshape(n, cols).to(torch.uint8)
+    w = (packed.to(torch.int64) & 0xFFFFFFFF).reshape(n // per_block, words_per_block, cols)
     out = torch.empty(n // per_block, per_block, cols, dtype=torch.int64, device=packed.device)
     for j in range(per_block):
         word, shift = divmod(j * bits, 32)
