@@ -137,6 +137,7 @@ def bench_layers(models: dict, batch_sizes: list[int], repeats: int, iters: int)
     rows = []
     for name in names:
         for m in batch_sizes:
+            print(f"[bench_quant] layer {name} batch {m}", file=sys.stderr, flush=True)
             times = {v: [] for v in models}
             for _ in range(repeats):  # interleaved: one measurement of every variant per repeat
                 for variant, model in models.items():
@@ -187,7 +188,8 @@ def bench_decode(
         for v, model in models.items():  # warm-up (and the tokens for the agreement column)
             tokens[v] = generate(model, prompts, SamplingParams(max_tokens=4, ignore_eos=True)).tokens
             tokens[v] = generate(model, prompts, params).tokens
-        for _ in range(repeats):
+        for r in range(repeats):
+            print(f"[bench_quant] decode batch {batch} repeat {r + 1}/{repeats}", file=sys.stderr, flush=True)
             for v, model in models.items():
                 out = generate(model, prompts, params)
                 rates[v].append(batch * len(out.step_times_s) / sum(out.step_times_s))
