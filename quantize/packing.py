@@ -44,7 +44,7 @@ def pack_codes(codes: Tensor, bits: int) -> Tensor:
     per_block, words_per_block = block_shape(bits)
     n_words = packed_length(n, bits)
     v = codes.to(torch.int64).reshape(n // per_block, per_block, cols)  # [blocks, codes, cols]
-    out = torch.zeros(n // per_block, words_per_block, cols, dtype=torch.int64)
+    out = torch.zeros(n // per_block, words_per_block, cols, dtype=torch.int64, device=codes.device)
     for j in range(per_block):
         word, shift = divmod(j * bits, 32)
         out[:, word] |= (v[:, j] << shift) & 0xFFFFFFFF
@@ -59,9 +59,12 @@ def unpack_codes(packed: Tensor, bits: int, n: int) -> Tensor:
     n_words, cols = packed.shape
     if n_words != packed_length(n, bits):
         raise ValueError(f"{n_words} packed rows do not hold {n} codes of {bits} bits")
-    w = (packed.to(torch.int64) & 0xFFFFFFFF).reshape(n // per_block, words_per_block, cols)
     mask = (1 << bits) - 1
-    out = torch.empty(n // per_block, per_block, cols, dtype=torch.int64)
+    if words_per_block == 1:  # whole codes per word: one vectorised shift (masking undoes sign extension)
+        shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=packed.device)
+        return ((packed[:, None, :] >> shifts[None, :, None]) & mask).reshape(n, cols).to(torch.uint8)
+    w = (packed.to(torch.int64) & 0xFFFFFFFF).reshape(n // per_block, words_per_block, cols)
+    out = torch.empty(n // per_block, per_block, cols, dtype=torch.int64, device=packed.device)
     for j in range(per_block):
         word, shift = divmod(j * bits, 32)
         value = w[:, word] >> shift
@@ -79,7 +82,7 @@ def pack_codes_awq(codes: Tensor, bits: int = 4) -> Tensor:
     if out % 8:
         raise ValueError(f"AWQ GEMM packs 8 output columns per word; {out} is not a multiple of 8")
     v = codes.to(torch.int64).reshape(rows, out // 8, 8)[:, :, list(AWQ_ORDER)]  # nibble i <- column ORDER[i]
-    shifts = torch.arange(0, 32, 4, dtype=torch.int64)
+    shifts = torch.arange(0, 32, 4, dtype=torch.int64, device=codes.device)
     return to_int32((v << shifts).sum(-1))
 
 
@@ -88,6 +91,6 @@ def unpack_codes_awq(packed: Tensor, bits: int = 4) -> Tensor:
     if bits != 4:
         raise ValueError(f"AWQ GEMM packs 4-bit codes, got {bits}")
     rows, n_words = packed.shape
-    shifts = torch.arange(0, 32, 4, dtype=torch.int64)
+    shifts = torch.arange(0, 32, 4, dtype=torch.int64, device=packed.device)
     nibbles = ((packed.to(torch.int64) & 0xFFFFFFFF)[..., None] >> shifts) & 0xF  # [rows, words, 8]
     return nibbles[:, :, list(AWQ_REVERSE_ORDER)].reshape(rows, n_words * 8).to(torch.uint8)

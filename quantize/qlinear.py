@@ -84,7 +84,8 @@ class QuantLinear(nn.Module):
     act_quant=True is W8A8: activations are quantized per token to int8 before the matmul (the reference
     path dequantizes both; fast paths use an integer matmul and give the same result up to summation order).
 
-    Paths (``path="auto"`` picks one at the first forward from the input's device):
+    Paths (``path="auto"`` picks one at the first forward from the input's device and compute_dtype; on CPU
+    int4 is picked only for a 16-bit compute_dtype, since it rounds activations to bf16):
       reference  dequantize-then-matmul in fp32 (what every other path is tested against)
       cpu_int4   torch's int4 packed matmul (2/3/4-bit codes, group size a multiple of 32; bf16 activations)
       cpu_int8   torch's int8 weight-only matmul (8-bit codes)
@@ -215,6 +216,8 @@ class QuantLinear(nn.Module):
         if device.type == "cuda":
             return "triton"
         preferred = "cpu_w8a8" if self.act_quant else ("cpu_int8" if self.bits == 8 else "cpu_int4")
+        if preferred == "cpu_int4" and self.compute_dtype == torch.float32:
+            return "reference"  # int4 computes in bf16: an fp32 model keeps fp32 math unless it asks for the path
         return preferred if self.unsupported_reason(preferred) is None else "reference"
 
     def weight_bytes(self) -> int:

@@ -172,6 +172,8 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32, device: str | torc
     path = resolve(spec)
     hf_config = json.loads((path / "config.json").read_text())
     config = ModelConfig.from_hf(hf_config)
+    if "quantization_config" not in hf_config and (path / "quantize_config.json").is_file():
+        hf_config["quantization_config"] = json.loads((path / "quantize_config.json").read_text())  # AutoGPTQ era
     if "quantization_config" in hf_config:
         from quantize.formats import load_quantized_into  # quantized checkpoints live in quantize/
 

@@ -298,3 +298,21 @@ def test_w8a8_and_algorithm_metadata_survive_the_round_trip(tmp_path):
     loaded, _, _ = load_model(str(out))
     assert all(loaded.get_submodule(n).act_quant for n, _ in linear_layout(loaded))
     assert torch.equal(loaded(tokens), model(tokens))
+
+
+def test_scales_that_fp16_changes_are_warned_about(tmp_path):
+    model = quantize_model(random_model(LLAMA, seed=0), 4, 32)
+    model.layers[0].self_attn.o_proj.scales[0, 0] += 1e-6  # not representable in fp16
+    with pytest.warns(UserWarning, match="layers.0.self_attn.o_proj: scales are not fp16-exact"):
+        save_quantized(model, tmp_path / "q", {})
+
+
+def test_autogptq_era_checkpoint_with_only_quantize_config_json(tmp_path):
+    path, expected = third_party_checkpoint(tmp_path, LLAMA, "gptq", 4, 32, act_order=False)
+    hf = json.loads((path / "config.json").read_text())
+    (path / "quantize_config.json").write_text(json.dumps(hf.pop("quantization_config")))
+    (path / "config.json").write_text(json.dumps(hf))
+    model, _, _ = load_model(str(path))
+    down = model.layers[1].mlp.down_proj
+    assert isinstance(down, QuantLinear)
+    assert torch.equal(down.qweight().dequantize(), expected["model.layers.1.mlp.down_proj"].dequantize())

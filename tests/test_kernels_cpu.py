@@ -82,14 +82,15 @@ def test_auto_picks_fast_paths_and_falls_back_with_reason():
     w = torch.randn(64, 128) * 0.05
     assert QuantLinear(rtn_quantize(w, 4, 128))(torch.randn(1, 128)).shape == (1, 64)
     picks = {
-        "int4": QuantLinear(rtn_quantize(w, 4, 128)),
+        "int4": QuantLinear(rtn_quantize(w, 4, 128), compute_dtype=torch.bfloat16),
+        "int4-fp32": QuantLinear(rtn_quantize(w, 4, 128)),  # fp32 math kept: int4 would round to bf16
         "int8": QuantLinear(rtn_quantize(w, 8, -1)),
         "w8a8": QuantLinear(rtn_quantize(w, 8, -1), act_quant=True),
         "g16": QuantLinear(rtn_quantize(w, 4, 16)),  # no torch int4 kernel for groups of 16
     }
     for layer in picks.values():
-        layer(torch.randn(1, 128))
-    assert [picks[k].path for k in picks] == ["cpu_int4", "cpu_int8", "cpu_w8a8", "reference"]
+        layer(torch.randn(1, 128, dtype=layer.compute_dtype))
+    assert [picks[k].path for k in picks] == ["cpu_int4", "reference", "cpu_int8", "cpu_w8a8", "reference"]
     with pytest.raises(ValueError, match="cpu_int4 needs <= 4 bits, a group size that is a multiple of 32"):
         picks["g16"].set_path("cpu_int4")
     with pytest.raises(ValueError, match="unknown QuantLinear path 'gpu'"):

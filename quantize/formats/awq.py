@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from quantize.formats.errors import CheckpointError, expect_tensor
+from quantize.formats.errors import CheckpointError, expect_tensor, fp16_scales
 from quantize.packing import pack_codes_awq, unpack_codes_awq
 from quantize.qlinear import QuantizedWeight
 
@@ -33,7 +33,7 @@ def to_tensors(name: str, qw: QuantizedWeight) -> dict[str, Tensor]:
     tensors = {
         f"{name}.qweight": pack_codes_awq(qw.codes.t()),
         f"{name}.qzeros": pack_codes_awq(z.long().t()),
-        f"{name}.scales": qw.scales.t().to(torch.float16).contiguous(),
+        f"{name}.scales": fp16_scales(name, qw.scales).t().contiguous(),
     }
     if qw.bias is not None:
         tensors[f"{name}.bias"] = qw.bias

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import struct
+import warnings
 from pathlib import Path
 
 import torch
@@ -48,3 +49,17 @@ def check_safetensors_file(path: Path) -> None:
         end = 8 + header_len + info["data_offsets"][1]
         if end > size:
             raise CheckpointError(f"{path}: truncated: tensor {name!r} needs bytes up to {end}, the file has {size}")
+
+
+def fp16_scales(name: str, scales: Tensor) -> Tensor:
+    """Scales as fp16 (what GPTQ/AWQ loaders read), warning when that changes them: the loaded model then
+    differs from the in-memory one. Quantizers should round their scales to fp16 before computing codes."""
+    half = scales.to(torch.float16)
+    if not torch.equal(half.float(), scales.float()):
+        change = float(((half.float() - scales.float()).abs() / scales.float().abs().clamp(min=1e-30)).max())
+        warnings.warn(
+            f"{name}: scales are not fp16-exact; the checkpoint stores them in fp16 (max relative change "
+            f"{change:.1e}), so the loaded weights differ from the in-memory ones",
+            stacklevel=3,
+        )
+    return half

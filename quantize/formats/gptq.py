@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from quantize.formats.errors import CheckpointError, expect_tensor
+from quantize.formats.errors import CheckpointError, expect_tensor, fp16_scales
 from quantize.packing import block_shape, pack_codes, unpack_codes
 from quantize.qlinear import QuantizedWeight
 
@@ -54,7 +54,7 @@ def to_tensors(name: str, qw: QuantizedWeight, checkpoint_format: str = "gptq_v2
     tensors = {
         f"{name}.qweight": pack_codes(qw.codes.t(), qw.bits),
         f"{name}.qzeros": pack_codes(stored_zeros, qw.bits).t().contiguous(),
-        f"{name}.scales": qw.scales.t().to(torch.float16).contiguous(),
+        f"{name}.scales": fp16_scales(name, qw.scales).t().contiguous(),
         f"{name}.g_idx": qw.group_index().to(torch.int32),
     }
     if qw.bias is not None:
