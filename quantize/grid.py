@@ -50,7 +50,9 @@ def find_params(
 
 
 def _range_to_params(xmin: Tensor, xmax: Tensor, maxq: int, sym: bool) -> tuple[Tensor, Tensor]:
-    scale = (xmax - xmin) / maxq
+    # Scales are rounded to fp16 here, before any code is computed, because packed checkpoints (GPTQ, AWQ)
+    # store fp16 scales: a saved-and-loaded model then equals the in-memory one bit for bit.
+    scale = ((xmax - xmin) / maxq).clamp(min=2**-24).half().float()
     zero = torch.full_like(scale, (maxq + 1) / 2) if sym else torch.round(-xmin / scale)
     return scale, zero
 

@@ -29,7 +29,7 @@ def oracle_rtn(w: torch.Tensor, bits: int, group_size: int, sym: bool) -> torch.
         if sym:
             hi = torch.maximum(-lo, hi)
             lo = -hi
-        scale = ((hi - lo) / maxq)[:, None]
+        scale = ((hi - lo) / maxq).half().float()[:, None]  # checkpoints store fp16 scales
         zero = torch.full_like(scale, 2 ** (bits - 1)) if sym else torch.round(-lo[:, None] / scale)
         out[:, a : a + gs] = scale * (torch.clamp(torch.round(g / scale) + zero, 0, maxq) - zero)
     return out
@@ -111,9 +111,10 @@ def test_int8_weight_only_and_w8a8():
     assert cfg.bits == 8 and cfg.sym and cfg.group_size == -1
     w = model.layers[0].mlp.down_proj.weight
     qw = weight_only.layers[0].mlp.down_proj.qweight()
-    # symmetric per-channel: step = 2 max|w| / 255; every weight (the clipped +max included) within half a step
+    # symmetric per-channel: step = 2 max|w| / 255; every weight (the clipped +max included) within half a step,
+    # plus what rounding the scale to fp16 (relative error <= 2**-11) moves the outermost codes (<= 128 steps)
     step = 2 * w.abs().amax(1, keepdim=True) / 255
-    assert torch.all((qw.dequantize() - w).abs() <= step / 2 + 1e-7)
+    assert torch.all((qw.dequantize() - w).abs() <= step * (0.5 + 128 * 2**-11) + 1e-7)
     assert torch.all(qw.zeros == 128)
 
     w8a8, _ = int8.quantize_model(copy.deepcopy(model), w8a8=True)
