@@ -68,12 +68,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        # Normalise in fp32 like the reference implementation, then cast back before the weight.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        # Output in the weight's (compute) dtype: equals the reference when the residual stream has the
-        # weights' dtype, and casts down when the residual stream is kept in fp32.
-        return self.weight * xf.to(self.weight.dtype)
+        # Normalise in fp32 like the reference implementation (one fused op), then cast to the weight's
+        # (compute) dtype: equals the reference when the residual stream has the weights' dtype, and casts
+        # down when the residual stream is kept in fp32.
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(self.weight.dtype)
 
 
 def rope_inv_freq(config: ModelConfig) -> tuple[Tensor, float]:
@@ -159,13 +157,14 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata, cache) -> Tensor:
         B, T, _ = x.shape
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(B, T, self.num_heads, self.head_dim)
-        k = k.view(B, T, self.num_kv_heads, self.head_dim)
+        qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qk = qk.view(B, T, self.num_heads + self.num_kv_heads, self.head_dim)
         v = v.view(B, T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=2)
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=2)
+        # one rope over q and k heads together (fewer small ops per layer in decode)
+        q, k = apply_rope(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=2)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, D]
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v, meta)  # [B, Hkv, S, D]
