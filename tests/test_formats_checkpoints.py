@@ -17,18 +17,9 @@ from quantize.qlinear import QuantLinear, set_module
 from runtime.config import ModelConfig
 from runtime.loader import load_model
 from runtime.model import Transformer, random_model
+from tests.conftest import TINY_CONFIGS
 
-LLAMA = ModelConfig(
-    architecture="llama",
-    vocab_size=96,
-    hidden_size=64,
-    intermediate_size=96,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    eos_token_ids=[1],
-)
+LLAMA = TINY_CONFIGS["llama"]
 QWEN2 = ModelConfig(  # biases on q/k/v, tied embeddings
     architecture="qwen2",
     vocab_size=96,
