@@ -75,8 +75,8 @@ def qspec_lm(ctx, model, score_mode: str = "cache", batch_size: int = 8):
 # ---- rows on the runtime that exists ----------------------------------------------------------------
 
 
-def reference_row(ctx, params: dict) -> Variant:
-    m = ctx.model
+def model_variant(ctx, m, **extra) -> Variant:
+    """A model run through plain decoding: the variant of every row that changes only the model."""
     return Variant(
         greedy=plain_generate(m),
         timed=plain_generate(m),
@@ -84,7 +84,13 @@ def reference_row(ctx, params: dict) -> Variant:
         scorer=model_scorer(m),
         lm_factory=qspec_lm(ctx, m, "cache"),
         model=m,
+        extra=extra,
     )
+
+
+def reference_row(ctx, params: dict) -> Variant:
+    m = ctx.model
+    return model_variant(ctx, m)
 
 
 def kv_cache_row(ctx, params: dict) -> Variant:
@@ -158,15 +164,7 @@ def dtype_row(ctx, params: dict) -> Variant:
     if name not in DTYPES:
         raise ValueError(f"rows.params.dtype: {name!r} not in {sorted(DTYPES)}")
     m = copy.deepcopy(ctx.model).set_dtype(DTYPES[name], mixed=bool(params.get("mixed", True)))
-    return Variant(
-        greedy=plain_generate(m),
-        timed=plain_generate(m),
-        baseline_timed=None,
-        scorer=model_scorer(m),
-        lm_factory=qspec_lm(ctx, m, "cache"),
-        model=m,
-        extra={"dtype": name, "mixed": bool(params.get("mixed", True))},
-    )
+    return model_variant(ctx, m, dtype=name, mixed=bool(params.get("mixed", True)))
 
 
 # ---- quantized models (issue 3 quantizers, issue 4 formats) -------------------------------------------
@@ -207,15 +205,7 @@ def quantized_row(ctx, params: dict) -> Variant:
         if done.returncode != 0 or not is_checkpoint_dir(out):
             raise RowUnavailable(f"quantizer failed (exit {done.returncode}): {' '.join(command[1:])}")
     m, _, _ = load_model(str(out), dtype=torch.float32)
-    return Variant(
-        greedy=plain_generate(m),
-        timed=plain_generate(m),
-        baseline_timed=None,
-        scorer=model_scorer(m),
-        lm_factory=qspec_lm(ctx, m, "cache"),
-        model=m,
-        extra={"checkpoint": str(out), "build_command": " ".join(command[1:])},
-    )
+    return model_variant(ctx, m, checkpoint=str(out), build_command=" ".join(command[1:]))
 
 
 # ---- serving engine (issue 6) -----------------------------------------------------------------------
