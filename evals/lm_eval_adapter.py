@@ -211,9 +211,7 @@ class QspecLM(LM):
                 for b, i in enumerate(chunk):
                     tail = rows[i][0][p:]
                     batch[b, : len(tail)] = torch.tensor(tail, device=dev)
-                positions = torch.arange(p, p + width, device=dev).expand(len(chunk), -1)
-                meta = AttentionMetadata.causal(positions, kv_len=p + width)
-                meta.contiguous_start = p
+                meta = AttentionMetadata.contiguous(len(chunk), p, width, dev)
                 logits = self.model(batch, meta, cache)
                 for b, i in enumerate(chunk):
                     results[i] = self.score_row(logits[b, : len(rows[i][1])], rows[i][1])

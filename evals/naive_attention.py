@@ -11,17 +11,22 @@ from __future__ import annotations
 import math
 from contextlib import contextmanager
 
+import torch
 from torch import Tensor
 
 from runtime.model import Attention, apply_rope
 
 
-def naive_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
-    """q [B, H, T, D], k/v [B, Hkv, S, D] (grouped-query heads repeated), mask [B, 1, T, S] bool."""
+def naive_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool = False) -> Tensor:
+    """q [B, H, T, D], k/v [B, Hkv, S, D] (grouped-query heads repeated), mask [B, 1, T, S] bool, or None:
+    all keys (is_causal: the plain causal mask of T queries over T keys), as AttentionMetadata says."""
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     scores = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
-    scores = scores.masked_fill(~mask, float("-inf"))
+    if is_causal:
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
     return scores.softmax(-1) @ v
 
 
@@ -38,7 +43,7 @@ class NaiveAttention(Attention):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v, meta)
-        out = naive_sdpa(q, k, v, meta.mask)
+        out = naive_sdpa(q, k, v, meta.mask, meta.is_causal)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.q_size))
 
 

@@ -35,17 +35,13 @@ class GenerationOutput:
 
 def decode_meta(positions: Tensor) -> AttentionMetadata:
     """Metadata for one new token per row at the given positions [B]."""
-    meta = AttentionMetadata.causal(positions[:, None], kv_len=int(positions.max()) + 1)
     if bool((positions == positions[0]).all()):
-        meta.contiguous_start = int(positions[0])
-    return meta
+        return AttentionMetadata.contiguous(positions.shape[0], int(positions[0]), 1, positions.device)
+    return AttentionMetadata.causal(positions[:, None], kv_len=int(positions.max()) + 1)
 
 
 def prefill_meta(batch: int, length: int, device) -> AttentionMetadata:
-    positions = torch.arange(length, device=device).expand(batch, -1)
-    meta = AttentionMetadata.causal(positions, kv_len=length)
-    meta.contiguous_start = 0
-    return meta
+    return AttentionMetadata.contiguous(batch, 0, length, device)
 
 
 class StopChecker:

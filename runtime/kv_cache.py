@@ -33,7 +33,7 @@ class KVCache:
         if meta.kv_len > self.max_seq_len:
             raise ValueError(f"KV cache holds {self.max_seq_len} positions, {meta.kv_len} requested")
         k_cache, v_cache = self.k[layer, :B], self.v[layer, :B]
-        start = getattr(meta, "contiguous_start", None)
+        start = meta.contiguous_start
         if start is not None:  # every row writes the same contiguous slot range: a plain slice copy
             k_cache[:, :, start : start + T] = k
             v_cache[:, :, start : start + T] = v

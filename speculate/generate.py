@@ -126,11 +126,10 @@ def tree_metadata(tree: CandidateTree, lengths: Tensor) -> AttentionMetadata:
 
 
 def chain_metadata(lengths: Tensor, T: int) -> AttentionMetadata:
-    positions = (lengths - 1)[:, None] + torch.arange(T, device=lengths.device)[None]  # [B, T]
-    meta = AttentionMetadata.causal(positions, kv_len=int(positions.max()) + 1)
     if bool((lengths == lengths[0]).all()):
-        meta.contiguous_start = int(lengths[0]) - 1
-    return meta
+        return AttentionMetadata.contiguous(lengths.shape[0], int(lengths[0]) - 1, T, lengths.device)
+    positions = (lengths - 1)[:, None] + torch.arange(T, device=lengths.device)[None]  # [B, T]
+    return AttentionMetadata.causal(positions, kv_len=int(positions.max()) + 1)
 
 
 @torch.inference_mode()
