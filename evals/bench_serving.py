@@ -79,6 +79,7 @@ def bench_batching(model, tokenizer, args) -> dict:
             config = EngineConfig(
                 max_num_seqs=c, max_num_batched_tokens=args.max_num_batched_tokens, policy=policy,
                 kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)), enable_prefix_caching=False,
+                decode_kernel=args.decode_kernel,
             )  # fmt: skip
             engine = LLMEngine(model, tokenizer, config)
             records, duration, steady = run_closed_loop(engine, items, c)
@@ -110,7 +111,7 @@ def bench_prefix(model, tokenizer, args) -> dict:
     for enabled in (False, True):
         config = EngineConfig(
             max_num_seqs=1, max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=enabled,
-            kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)),
+            kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)), decode_kernel=args.decode_kernel,
         )  # fmt: skip
         engine = LLMEngine(model, tokenizer, config)
         records, duration, _ = run_closed_loop(engine, items, 1)
@@ -141,6 +142,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-output-tokens", type=int, default=96)
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--kv-cache-gb", type=float, default=1.0)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--decode-kernel", choices=["auto", "triton", "torch"], default="auto",
+                    help="decode attention: auto = Triton paged kernel on CUDA, gather + SDPA on CPU")  # fmt: skip
     ap.add_argument("--system-prompt-tokens", type=int, default=1024)
     ap.add_argument("--question-tokens", type=int, default=24)
     ap.add_argument("--prefix-requests", type=int, default=6)
@@ -163,7 +167,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    model, _, path = load_model(args.model, dtype=DTYPES[args.dtype])
+    model, _, path = load_model(args.model, dtype=DTYPES[args.dtype], device=args.device)
     tokenizer = load_tokenizer(str(path))
     record = {
         **provenance(args.seed),

@@ -51,6 +51,8 @@ class EngineConfig:
     policy: str = "continuous"  # "continuous" | "static"
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     num_speculative_tokens: int = 4  # k, when a speculator is attached
+    # decode attention: "auto" = the Triton paged kernel on CUDA, gather + SDPA on CPU; "triton" | "torch" force one
+    decode_kernel: str = "auto"
 
     def scheduler_config(self, model_max_len: int) -> SchedulerConfig:
         return SchedulerConfig(
@@ -106,7 +108,7 @@ class LLMEngine:
         num_blocks = config.num_blocks or (
             PagedKVCache.blocks_for_budget(cfg, config.kv_cache_bytes, config.block_size, kv_dtype) + 1
         )
-        self.cache = PagedKVCache(cfg, num_blocks, config.block_size, kv_dtype, self.device)
+        self.cache = PagedKVCache(cfg, num_blocks, config.block_size, kv_dtype, self.device, config.decode_kernel)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler_config(cfg.max_position_embeddings), self.block_manager)
         self.eos_ids = list(cfg.eos_token_ids)
@@ -217,13 +219,14 @@ class LLMEngine:
         nb = -(-kv_len // bs)
         pad = SCRATCH_BLOCK * bs  # padding tokens write the scratch block, at position 0
 
-        def padded(rows: list[list[int]], width: int, value: int) -> Tensor:
-            return torch.tensor([r[:width] + [value] * (width - len(r[:width])) for r in rows], device=self.device)
+        def padded(rows: list[list[int]], width: int, value: int, dtype=torch.int64) -> Tensor:
+            rows = [r[:width] + [value] * (width - len(r[:width])) for r in rows]
+            return torch.tensor(rows, dtype=dtype, device=self.device)
 
         tokens = padded(rows_tokens, T, 0)
         positions = padded(rows_pos, T, 0)  # a pad query at position 0 sees key 0 only: finite, unused
         slots = padded(rows_slots, T, pad)
-        block_tables = padded(tables, nb, SCRATCH_BLOCK)
+        block_tables = padded(tables, nb, SCRATCH_BLOCK, torch.int32)  # int32: what the decode kernel reads
         key_pos = torch.arange(kv_len, device=self.device)
         meta = PagedAttentionMetadata(
             positions=positions,
@@ -231,7 +234,7 @@ class LLMEngine:
             mask=key_pos[None, None, None, :] <= positions[:, None, :, None],  # [B, 1, T, kv_len]
             kv_len=kv_len,
             block_tables=block_tables,
-            context_lens=torch.tensor([p[-1] + 1 for p in rows_pos], device=self.device),
+            context_lens=torch.tensor([p[-1] + 1 for p in rows_pos], dtype=torch.int32, device=self.device),
         )
         return self.model(tokens, meta, self.cache, hidden_only=True)
 
@@ -364,4 +367,5 @@ class LLMEngine:
             "generation_tokens_per_second": self.tokens_per_second(),
             "spec_tokens_proposed_total": self.num_spec_proposed,
             "spec_tokens_accepted_total": self.num_spec_accepted,
+            "paged_decode_kernel_launches_total": self.cache.kernel_launches,
         }

@@ -188,9 +188,14 @@ class Attention(nn.Module):
         # one rope over q and k heads together (fewer small ops per layer in decode)
         q, k = apply_rope(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=2)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, D]
-        if cache is not None:
-            k, v = cache.update(self.layer_idx, k, v, meta)  # [B, Hkv, S, D]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.mask, is_causal=meta.is_causal, enable_gqa=True)
+        if cache is not None and hasattr(cache, "attend"):
+            out = cache.attend(self.layer_idx, q, k, v, meta)  # [B, H, T, D]; writes k/v itself
+        else:
+            if cache is not None:
+                k, v = cache.update(self.layer_idx, k, v, meta)  # [B, Hkv, S, D]
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=meta.mask, is_causal=meta.is_causal, enable_gqa=True
+            )
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.q_size))
 
 

@@ -3,8 +3,11 @@
 Layout: per layer a pool ``[num_blocks, block_size, Hkv, D]`` for k and for v. A sequence owns a list of
 block ids (its block table); token i of the sequence lives at slot ``table[i // bs] * bs + i % bs``.
 ``PagedAttentionMetadata.slots`` carries those global slot ids, so the model's one forward writes through
-them unchanged; reads gather the sequence's blocks back into ``[B, Hkv, S, D]`` (the torch reference; the
-Triton decode kernel in ``runtime/kernels/paged_attention.py`` reads the pool directly).
+them unchanged. ``PagedKVCache.attend`` is the model's attention over the pool: pure decode steps (one
+query per row, plain causal mask) go to the Triton paged-decode kernel in
+``runtime/kernels/paged_attention.py``, which reads the blocks in place; everything else (prefill chunks,
+k+1 verification, tree masks, CPU by default) gathers the blocks into ``[B, Hkv, S, D]`` and runs SDPA with
+the metadata's mask, exactly as ``update`` + the model's SDPA would.
 
 Block 0 is never handed out: padding tokens of a ragged batch write there, and block tables of shorter
 sequences are padded with it (those keys are masked, and its contents stay finite).
@@ -18,16 +21,19 @@ first when a fresh block is needed.
 
 from __future__ import annotations
 
+import importlib.util
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from runtime.config import ModelConfig
 from runtime.model import AttentionMetadata
 
 SCRATCH_BLOCK = 0
+DECODE_KERNELS = ("auto", "triton", "torch")
 
 
 class BlockAllocationError(RuntimeError):
@@ -237,14 +243,38 @@ class PagedAttentionMetadata(AttentionMetadata):
     slots: [B, T] global pool slots (block_id * block_size + offset) the new k/v are written to.
     block_tables: [B, nb] block ids per row (padded with the scratch block), nb * block_size >= kv_len.
     context_lens: [B] keys each row attends to after this step's write (for the decode kernel).
+    prefix_mask: True when row b's mask is exactly keys [0, context_lens[b]) (causal decoding); False for a
+        custom mask (tree verification), which only the gather + SDPA path honours.
     """
 
     block_tables: Tensor = field(default=None)
     context_lens: Tensor = field(default=None)
+    prefix_mask: bool = True
+
+
+def resolve_decode_kernel(decode_kernel: str, device: torch.device, block_size: int) -> str:
+    """Resolve "auto": "triton" on CUDA (when triton is installed and the block size is a power of two),
+    else "torch". An explicit "triton" that cannot run is an error here, not a silent fallback later."""
+    if decode_kernel not in DECODE_KERNELS:
+        raise ValueError(f"decode_kernel must be one of {DECODE_KERNELS}, got {decode_kernel!r}")
+    has_triton = importlib.util.find_spec("triton") is not None
+    pow2 = block_size & (block_size - 1) == 0
+    if decode_kernel == "auto":
+        return "triton" if device.type == "cuda" and has_triton and pow2 else "torch"
+    if decode_kernel == "triton" and not has_triton:
+        raise ValueError('decode_kernel="triton" needs triton installed')
+    if decode_kernel == "triton" and not pow2:
+        raise ValueError(f'decode_kernel="triton" needs a power-of-two block size, got {block_size}')
+    return decode_kernel
 
 
 class PagedKVCache:
-    """The block pool tensors; ``update`` is the model's cache contract over block tables."""
+    """The block pool tensors; ``attend`` (and ``update``) is the model's cache contract over block tables.
+
+    decode_kernel: "auto" (Triton on CUDA, torch on CPU), "triton" (also on CPU, where it needs
+    TRITON_INTERPRET=1: for tests) or "torch" (always gather + SDPA). ``kernel_launches`` counts the
+    Triton decode calls, so callers can see which path ran.
+    """
 
     def __init__(
         self,
@@ -253,11 +283,19 @@ class PagedKVCache:
         block_size: int = 16,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
+        decode_kernel: str = "auto",
     ):
         shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.num_blocks, self.block_size = num_blocks, block_size
+        self.decode_kernel = resolve_decode_kernel(decode_kernel, self.k.device, block_size)
+        self.kernel_launches = 0
+        self._decode_fn = None
+        if self.decode_kernel == "triton":  # imported only here: torch-only runs never load triton
+            from runtime.kernels import paged_attention
+
+            self._decode_fn = paged_attention.paged_decode_attention
 
     @staticmethod
     def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -271,18 +309,40 @@ class PagedKVCache:
     def nbytes(self) -> int:
         return self.k.numel() * self.k.element_size() * 2
 
-    def update(self, layer: int, k: Tensor, v: Tensor, meta: PagedAttentionMetadata) -> tuple[Tensor, Tensor]:
-        """Write k/v [B, Hkv, T, D] at meta.slots [B, T]; return [B, Hkv, kv_len, D] gathered through
-        meta.block_tables."""
+    def write(self, layer: int, k: Tensor, v: Tensor, meta: PagedAttentionMetadata) -> None:
+        """Write the new k/v [B, Hkv, T, D] at meta.slots [B, T] (global pool slots)."""
         B, H, T, D = k.shape
         flat_k = self.k[layer].view(-1, H, D)  # [num_blocks * bs, Hkv, D]
         flat_v = self.v[layer].view(-1, H, D)
         slots = meta.slots.reshape(-1)
         flat_k.index_copy_(0, slots, k.transpose(1, 2).reshape(B * T, H, D))
         flat_v.index_copy_(0, slots, v.transpose(1, 2).reshape(B * T, H, D))
+
+    def update(self, layer: int, k: Tensor, v: Tensor, meta: PagedAttentionMetadata) -> tuple[Tensor, Tensor]:
+        """Write k/v [B, Hkv, T, D] at meta.slots [B, T]; return [B, Hkv, kv_len, D] gathered through
+        meta.block_tables."""
+        self.write(layer, k, v, meta)
         return gather_blocks(self.k[layer], meta.block_tables, meta.kv_len), gather_blocks(
             self.v[layer], meta.block_tables, meta.kv_len
         )
+
+    def uses_decode_kernel(self, q: Tensor, meta: PagedAttentionMetadata) -> bool:
+        """Pure decode (one query per row, prefix mask, context lengths given) with the Triton backend."""
+        return self._decode_fn is not None and q.shape[2] == 1 and meta.prefix_mask and meta.context_lens is not None
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, meta: PagedAttentionMetadata) -> Tensor:
+        """The model's attention over the pool: q [B, H, T, D] (after rope), the new k/v [B, Hkv, T, D]
+        -> out [B, H, T, D]. Writes k/v first, so a decode row attends to its own new key too."""
+        if not self.uses_decode_kernel(q, meta):
+            k, v = self.update(layer, k, v, meta)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=meta.mask, enable_gqa=True)
+        self.write(layer, k, v, meta)
+        self.kernel_launches += 1
+        # SDPA's default scale, so both paths compute the same function; the kernel accumulates in fp32
+        out = self._decode_fn(
+            q[:, :, 0], self.k[layer], self.v[layer], meta.block_tables, meta.context_lens, scale=q.shape[-1] ** -0.5
+        )  # [B, H, D]
+        return out[:, :, None]
 
 
 def gather_blocks(pool: Tensor, block_tables: Tensor, kv_len: int) -> Tensor:

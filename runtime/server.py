@@ -463,6 +463,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--kv-cache-gb", type=float, default=1.0, help="memory budget of the KV block pool")
     ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--decode-kernel", choices=["auto", "triton", "torch"], default="auto",
+                    help="decode attention: auto = Triton paged kernel on CUDA, gather + SDPA on CPU")  # fmt: skip
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--max-num-batched-tokens", type=int, default=512, help="per-step token budget")
     ap.add_argument("--max-model-len", type=int, default=None, help="default: the model's context length")
@@ -491,6 +493,7 @@ def main(argv: list[str] | None = None) -> None:
         chunked_prefill=not args.no_chunked_prefill,
         policy=args.policy,
         max_model_len=args.max_model_len,
+        decode_kernel=args.decode_kernel,
     )
     engine = LLMEngine(model, tokenizer, config)
     server = Server(engine, tokenizer, args.model)
@@ -499,7 +502,7 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"[qspec] serving {args.model} on http://{args.host}:{args.port} ({args.dtype}, {args.device}); "
         f"KV pool {bm.num_usable_blocks} blocks x {bm.block_size} tokens = {engine.cache.nbytes() / 2**20:.0f} MiB, "
-        f"max context {engine.scheduler.config.max_model_len}",
+        f"max context {engine.scheduler.config.max_model_len}, decode attention {engine.cache.decode_kernel}",
         flush=True,
     )
     web.run_app(server.app(), host=args.host, port=args.port, handler_cancellation=True, print=None)
