@@ -335,7 +335,9 @@ class PagedKVCache:
         -> out [B, H, T, D]. Writes k/v first, so a decode row attends to its own new key too."""
         if not self.uses_decode_kernel(q, meta):
             k, v = self.update(layer, k, v, meta)
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=meta.mask, enable_gqa=True)
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=meta.mask, is_causal=meta.is_causal, enable_gqa=True
+            )
         self.write(layer, k, v, meta)
         self.kernel_launches += 1
         # SDPA's default scale, so both paths compute the same function; the kernel accumulates in fp32
