@@ -10,7 +10,8 @@ Greedy outputs are compared token by token with plain decoding (lossless methods
 HF transformers' ``generate`` runs on the same prompts as the peer: plain greedy and prompt lookup
 (``prompt_lookup_num_tokens``), with its ratio against HF plain.
 
-Methods: plain, ngram:k=K, medusa:k=K (top-1 chain) or medusa:tree=N, draft:layers=L,k=K,
+Methods: plain, ngram:k=K (draft length scaled by the match length, capped at K; ngram:k=K,fixed=1 always
+drafts K as plain prompt lookup does), medusa:k=K (top-1 chain) or medusa:tree=N, draft:layers=L,k=K,
 quant-draft:bits=B,k=K, hf-plain, hf-pld:k=K.
 
     python -m evals.bench_spec --task rewrite --methods plain ngram:k=2 ngram:k=4 hf-plain hf-pld:k=10
@@ -31,7 +32,7 @@ import torch
 from evals.record import module_command, provenance
 
 DEFAULT_METHODS = {
-    "rewrite": ["plain", "ngram:k=2", "ngram:k=4", "ngram:k=8", "hf-plain", "hf-pld:k=4", "hf-pld:k=10"],
+    "rewrite": ["plain", "ngram:k=8", "ngram:k=16", "ngram:k=8,fixed=1", "hf-plain", "hf-pld:k=4", "hf-pld:k=10"],
     "continue": ["plain", "medusa:k=1", "medusa:k=2", "medusa:tree=4", "draft:layers=8,k=2", "quant-draft:bits=8,k=2"],
 }
 
@@ -76,8 +77,8 @@ def parse_method(spec: str) -> tuple[str, dict]:
     kwargs = {}
     for item in filter(None, opts.split(",")):
         key, eq, value = item.partition("=")
-        if not eq or key not in {"k", "tree", "layers", "bits"}:
-            raise BenchError(f"bad option {item!r} in method {spec!r}; options are k=, tree=, layers=, bits=")
+        if not eq or key not in {"k", "tree", "layers", "bits", "fixed"}:
+            raise BenchError(f"bad option {item!r} in method {spec!r}; options are k=, tree=, layers=, bits=, fixed=")
         try:
             kwargs[key] = int(value)
         except ValueError:
@@ -194,6 +195,7 @@ def main(argv: list[str] | None = None) -> dict:
                 medusa_heads=args.medusa_heads,
                 tree_size=kw.get("tree"),
                 quant_bits=kw.get("bits", 8),
+                ngram_fixed=bool(kw.get("fixed", 0)),
             )
 
             def run_spec(p, n, speculator=speculator):

@@ -184,6 +184,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tree-size", type=int, default=None, help="Medusa candidate-tree nodes (default: top-1 chain)")
     ap.add_argument("--typical-acceptance", action="store_true", help="Medusa typical acceptance (APPROXIMATE)")
     ap.add_argument("--quant-bits", type=int, default=8, help="weight bits of the --speculator quant-draft copy")
+    ap.add_argument(
+        "--ngram-fixed", action="store_true", help="n-gram: always draft k tokens (default: up to 2**match length)"
+    )
     args = ap.parse_args(argv)
 
     try:

@@ -34,6 +34,7 @@ def build_speculator(
     acceptance: str = "rejection",
     quant_bits: int = 8,
     quant_group_size: int = 128,
+    ngram_fixed: bool = False,
 ) -> Speculator:
     """A speculator by name; every argument error is a SpeculatorError naming the problem."""
     if name not in SPECULATORS:
@@ -43,7 +44,7 @@ def build_speculator(
     if name == "ngram":
         from speculate.ngram import NgramSpeculator
 
-        return NgramSpeculator(k=k)
+        return NgramSpeculator(k=k, scaled=not ngram_fixed)
     if name == "draft":
         from speculate.draft import DraftModelSpeculator, parse_draft_spec
 
@@ -88,6 +89,7 @@ def generate_speculative(model, path, tokenizer, prompts: list[list[int]], param
             tree_size=getattr(args, "tree_size", None),
             acceptance="typical" if getattr(args, "typical_acceptance", False) else "rejection",
             quant_bits=getattr(args, "quant_bits", 8),
+            ngram_fixed=getattr(args, "ngram_fixed", False),
         )
     except (SpeculatorError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)

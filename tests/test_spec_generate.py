@@ -47,6 +47,7 @@ def speculators(model, k: int):
     tree = build_tree([[0.5, 0.2, 0.1], [0.4, 0.2, 0.1], [0.3, 0.1, 0.05]], size=8)
     return {
         "ngram": NgramSpeculator(k=k),
+        "ngram-fixed": NgramSpeculator(k=k, scaled=False),
         "draft": DraftModelSpeculator(model, random_model(CFG, seed=5), k=k),
         "layer-skip": DraftModelSpeculator(model, layer_skip_draft(model, 1), k=k),
         "medusa": MedusaSpeculator(model, random_heads(model), tree),
@@ -54,7 +55,7 @@ def speculators(model, k: int):
     }
 
 
-@pytest.mark.parametrize("name", ["ngram", "draft", "layer-skip", "medusa", "medusa-chain"])
+@pytest.mark.parametrize("name", ["ngram", "ngram-fixed", "draft", "layer-skip", "medusa", "medusa-chain"])
 def test_greedy_output_equals_plain_greedy(name):
     model = random_model(CFG, seed=0)
     params = SamplingParams(max_tokens=40, ignore_eos=True)
@@ -102,7 +103,7 @@ def test_stats_are_consistent():
     assert 0 <= s.accepted + s.row_steps - (s.generated - s.rows) <= s.rows * 4
     assert s.proposed_at[0] >= s.proposed_at[-1] and s.accepted_at[0] >= s.accepted_at[-1]
     assert sum(s.accepted_at) == s.accepted
-    assert s.mean_tokens_per_step <= 1 + s.mean_accepted_per_step
+    assert s.mean_tokens_per_step <= 1 + s.mean_accepted_per_step + 1e-12  # float division in both
 
 
 def test_tree_metadata_positions_slots_and_mask():
@@ -122,6 +123,13 @@ def test_ngram_lookup():
     assert lookup(seq, 3, 3, 1).tolist() == [8, 9, 5]  # '5 6 7' matched at 0
     assert lookup(torch.tensor([1, 2, 3, 4]), 3, 3, 1).tolist() == []  # nothing repeats
     assert lookup(torch.tensor([4, 1, 2, 4, 1, 3, 4]), 2, 3, 1).tolist() == [1, 3]  # latest occurrence of 4
+    # scaled: an n-token match drafts at most 2**n tokens
+    seq = torch.tensor([1, 2, 3, 4, 5, 6, 7, 8, 9, 9, 1, 2, 3])
+    assert lookup(seq, 8, 3, 1, scaled=True).tolist() == [4, 5, 6, 7, 8, 9, 9, 1]  # '1 2 3' -> 8 tokens
+    assert lookup(seq, 8, 3, 1, scaled=False).tolist() == [4, 5, 6, 7, 8, 9, 9, 1]
+    seq = torch.tensor([1, 2, 3, 4, 5, 6, 7, 8, 9, 3])
+    assert lookup(seq, 8, 3, 1, scaled=True).tolist() == [4, 5]  # a one-token match drafts 2
+    assert lookup(seq, 8, 3, 1, scaled=False).tolist() == [4, 5, 6, 7, 8, 9, 3]
 
 
 def test_bad_inputs_give_clear_errors():
