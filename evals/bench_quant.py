@@ -5,9 +5,12 @@
 
 Per-layer matmul time (each linear shape of decoder layer 0, and the lm_head) and whole-model decode
 tokens/s through ``runtime.generate.generate`` with every decoder linear swapped for a QuantLinear on its
-automatic path (cpu_int8, cpu_w8a8, cpu_int4 here). Variants are timed interleaved, repeat by repeat, and
-every ratio is against bf16 from the same run. Codes are plain min/max round-to-nearest: speed does not
-depend on how the codes were chosen, and quality is measured elsewhere (quantize.*, evals.perplexity).
+automatic path (cpu_int8, cpu_w8a8, cpu_int4 here); with --quantize-lm-head the lm_head too, and a tied
+embedding then reads its rows from the quantized head (quantize.qembedding). Variants are timed interleaved,
+repeat by repeat, and every ratio is against bf16 from the same run. The weight-memory table gives the whole
+model's bytes of each quantized variant both ways (decoder linears only, and with the tied head/embedding).
+Codes are plain min/max round-to-nearest: speed does not depend on how the codes were chosen, and quality is
+measured elsewhere (quantize.*, evals.perplexity).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from quantize.qembedding import tie_quantized_embedding
 from quantize.qlinear import QuantizedWeight, QuantLinear, set_module
 
 VARIANTS = ("fp32", "bf16", "int8", "w8a8", "int4")
@@ -93,6 +97,8 @@ def build_variant(base, variant: str, group_size: int, lm_head: bool):
         layer = QuantLinear(qw, act_quant=variant == "w8a8", compute_dtype=torch.bfloat16)
         layer(torch.zeros(1, layer.in_features, dtype=torch.bfloat16))  # pick the automatic path now
         set_module(model, name, layer)
+    if lm_head and model.config.tie_word_embeddings:
+        tie_quantized_embedding(model)  # one packed table serves the head and the embedding
     return model
 
 
@@ -115,6 +121,40 @@ def weight_bytes(model, names: list[str]) -> dict:
         module = model.get_submodule(name)
         linears += module.weight_bytes() if isinstance(module, QuantLinear) else tensor_bytes([module.weight])
     return {"total": total, "linears": linears}
+
+
+def head_scope(config) -> str:
+    return "+ tied head/embedding" if config.tie_word_embeddings else "+ lm_head"
+
+
+def weight_memory(base, models: dict, group_size: int, lm_head: bool) -> list[dict]:
+    """Whole-model weight bytes of every variant; quantized variants both ways, decoder linears only and with
+    the lm_head (which a tied embedding shares), each against bf16 over the same layers. The way that is not
+    being timed is built here for its bytes only."""
+    decoder = decoder_linears(base)
+    scopes = [("decoder linears", decoder, False), (head_scope(base.config), decoder + ["lm_head"], True)]
+    bf16 = models["bf16"] if "bf16" in models else build_variant(base, "bf16", group_size, False)
+    rows = []
+
+    def row(variant: str, scope: str, model, names: list[str]) -> dict:
+        mem, ref = weight_bytes(model, names), weight_bytes(bf16, names)
+        return {
+            "variant": variant,
+            "quantized": scope,
+            "total_bytes": mem["total"],
+            "total_x_bf16": mem["total"] / ref["total"],
+            "layer_bytes": mem["linears"],
+            "layer_x_bf16": mem["linears"] / ref["linears"],
+        }
+
+    for variant, model in models.items():
+        if variant in ("fp32", "bf16"):
+            rows.append(row(variant, "none (dense)", model, decoder))
+            continue
+        for scope, names, with_head in scopes:
+            built = model if with_head == lm_head else build_variant(base, variant, group_size, with_head)
+            rows.append(row(variant, scope, built, names))
+    return rows
 
 
 def activation_dtype(variant: str) -> torch.dtype:
@@ -246,15 +286,12 @@ def provenance(argv: list[str], seed: int) -> dict:
 
 
 def markdown(record: dict) -> str:
-    lines = ["| variant | weight MB (all) | x bf16 | quantized-layer MB | x bf16 |", "|---|---|---|---|---|"]
-    mem = record["weight_bytes"]
-    for v, b in mem.items():
-        base = mem.get("bf16")
+    lines = ["| variant | quantized | weight MB (whole model) | x bf16 | quantized-layer MB | x bf16 (same layers) |"]
+    lines.append("|---|---|---|---|---|---|")
+    for r in record["weight_memory"]:
         lines.append(
-            f"| {v} | {b['total'] / 1e6:.1f} | {b['total'] / base['total']:.3f} | {b['linears'] / 1e6:.1f} | "
-            f"{b['linears'] / base['linears']:.3f} |"
-            if base
-            else f"| {v} | {b['total'] / 1e6:.1f} | - | {b['linears'] / 1e6:.1f} | - |"
+            f"| {r['variant']} | {r['quantized']} | {r['total_bytes'] / 1e6:.1f} | {r['total_x_bf16']:.3f} | "
+            f"{r['layer_bytes'] / 1e6:.1f} | {r['layer_x_bf16']:.3f} |"
         )
     lines += ["", "| batch | variant | decode tok/s | x bf16 | TTFT ms | greedy agreement vs fp32 |"]
     lines.append("|---|---|---|---|---|---|")
@@ -292,7 +329,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list from {','.join(VARIANTS)}")
     ap.add_argument("--batch-sizes", default="1,16", help="decode batch sizes (comma list)")
     ap.add_argument("--group-size", type=int, default=128, help="int4 group size (multiple of 32, or -1)")
-    ap.add_argument("--quantize-lm-head", action="store_true", help="quantize the (untied) lm_head too")
+    ap.add_argument(
+        "--quantize-lm-head",
+        action="store_true",
+        help="time variants with the lm_head quantized too (tied: the embedding reads its rows); the memory "
+        "table reports both scopes either way",
+    )
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=32, help="decode steps timed per generate call")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved repeats (median reported)")
@@ -328,6 +370,7 @@ def main(argv: list[str] | None = None) -> None:
         "config": {k: v for k, v in vars(args).items() if k != "out"},
         "variants": {v: DESCRIPTIONS[v] for v in variants},
         "weight_bytes": {v: weight_bytes(m, quantized_names) for v, m in models.items()},
+        "weight_memory": weight_memory(base, models, args.group_size, args.quantize_lm_head),
     }
     print(f"[bench_quant] {args.model}: {', '.join(variants)}; load average {load_before}", file=sys.stderr)
     record["layers"] = [] if args.skip_layers else bench_layers(models, batch_sizes, args.repeats, args.layer_iters)

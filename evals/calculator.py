@@ -10,6 +10,7 @@ Everything is exact integer arithmetic on the config's shapes (no measurement). 
   bits/8 bytes per weight plus one fp16 scale and one ``bits``-wide zero point per group (the GPTQ/AWQ
   layout; ``sym`` drops nothing, as those formats store zeros either way), plus an int32 g_idx per input
   column with act-order; embeddings, norms and (unless ``lm_head`` is set) the lm_head keep the base dtype.
+  A quantized lm_head of a tied model is also the embedding (qspec's QuantEmbedding reads its rows), stored once.
 """
 
 from __future__ import annotations
@@ -180,13 +181,15 @@ def weight_bytes(s: Shapes, dtype_bytes: float, quant: QuantScheme | None = None
         per_layer = sum(quant.matrix_bytes(r, c) for r, c in shapes)
         biases = (q + 2 * kv) * dtype_bytes if s.attention_bias else 0
         linear = s.num_layers * (per_layer + biases)
-    head_bytes = quant.matrix_bytes(s.vocab_size, d) if quant and quant.lm_head else s.vocab_size * d * dtype_bytes
+    quantized_head = bool(quant and quant.lm_head)
+    head_bytes = quant.matrix_bytes(s.vocab_size, d) if quantized_head else s.vocab_size * d * dtype_bytes
     return WeightBytes(
         linear=linear,
-        embedding=p.embedding * dtype_bytes,
+        # tied: one table serves both; a quantized tied head is that table (the embedding reads its rows)
+        embedding=head_bytes if s.tie_word_embeddings else p.embedding * dtype_bytes,
         lm_head=head_bytes,
         norms=p.norms * dtype_bytes,
-        lm_head_tied=s.tie_word_embeddings and not (quant and quant.lm_head),
+        lm_head_tied=s.tie_word_embeddings,
     )
 
 

@@ -7,7 +7,8 @@
    handed to the algorithm *after* the preceding stages were quantized (true-sequential, like the GPTQ
    reference), then the forward continues through the stage's (now quantized) linear.
 3. The quantized layer's outputs become the next layer's inputs. The lm_head, when quantized, is the last
-   stage, fed with the final norm of the last layer's outputs.
+   stage, fed with the final norm of the last layer's outputs; a tied embedding then reads the quantized
+   head's rows (quantize.qembedding), so no full-precision copy of the table is left.
 
 Only one layer's activations are alive at a time: [N, T, H] residual inputs plus one stage's inputs.
 With a ``ShardedCheckpoint`` as the layer source, the decoder layers start on the meta device and are read
@@ -29,6 +30,8 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from quantize.qembedding import tie_quantized_embedding
+from quantize.qlinear import QuantLinear
 from runtime.config import ModelConfig
 from runtime.model import DecoderLayer, Transformer, rope_inv_freq
 
@@ -165,6 +168,8 @@ def calibrate(
     if lm_head:
         h = [model.norm(x) for x in xs]
         algorithm.quantize_stage(Stage(-1, "lm_head", model, "lm_head", h, lambda b, inp: model.lm_head(inp)))
+        if model.config.tie_word_embeddings and isinstance(model.lm_head, QuantLinear):
+            tie_quantized_embedding(model)  # the embedding reads the quantized head's rows: no full-precision copy
     return model
 
 

@@ -30,7 +30,9 @@ def parser(
     ap.add_argument("--group-size", type=int, default=group_size, help="input columns per group; -1 = per-channel")
     ap.add_argument("--sym", action="store_true", help="symmetric grid (default asymmetric)")
     ap.add_argument("--modules", default=",".join(DECODER_LINEARS), help="comma list of decoder linears to quantize")
-    ap.add_argument("--lm-head", action="store_true", help="quantize the (tied) output head too")
+    ap.add_argument(
+        "--lm-head", action="store_true", help="quantize the output head too (tied: the embedding reads its rows)"
+    )
     ap.add_argument("--out", default=None, help="output checkpoint directory (loadable with --model DIR)")
     if calibration:
         ap.add_argument("--calib", default="wiki", help="calibration text: wiki | wiki-es | wiki-fr (calib split)")

@@ -27,7 +27,7 @@ class QuantConfig:
     group_size: int = 128  # input columns per group; -1 = one group per output channel (per-channel)
     sym: bool = False  # symmetric: zero point fixed at 2**(bits-1)
     modules: tuple[str, ...] = DECODER_LINEARS  # leaf names of decoder-layer linears to quantize
-    lm_head: bool = False  # the (possibly tied) output head stays full precision unless asked
+    lm_head: bool = False  # output head stays full precision unless asked; tied: the embedding shares its codes
     act_quant: bool = False  # W8A8: dynamic per-token int8 activations (8-bit weights only)
     extra: dict = field(default_factory=dict)  # algorithm settings recorded alongside (desc_act, ...)
 

@@ -177,6 +177,51 @@ class QuantLinear(nn.Module):
         n, k = self.out_features, self.in_features
         return cpu.int8_unpack(self.int8_weight.cpu(), n, k, self.group_size, self.in_perm)
 
+    def row_codes(self, rows: Tensor) -> Tensor:
+        """The uint8 codes [T, in] of output rows `rows` [T], read from this path's layout without unpacking the
+        other rows (what a quantized embedding sharing this layer as its tied lm_head needs per token)."""
+        from quantize.kernels import cpu
+
+        rows = rows.long()
+        if "packed_codes" in self._buffers:  # [k_pad * bits / 32, out]: a row of W is a column here
+            from quantize.packing import block_shape, unpack_codes
+
+            per_block = block_shape(self.bits)[0]
+            k_pad = -(-self.in_features // per_block) * per_block
+            cols = self.packed_codes.index_select(1, rows.to(self.packed_codes.device))
+            return unpack_codes(cols, self.bits, k_pad)[: self.in_features].t()
+        if "int4_weight" in self._buffers:
+            k_pad = self.int4_scales_zeros.shape[0] * self.int4_group
+            codes = cpu.int4_gather_rows(self.int4_weight, self.out_features, k_pad, rows)[:, : self.in_features]
+        elif "int8_weight" in self._buffers:
+            flat = self.int8_weight
+            codes = cpu.int8_gather_rows(
+                flat, self.out_features, self.in_features, self.group_size, rows.to(flat.device)
+            )
+        else:
+            raise ValueError(f"path {self.path!r} keeps no layout that single rows can be read from")
+        perm = self._buffers.get("in_perm")
+        if perm is None:
+            return codes
+        out = torch.empty_like(codes)  # column j of the packed order is input column perm[j]
+        out[:, perm.to(codes.device)] = codes
+        return out
+
+    def dequantize_rows(self, rows: Tensor) -> Tensor:
+        """Rows [T] of the dequantized weight, fp32 [T, in]: equal to ``qweight().dequantize()[rows]`` bit for
+        bit, since groups run along the input dim and each row has its own scales and zeros."""
+        rows = rows.long().to(self.scales.device)
+        g = self.group_index()
+        scales = self.scales.index_select(0, rows).float()[:, g]
+        zeros = self.zeros.index_select(0, rows).float()[:, g]
+        return (self.row_codes(rows).to(scales.device).float() - zeros) * scales
+
+    def group_index(self) -> Tensor:
+        """Group of each input column (g_idx under act-order, else consecutive groups of group_size)."""
+        if self.g_idx is not None:
+            return self.g_idx.long()
+        return torch.arange(self.in_features, device=self.scales.device) // self.group_size
+
     def set_path(self, path: str, pin: bool = True) -> QuantLinear:
         """Switch to another path (re-laying out the codes); raises if this layer cannot take it.
         pin=True (the default for callers) stops ``auto`` from switching it again."""

@@ -31,12 +31,16 @@ def label(record: dict) -> str:
         parts.append(f"n{qc['nsamples']}x{qc['seqlen']}")
     if "awq" in qc:
         parts.append(f"awq-grid{qc['awq']['grid']}-search{qc['awq']['search_windows']}")
+    if qc.get("lm_head"):
+        parts.append("+lm_head")  # tied models: the embedding shares the quantized head
     return " ".join(parts)
 
 
 def grid_key(record: dict) -> tuple | None:
     qc = record.get("quant_config")
-    return None if not qc else (qc["bits"], qc["group_size"], bool(qc.get("sym")), bool(qc.get("act_quant")))
+    if not qc:
+        return None
+    return qc["bits"], qc["group_size"], bool(qc.get("sym")), bool(qc.get("act_quant")), bool(qc.get("lm_head"))
 
 
 def prefix_ppl(nlls: list[float], n: int, seqlen: int = 512) -> float:

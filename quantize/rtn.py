@@ -12,6 +12,7 @@ from torch import Tensor, nn
 
 from quantize.config import QuantConfig
 from quantize.grid import expand_groups, group_params, quantize_codes
+from quantize.qembedding import tie_quantized_embedding
 from quantize.qlinear import QuantizedWeight, QuantLinear, set_module
 
 
@@ -54,6 +55,8 @@ def quantize_model(model: nn.Module, cfg: QuantConfig, mse: bool = False, progre
             from quantize.cli import log
 
             log(f"rtn {i + 1}/{len(names)} {name}")
+    if cfg.lm_head and model.config.tie_word_embeddings:
+        tie_quantized_embedding(model)  # the embedding reads the quantized head's rows: no full-precision copy
     return model
 
 

@@ -102,7 +102,7 @@ class LLMEngine:
         self.config = config = config or EngineConfig()
         self.speculator = speculator
         cfg = model.config
-        param = model.embed_tokens.weight
+        param = model.norm.weight  # not embed_tokens: a quantized one dequantizes its whole table for .weight
         self.device = param.device
         kv_dtype = model.layers[0].input_layernorm.weight.dtype  # the compute dtype k/v come out in
         num_blocks = config.num_blocks or (

@@ -80,7 +80,7 @@ def generate(
         raise ValueError("every prompt needs at least one token")
     B = len(prompts)
     row_params = params if isinstance(params, list) else [params] * B
-    device = model.embed_tokens.weight.device
+    device = model.norm.weight.device  # not embed_tokens: a quantized one dequantizes its whole table for .weight
     dtype = model.compute_dtype
     cfg = model.config
     lengths = torch.tensor([len(p) for p in prompts], device=device)

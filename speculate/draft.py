@@ -68,7 +68,7 @@ class DraftModelSpeculator(Speculator):
 
     def start(self, state: SpecState) -> None:
         B, capacity = state.tokens.shape
-        w = self.draft.embed_tokens.weight
+        w = self.draft.norm.weight  # device only (a quantized embedding dequantizes its table for .weight)
         dtype = self.draft.layers[0].input_layernorm.weight.dtype
         self.cache = KVCache(self.draft.config, B, capacity, dtype, w.device)
         # Prefill every committed token but the last two (propose() re-feeds those each step). Padding
@@ -116,7 +116,7 @@ def parse_draft_spec(spec: str | None, target: Transformer) -> tuple[Transformer
         return layer_skip_draft(target, n), f"layers:{n}"
     from runtime.loader import load_model
 
-    w = target.embed_tokens.weight
+    w = target.norm.weight  # device only (a quantized embedding dequantizes its table for .weight)
     dtype = target.layers[0].input_layernorm.weight.dtype
     draft, _, _ = load_model(spec, dtype=dtype, device=w.device)
     return draft, spec

@@ -147,7 +147,7 @@ def speculative_generate(
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
     B = len(prompts)
-    device = model.embed_tokens.weight.device
+    device = model.norm.weight.device  # not embed_tokens: a quantized one dequantizes its whole table for .weight
     dtype = model.layers[0].input_layernorm.weight.dtype
     cfg = model.config
     lengths = torch.tensor([len(p) for p in prompts], device=device)

@@ -127,6 +127,12 @@ def test_quantized_config_bytes():
     fp = calculate(QWEN3_06B, dtype="bf16")
     assert r.params_total == fp.params_total  # quantization changes bytes, not parameters
     assert r.weight_bytes_stored < 0.5 * fp.weight_bytes_stored
+    # lm_head quantized too: on this tied model the quantized head is also the embedding, stored once
+    qc = {**hf["quantization_config"], "lm_head": True}
+    head = calculate({**hf, "quantization_config": qc}, dtype="bf16")
+    table = 151936 * d // 2 + 151936 * (d // 128) * (2 + 0.5)
+    assert head.weight_bytes_stored == L * per_layer + table + 2 * r.params["norms"]
+    assert head.weight_bytes_read_per_step == head.weight_bytes_stored
 
 
 def test_parse_quantity_units():

@@ -4,10 +4,12 @@ only their presence, ratios and the memory accounting)."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
 from evals import bench_quant
+from quantize.qembedding import QuantEmbedding
 from runtime.config import ModelConfig
 from runtime.loader import save_checkpoint
 from runtime.model import random_model
@@ -62,4 +64,27 @@ def test_tiny_run_reports_every_variant_with_ratios(tmp_path, capsys):
     assert paths[("int4", "layers.0.mlp.down_proj")] == "cpu_int4"
     assert paths[("int8", "layers.0.mlp.down_proj")] == "cpu_int8"
     assert paths[("w8a8", "layers.0.mlp.down_proj")] == "cpu_w8a8"
-    assert "| 1 | int4 |" in capsys.readouterr().out
+    memory = {(r["variant"], r["quantized"]): r for r in record["weight_memory"]}
+    assert set(memory) == {("fp32", "none (dense)"), ("bf16", "none (dense)")} | {
+        (v, scope) for v in ("int8", "w8a8", "int4") for scope in ("decoder linears", "+ lm_head")
+    }
+    assert memory[("int4", "decoder linears")]["total_bytes"] == mem["int4"]["total"]  # the timed models
+    printed = capsys.readouterr().out
+    assert "| 1 | int4 |" in printed and "| int4 | + lm_head |" in printed
+
+
+def test_weight_memory_of_a_tied_head_shared_with_the_embedding():
+    """Both scopes for each quantized variant; with the head, the bf16 table is gone and only the packed head
+    (which the embedding reads) comes in."""
+    tied = replace(TINY, tie_word_embeddings=True)
+    base = random_model(tied, seed=0)
+    models = {v: bench_quant.build_variant(base, v, 128, lm_head=False) for v in ("bf16", "int8", "int4")}
+    rows = {(r["variant"], r["quantized"]): r for r in bench_quant.weight_memory(base, models, 128, lm_head=False)}
+    table = tied.vocab_size * tied.hidden_size * 2  # the bf16 embedding/head table
+    for variant in ("int8", "int4"):
+        shared = bench_quant.build_variant(base, variant, 128, lm_head=True)
+        assert isinstance(shared.embed_tokens, QuantEmbedding) and shared.embed_tokens.head is shared.lm_head
+        decoder_only, with_head = rows[(variant, "decoder linears")], rows[(variant, "+ tied head/embedding")]
+        assert with_head["total_bytes"] == decoder_only["total_bytes"] - table + shared.lm_head.weight_bytes()
+        assert with_head["total_x_bf16"] < decoder_only["total_x_bf16"] < 1
+        assert rows[("bf16", "none (dense)")]["total_x_bf16"] == 1.0

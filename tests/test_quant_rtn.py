@@ -12,6 +12,7 @@ from torch import nn
 from quantize import int8, rtn
 from quantize.config import QuantConfig, QuantConfigError
 from quantize.grid import find_params
+from quantize.qembedding import QuantEmbedding
 from quantize.qlinear import QuantLinear
 from runtime.model import random_model
 from tests.conftest import TINY_CONFIGS
@@ -99,7 +100,10 @@ def test_lm_head_and_embeddings_stay_full_precision_unless_asked(name):
     asked = random_model(TINY_CONFIGS[name], seed=0)
     rtn.quantize_model(asked, QuantConfig(bits=4, group_size=16, lm_head=True))
     assert isinstance(asked.lm_head, QuantLinear)
-    assert torch.equal(asked.embed_tokens.weight, embed)  # a tied head is quantized as its own copy
+    if asked.config.tie_word_embeddings:  # the embedding reads the quantized head's rows (test_quant_embedding)
+        assert isinstance(asked.embed_tokens, QuantEmbedding) and asked.embed_tokens.head is asked.lm_head
+    else:
+        assert torch.equal(asked.embed_tokens.weight, embed)
 
 
 def test_int8_weight_only_and_w8a8():

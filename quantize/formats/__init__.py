@@ -4,6 +4,8 @@
 per-layer packed tensors under the unfused HF names q_proj/k_proj/v_proj, gate_proj/up_proj); layers that are
 not QuantLinear are saved as plain weights. ``load_quantized_into`` reads such a directory, whoever wrote it,
 into a runtime Transformer, concatenating the parts back into the fused qkv_proj / gate_up_proj QuantLinears.
+A quantized lm_head of a tied model is written once (``lm_head: true``, no dense embedding table) and loads as
+both the head and the embedding (quantize.qembedding.QuantEmbedding).
 """
 
 from __future__ import annotations
@@ -16,16 +18,18 @@ from torch import Tensor, nn
 
 from quantize.formats import awq, gptq
 from quantize.formats.errors import CheckpointError, check_safetensors_file
+from quantize.qembedding import shares_quantized_head, tie_quantized_embedding
 from quantize.qlinear import QuantizedWeight, QuantLinear, set_module
 
 FORMATS = ("gptq", "gptq_v2", "awq")
 __all__ = ["FORMATS", "CheckpointError", "save_quantized", "load_quantized_into", "linear_layout"]
 
 
-def linear_layout(model) -> list[tuple[str, list[tuple[str, int]]]]:
+def linear_layout(model, quantized_head: bool = False) -> list[tuple[str, list[tuple[str, int]]]]:
     """Each linear module of a runtime Transformer with the HF tensor prefixes of its row blocks.
 
     e.g. ("layers.0.self_attn.qkv_proj", [("model.layers.0.self_attn.q_proj", 576), (".k_proj", 192), ...]).
+    A tied lm_head is listed only when it is (or, quantized_head, is about to be) a QuantLinear.
     """
     cfg = model.config
     out = []
@@ -44,7 +48,7 @@ def linear_layout(model) -> list[tuple[str, list[tuple[str, int]]]]:
             ),
             (p + "mlp.down_proj", [(hf + "mlp.down_proj", cfg.hidden_size)]),
         ]
-    if isinstance(model.lm_head, QuantLinear) or not cfg.tie_word_embeddings:
+    if quantized_head or isinstance(model.lm_head, QuantLinear) or not cfg.tie_word_embeddings:
         out.append(("lm_head", [("lm_head", cfg.vocab_size)]))
     return out
 
@@ -147,6 +151,9 @@ def save_quantized(
         raise ValueError(f"unknown format {fmt!r}; choose one of {FORMATS}")
     qconfig = quantization_config_for(model, quant_config, fmt)
     state = model.hf_state_dict()  # dense tensors under HF names; quantized layers are replaced below
+    if shares_quantized_head(model):
+        # the embedding is the quantized lm_head (written below, lm_head: true): no dense table on disk either
+        del state["model.embed_tokens.weight"]
     for module_name, parts in linear_layout(model):
         module = model.get_submodule(module_name)
         if not isinstance(module, QuantLinear):
@@ -215,14 +222,17 @@ def load_quantized_into(model, path: str | Path, quantization_config: dict, dtyp
     """Fill a runtime Transformer from a GPTQ / AWQ checkpoint dir; quantized layers become QuantLinear.
 
     Every tensor is checked against the model config and quantization_config; a missing, misshapen or
-    unused tensor, or a truncated file, raises CheckpointError naming it.
+    unused tensor, or a truncated file, raises CheckpointError naming it. A quantized lm_head of a model with
+    tied embeddings (``lm_head: true``) also serves as the embedding (QuantEmbedding) unless the checkpoint
+    carries its own dense ``model.embed_tokens.weight``, which then loads as written.
     """
     path = Path(path)
     qc = parse_quantization_config(quantization_config)
     tensors = {k: v for k, v in read_tensors(path).items() if not k.endswith("rotary_emb.inv_freq")}
     used: set[str] = set()
     cfg = model.config
-    for module_name, parts in linear_layout(model):
+    quantized_head = "lm_head.qweight" in tensors
+    for module_name, parts in linear_layout(model, quantized_head):
         module = model.get_submodule(module_name)
         in_features = module.in_features
         quantized = [f"{p}.qweight" in tensors for p, _ in parts]
@@ -249,6 +259,8 @@ def load_quantized_into(model, path: str | Path, quantization_config: dict, dtyp
         act_quant = qc.get("act_quant", False) and qc["bits"] == 8
         layer = QuantLinear(concat_rows(module_name, qparts), act_quant=act_quant, compute_dtype=dtype)
         set_module(model, module_name, layer)
+    if cfg.tie_word_embeddings and quantized_head and hf_key(tensors, "model.embed_tokens.weight") is None:
+        tie_quantized_embedding(model)
     load_dense_params(model, tensors, used)
     unused = sorted(set(tensors) - used)
     if unused:

@@ -11,6 +11,9 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from functools import lru_cache
+
 import torch
 from torch import Tensor
 
@@ -157,3 +160,112 @@ def w8a8_mm(
         part = dots.float() * scales[:, g].float()
         acc = part if acc is None else acc + part
     return acc * x_scale
+
+
+# ---- row gathers (a quantized embedding reads single rows of a packed lm_head) ---------------------------
+
+
+@dataclass(frozen=True)
+class Int4RowLayout:
+    """Where torch's CPU int4 pack of an [n, K] matrix keeps row r's codes, for any K: code (r, k) is nibble
+    ``start[r] * K + k * stride[r] + offset[r]`` of the flat uint8 buffer (nibble = 2 * byte + high half).
+
+    The pack lays rows out in blocks (64 rows on AVX-512, 32 on AVX2) with one in-block pattern, and the last,
+    partial block with its own: rows below n_full repeat the pattern of the first ``period`` rows (shifted by
+    whole blocks), the rows from n_full on are listed one by one (tail_*)."""
+
+    period: int
+    n_full: int
+    start: Tensor  # [period] int64, block-relative
+    stride: Tensor  # [period]
+    offset: Tensor  # [period]
+    tail_start: Tensor  # [n - n_full]
+    tail_stride: Tensor
+    tail_offset: Tensor
+
+    def rows(self, rows: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """(start, stride, offset) of each row id in rows [T]."""
+        r = rows.long().cpu()
+        full = r < self.n_full
+        q, i = r // self.period, r % self.period
+        start, stride, offset = q * self.period + self.start[i], self.stride[i], self.offset[i]
+        if len(self.tail_start):
+            t = (r - self.n_full).clamp(min=0)
+            start = torch.where(full, start, self.tail_start[t])
+            stride = torch.where(full, stride, self.tail_stride[t])
+            offset = torch.where(full, offset, self.tail_offset[t])
+        return start, stride, offset
+
+    def nibbles(self, rows: Tensor, k: int) -> Tensor:
+        """[T, k] nibble index of every code of the given rows in a pack with k columns."""
+        start, stride, offset = self.rows(rows)
+        return (start * k + offset)[:, None] + torch.arange(k)[None, :] * stride[:, None]
+
+
+def int4_nibble_positions(n: int, k: int) -> Tensor:
+    """[n, k] nibble index of each code (r, c) in torch's CPU int4 pack of an [n, k] matrix, found by packing
+    the hex digits of each code's own flat index r * k + c and reading them back from every nibble."""
+    ids = torch.arange(n * k)
+    at_nibble = torch.zeros(n * k, dtype=torch.int64)  # flat id of the code stored at each nibble
+    digits = max(1, -(-(n * k - 1).bit_length() // 4))
+    for d in range(digits):
+        digit = ((ids >> (4 * d)) & 15).view(n, k).to(torch.int32)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(digit, 2).reshape(-1)
+        if packed.numel() * 2 != n * k:
+            raise ValueError(f"torch's int4 CPU pack of [{n}, {k}] holds {packed.numel()} bytes, not {n * k // 2}")
+        at_nibble |= torch.stack([packed & 15, packed >> 4], 1).reshape(-1).long() << (4 * d)
+    if not torch.equal(torch.sort(at_nibble).values, ids):
+        raise ValueError("torch's int4 CPU pack is not a permutation of the codes")
+    pos = torch.empty_like(at_nibble)
+    pos[at_nibble] = ids
+    return pos.view(n, k)
+
+
+@lru_cache(maxsize=8)
+def int4_row_layout(n: int) -> Int4RowLayout:
+    """Learn the row layout of torch's CPU int4 pack for n rows (packs of 2 and 4 columns fix it), then check
+    it on packs of 6 and 8 columns. Raises ValueError when the pack does not follow such a layout."""
+    p2, p4 = int4_nibble_positions(n, 2), int4_nibble_positions(n, 4)
+    # nibble(r, k) = start * K + k * stride + offset: two pack widths separate start from offset
+    start, offset, stride = (p4[:, 0] - p2[:, 0]) // 2, 2 * p2[:, 0] - p4[:, 0], p2[:, 1] - p2[:, 0]
+    layout = None
+    for period in (16, 32, 64, 128, 256):
+        n_full = n // period * period
+        if n_full == 0:
+            break
+        q, i = torch.arange(n_full) // period, torch.arange(n_full) % period
+        rel = start[:n_full] - q * period
+        if (
+            torch.equal(rel, rel[i])
+            and torch.equal(stride[:n_full], stride[i])
+            and torch.equal(offset[:n_full], offset[i])
+        ):
+            layout = Int4RowLayout(
+                period, n_full, rel[:period], stride[:period], offset[:period],
+                start[n_full:], stride[n_full:], offset[n_full:],
+            )  # fmt: skip
+            break
+    if layout is None:  # no repeating block: list every row
+        zero = torch.zeros(1, dtype=torch.int64)
+        layout = Int4RowLayout(1, 0, zero, zero, zero, start, stride, offset)
+    rows = torch.arange(n)
+    for k in (2, 4, 6, 8):
+        if not torch.equal(layout.nibbles(rows, k), int4_nibble_positions(n, k)):
+            raise ValueError(
+                f"torch {torch.__version__}'s int4 CPU pack of {n} rows does not keep each row at a fixed stride; "
+                "rows cannot be gathered from it (keep the layer on the reference path)"
+            )
+    return layout
+
+
+def int4_gather_rows(packed: Tensor, n: int, k_pad: int, rows: Tensor) -> Tensor:
+    """Codes [T, k_pad] uint8 of the given rows of an int4_pack'ed [n, k_pad] matrix, without unpacking the rest."""
+    nib = int4_row_layout(n).nibbles(rows, k_pad).to(packed.device)
+    byte = packed.reshape(-1)[nib >> 1].to(torch.int32)
+    return ((byte >> ((nib & 1) * 4)) & 15).to(torch.uint8)
+
+
+def int8_gather_rows(flat: Tensor, n: int, k: int, group_size: int, rows: Tensor) -> Tensor:
+    """Codes [T, k] uint8 (in the packed column order) of the given rows of an int8_pack'ed [n, k] matrix."""
+    blocks = [b.index_select(0, rows) for b in int8_blocks(flat, n, k, group_size)]
+    return (torch.cat(blocks, 1).to(torch.int16) + 128).to(torch.uint8)
