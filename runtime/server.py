@@ -473,8 +473,20 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-chunked-prefill", action="store_true")
     ap.add_argument("--default-max-tokens", type=int, default=16, help="max_tokens when a request omits it")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    ap.add_argument(
+        "--speculator", choices=["ngram"], default=None, help="speculative decoding in the engine step (lossless)"
+    )
+    ap.add_argument("--num-speculative-tokens", type=int, default=4, help="k: drafts per sequence and step")
     args = ap.parse_args(argv)
-    for name in ("port", "block_size", "max_num_seqs", "max_num_batched_tokens", "default_max_tokens"):
+    names = (
+        "port",
+        "block_size",
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "default_max_tokens",
+        "num_speculative_tokens",
+    )
+    for name in names:
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.kv_cache_gb <= 0:
@@ -494,8 +506,14 @@ def main(argv: list[str] | None = None) -> None:
         policy=args.policy,
         max_model_len=args.max_model_len,
         decode_kernel=args.decode_kernel,
+        num_speculative_tokens=args.num_speculative_tokens,
     )
-    engine = LLMEngine(model, tokenizer, config)
+    speculator = None
+    if args.speculator == "ngram":
+        from speculate.engine import EngineNgramSpeculator
+
+        speculator = EngineNgramSpeculator()
+    engine = LLMEngine(model, tokenizer, config, speculator=speculator)
     server = Server(engine, tokenizer, args.model)
     server.default_max_tokens = args.default_max_tokens
     bm = engine.block_manager

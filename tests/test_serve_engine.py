@@ -237,6 +237,24 @@ def test_speculative_hook_keeps_greedy_outputs(model, workload):
     assert engine.block_manager.num_used_blocks == 0
 
 
+def test_ngram_speculation_in_the_engine_keeps_greedy_outputs(model):
+    """The engine step with the shared verifier (speculate.engine over speculate.verify): sequences of one
+    batch accept different numbers of drafts, and greedy outputs equal the plain reference."""
+    from speculate.engine import EngineNgramSpeculator
+
+    gen = torch.Generator().manual_seed(3)
+    prompts = []
+    for n in (5, 9, 14, 20, 7, 11):  # repeated spans so prompt lookup finds matches
+        span = torch.randint(2, model.config.vocab_size, (n,), generator=gen).tolist()
+        prompts.append(span + span[: n // 2] + span)
+    params = [SamplingParams(max_tokens=24, ignore_eos=True) for _ in prompts]
+    ref = reference(model, prompts, params)
+    engine = LLMEngine(model, config=small(block_size=4, num_speculative_tokens=4), speculator=EngineNgramSpeculator())
+    assert [o.output_ids for o in engine.generate(prompts, params)] == ref
+    assert 0 < engine.num_spec_accepted < engine.num_spec_proposed
+    assert engine.block_manager.num_used_blocks == 0
+
+
 @pytest.mark.integration
 def test_default_model_concurrent_chat_equals_generate(default_model):
     from runtime.generate import encode_prompt
