@@ -147,15 +147,7 @@ class AWQ(LayerAlgorithm):
         if stage.name not in self.qcfg.modules:
             return
         cfg = layer.self_attn
-        # The producer of the stage's inputs that the inverse scale folds into, and which of its rows.
-        prev = {
-            "qkv_proj": (layer.input_layernorm, None),
-            "o_proj": (cfg.qkv_proj, slice(cfg.q_size + cfg.kv_size, None))
-            if cfg.num_heads == cfg.num_kv_heads
-            else None,
-            "gate_up_proj": (layer.post_attention_layernorm, None),
-            "down_proj": (layer.mlp.gate_up_proj, slice(layer.mlp.intermediate_size, None)),
-        }[stage.name]
+        prev = scale_producer(layer, stage.name)
         start = time.perf_counter()
         linear = stage.linear
         group_size = self.qcfg.group_size_for(linear.in_features, stage.full_name)
@@ -195,6 +187,21 @@ class AWQ(LayerAlgorithm):
         if self.gptq is not None:
             out.update(self.gptq.record(), quant_method="awq+gptq")
         return out
+
+
+def scale_producer(layer: nn.Module, name: str) -> tuple[nn.Module, slice | None] | None:
+    """The producer of stage `name`'s inputs that an input-channel scale folds into, and which of its rows
+    (None: a norm's whole weight). None for o_proj under GQA: an o_proj input channel is a q head's copy of a
+    shared v channel, so a per-channel scale cannot be folded into the v rows (the reference skips it too)."""
+    attn = layer.self_attn
+    return {
+        "qkv_proj": (layer.input_layernorm, None),
+        "o_proj": (attn.qkv_proj, slice(attn.q_size + attn.kv_size, None))
+        if attn.num_heads == attn.num_kv_heads
+        else None,
+        "gate_up_proj": (layer.post_attention_layernorm, None),
+        "down_proj": (layer.mlp.gate_up_proj, slice(layer.mlp.intermediate_size, None)),
+    }[name]
 
 
 @torch.no_grad()

@@ -27,6 +27,8 @@ def label(record: dict) -> str:
         parts.append(f"damp{qc['damp_percent']}")
     if qc.get("mse") or qc.get("mse_clip"):
         parts.append("mse")
+    if "smooth_alpha" in qc:
+        parts.append(f"smooth{qc['smooth_alpha']}")
     if "nsamples" in qc:
         parts.append(f"n{qc['nsamples']}x{qc['seqlen']}")
     if "awq" in qc:
