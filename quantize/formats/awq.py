@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from quantize.formats.errors import CheckpointError, expect_tensor, fp16_scales
+from quantize.formats.errors import CheckpointError, expect_tensor, fp16_scales, group_layout, optional_bias
 from quantize.packing import pack_codes_awq, unpack_codes_awq
 from quantize.qlinear import QuantizedWeight
 
@@ -53,9 +53,7 @@ def from_tensors(
         raise CheckpointError(f"AWQ GEMM checkpoints hold 4-bit codes; quantization_config says bits={bits}")
     if out_features % 8:
         raise CheckpointError(f"{name}: out_features={out_features} cannot hold AWQ GEMM words of 8 codes")
-    if group_size in (-1, 0) or group_size >= in_features:
-        group_size = in_features
-    n_groups = -(-in_features // group_size)
+    group_size, n_groups = group_layout(group_size, in_features)
     qweight = expect_tensor(tensors, f"{name}.qweight", (in_features, out_features // 8), torch.int32)
     scales = expect_tensor(tensors, f"{name}.scales", (n_groups, out_features), None)
     if zero_point:
@@ -63,9 +61,7 @@ def from_tensors(
         zeros = unpack_codes_awq(qzeros).t().float()
     else:
         zeros = torch.full((out_features, n_groups), 2.0 ** (bits - 1))
-    bias = tensors.get(f"{name}.bias")
-    if bias is not None:
-        bias = expect_tensor(tensors, f"{name}.bias", (out_features,), None)
+    bias = optional_bias(tensors, name, out_features)
     return QuantizedWeight(
         codes=unpack_codes_awq(qweight).t().contiguous(),
         scales=scales.t().float().contiguous(),

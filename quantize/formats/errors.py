@@ -29,6 +29,20 @@ def expect_tensor(tensors: dict[str, Tensor], name: str, shape: tuple[int, ...],
     return t
 
 
+def group_layout(group_size: int, in_features: int) -> tuple[int, int]:
+    """A config's group size as the layer uses it (-1, 0 or >= the width: one group per row) and the group count."""
+    if group_size in (-1, 0) or group_size >= in_features:
+        group_size = in_features
+    return group_size, -(-in_features // group_size)
+
+
+def optional_bias(tensors: dict[str, Tensor], name: str, out_features: int) -> Tensor | None:
+    """The layer's bias when the checkpoint has one, checked for shape."""
+    if f"{name}.bias" not in tensors:
+        return None
+    return expect_tensor(tensors, f"{name}.bias", (out_features,), None)
+
+
 def check_safetensors_file(path: Path) -> None:
     """Fail with the name of the first tensor whose bytes lie past the end of a (truncated) safetensors file."""
     size = path.stat().st_size

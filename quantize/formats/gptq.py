@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from quantize.formats.errors import CheckpointError, expect_tensor, fp16_scales
+from quantize.formats.errors import CheckpointError, expect_tensor, fp16_scales, group_layout, optional_bias
 from quantize.packing import block_shape, pack_codes, unpack_codes
 from quantize.qlinear import QuantizedWeight
 
@@ -72,9 +72,7 @@ def from_tensors(
     checkpoint_format: str,
 ) -> QuantizedWeight:
     """One layer's GPTQ tensors -> QuantizedWeight (checked against the expected shapes, naming any mismatch)."""
-    if group_size in (-1, 0) or group_size >= in_features:
-        group_size = in_features
-    n_groups = -(-in_features // group_size)
+    group_size, n_groups = group_layout(group_size, in_features)
     codes_per_block, words_per_block = block_shape(bits)
     if in_features % codes_per_block or out_features % codes_per_block:
         raise CheckpointError(f"{name}: {in_features}x{out_features} cannot hold packed {bits}-bit codes")
@@ -91,9 +89,7 @@ def from_tensors(
             )
         if torch.equal(g_idx, torch.arange(in_features) // group_size):
             g_idx = None  # the plain grouping: no act-order
-    bias = tensors.get(f"{name}.bias")
-    if bias is not None:
-        bias = expect_tensor(tensors, f"{name}.bias", (out_features,), None)
+    bias = optional_bias(tensors, name, out_features)
     codes = unpack_codes(qweight, bits, in_features).t().contiguous()  # [out, in]
     zeros = unpack_codes(qzeros.t(), bits, out_features).float()  # [out, G]
     if checkpoint_format == "gptq":
