@@ -132,3 +132,16 @@ def test_cholesky_failure_retries_with_more_damping():
     assert torch.allclose(U.T @ U, torch.linalg.inv(Hd), atol=1e-4)
     with pytest.raises(GPTQError, match="not positive definite"):
         inverse_cholesky(-torch.eye(4) * 5 + torch.ones(4, 4), 0.01, 0.2)
+
+
+def test_hessian_skip_leaves_out_each_windows_first_tokens():
+    torch.manual_seed(0)
+    batches = [torch.randn(2, 7, 5), torch.randn(3, 7, 5)]
+    kept = torch.cat([b[:, 2:].reshape(-1, 5) for b in batches])  # [25, 5]
+    expected = 2.0 / kept.shape[0] * kept.t() @ kept
+    torch.testing.assert_close(accumulate_hessian(batches, skip=2), expected)
+    assert not torch.allclose(accumulate_hessian(batches), expected)
+    with pytest.raises(GPTQError, match="hessian_skip=7"):
+        accumulate_hessian(batches, skip=7)
+    with pytest.raises(ValueError, match="hessian_skip"):
+        GPTQConfig(hessian_skip=-1)

@@ -55,11 +55,18 @@ def make(name: str, model):
     raise ValueError(name)
 
 
+PLAIN_OUTPUTS: dict[tuple[int, int], list[list[int]]] = {}  # the oracle, computed once per size for all cases
+
+
 def check_exact(default_model, names, n_prompts: int, max_tokens: int, batch: int) -> None:
     model, tokenizer, _ = default_model
     prompts = wiki_prompts(tokenizer, n_prompts)
     params = SamplingParams(max_tokens=max_tokens)
-    plain = [generate(model, prompts[i : i + 1], params).tokens[0] for i in range(len(prompts))]
+    if (n_prompts, max_tokens) not in PLAIN_OUTPUTS:
+        PLAIN_OUTPUTS[n_prompts, max_tokens] = [
+            generate(model, prompts[i : i + 1], params).tokens[0] for i in range(len(prompts))
+        ]
+    plain = PLAIN_OUTPUTS[n_prompts, max_tokens]
     for name in names:
         spec = make(name, model)
         for i in range(0, len(prompts), batch):
