@@ -33,7 +33,7 @@ def build_speculator(
     tree_size: int | None = None,
     acceptance: str = "rejection",
     quant_bits: int = 8,
-    quant_group_size: int = 128,
+    quant_group_size: int | None = None,
     ngram_fixed: bool = False,
 ) -> Speculator:
     """A speculator by name; every argument error is a SpeculatorError naming the problem."""

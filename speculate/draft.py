@@ -37,13 +37,19 @@ def layer_skip_draft(model: Transformer, num_layers: int) -> Transformer:
     return draft.eval()
 
 
-def quantized_draft(model: Transformer, bits: int = 8, group_size: int = 128) -> Transformer:
-    """A quantized copy of the target (RTN from the quant package; decoder linears only, lm_head kept)."""
+def quantized_draft(model: Transformer, bits: int = 8, group_size: int | None = None) -> Transformer:
+    """A quantized copy of the target (RTN from the quant package; decoder linears only, lm_head kept).
+
+    group_size None: the standard layout of each width, int8 symmetric per-channel and int4 group 128 (the
+    layouts the fast CPU kernels are built for; int8 with groups runs one kernel per group)."""
     from quantize.config import QuantConfig
     from quantize.rtn import quantize_model
 
+    if group_size is None:
+        group_size = -1 if bits == 8 else 128
     draft = copy.deepcopy(model)  # a deepcopy keeps a tied lm_head tied inside the copy
-    return quantize_model(draft, QuantConfig(bits=bits, group_size=group_size)).eval()
+    # int8 symmetric per-channel is quantize.int8's weight-only layout; int4 asymmetric g128 is RTN4's
+    return quantize_model(draft, QuantConfig(bits=bits, group_size=group_size, sym=bits == 8)).eval()
 
 
 def check_same_vocab(target: Transformer, draft: Transformer) -> None:
