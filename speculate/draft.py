@@ -43,13 +43,25 @@ def quantized_draft(model: Transformer, bits: int = 8, group_size: int | None = 
     group_size None: the standard layout of each width, int8 symmetric per-channel and int4 group 128 (the
     layouts the fast CPU kernels are built for; int8 with groups runs one kernel per group)."""
     from quantize.config import QuantConfig
+    from quantize.qlinear import QuantLinear
     from quantize.rtn import quantize_model
 
     if group_size is None:
         group_size = -1 if bits == 8 else 128
     draft = copy.deepcopy(model)  # a deepcopy keeps a tied lm_head tied inside the copy
+    if draft.compute_dtype == torch.float32:
+        # the int kernels run bf16 activations (fp32 ones are several times slower), and a bf16 head reads
+        # half the bytes: the draft only proposes, so its precision costs acceptance, never exactness
+        draft.set_dtype(torch.bfloat16, mixed=False)
     # int8 symmetric per-channel is quantize.int8's weight-only layout; int4 asymmetric g128 is RTN4's
-    return quantize_model(draft, QuantConfig(bits=bits, group_size=group_size, sym=bits == 8)).eval()
+    quantize_model(draft, QuantConfig(bits=bits, group_size=group_size, sym=bits == 8))
+    # quantize_model pins the dequantize-every-forward reference path (exact, for measuring quantization
+    # error); a draft exists to be fast, and the verifier keeps the output lossless whatever it proposes
+    fast = "triton" if model.norm.weight.is_cuda else ("cpu_int8" if bits == 8 else "cpu_int4")
+    for layer in draft.modules():
+        if isinstance(layer, QuantLinear) and layer.unsupported_reason(fast) is None:
+            layer.set_path(fast)
+    return draft.eval()
 
 
 def check_same_vocab(target: Transformer, draft: Transformer) -> None:
