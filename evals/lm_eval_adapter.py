@@ -196,7 +196,7 @@ class QspecLM(LM):
         groups: dict[tuple[int, ...], list[int]] = {}
         for i, (inp, target) in enumerate(rows):
             groups.setdefault(tuple(inp[: len(inp) - len(target)]), []).append(i)
-        cfg, dtype, dev = self.model.config, self.model.embed_tokens.weight.dtype, self._device
+        cfg, dtype, dev = self.model.config, self.model.compute_dtype, self._device  # the cache holds layer k/v
         for prefix, members in groups.items():
             p = len(prefix)
             for start in range(0, len(members), self.batch_size_per_call):

@@ -185,6 +185,7 @@ class GPTQ(LayerAlgorithm):
     def __init__(self, qcfg: QuantConfig, gcfg: GPTQConfig, log=None):
         self.qcfg, self.gcfg, self.log = qcfg, gcfg, log
         self.stats: list[dict] = []
+        self.any_g_idx = False
 
     def quantize_stage(self, stage: Stage) -> None:
         if stage.name not in self.qcfg.modules and not (stage.name == "lm_head" and self.qcfg.lm_head):
@@ -196,6 +197,7 @@ class GPTQ(LayerAlgorithm):
         group_size = self.qcfg.group_size_for(linear.in_features, stage.full_name)
         res = gptq_quantize(linear.weight, H, self.qcfg.bits, self.qcfg.sym, group_size, self.gcfg, linear.bias)
         err = layer_error(linear.weight, res.qweight, H)
+        self.any_g_idx |= res.qweight.g_idx is not None
         self.stats.append(
             {
                 "layer": stage.full_name,
@@ -210,8 +212,9 @@ class GPTQ(LayerAlgorithm):
         set_module(stage.owner, stage.path, quant_linear(res.qweight, self.qcfg, linear))
 
     def record(self) -> dict:
-        # desc_act in the checkpoint sense: columns carry a g_idx (act-order without static groups)
-        desc_act = self.gcfg.act_order and not self.gcfg.static_groups
+        # desc_act in the checkpoint sense: the columns carry a g_idx (act-order without static groups, with
+        # groups: a per-channel layer has one group per row, so its visiting order leaves no g_idx behind)
+        desc_act = self.any_g_idx
         return {"quant_method": "gptq", "desc_act": desc_act, **asdict(self.gcfg), "true_sequential": True}
 
 

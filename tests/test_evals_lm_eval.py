@@ -76,6 +76,23 @@ def test_loglikelihood_matches_lm_eval_hf(tiny_real_vocab, tokenizer, hflm, scor
         assert g_greedy == w_greedy
 
 
+def test_cached_scoring_of_a_mixed_bf16_model(tiny_real_vocab, tokenizer):
+    """bf16 layers with an fp32 embedding / head / residual (set_dtype mixed): the cache takes the layers' dtype,
+    and both scoring paths agree (the flagship's bf16 row runs tasks this way)."""
+    import copy
+
+    model, _ = tiny_real_vocab
+    mixed = copy.deepcopy(model).set_dtype(torch.bfloat16, mixed=True)
+    got = {
+        mode: QspecLM(model=mixed, tokenizer=tokenizer, batch_size=3, max_length=256, score_mode=mode).loglikelihood(
+            requests("loglikelihood", PAIRS)
+        )
+        for mode in ("forward", "cache")
+    }
+    for (f, _), (c, _) in zip(got["forward"], got["cache"]):
+        assert c == pytest.approx(f, abs=0.1)
+
+
 def test_loglikelihood_rolling_matches_lm_eval_hf(tiny_real_vocab, tokenizer, hflm):
     model, _ = tiny_real_vocab
     long_text = " ".join(["Wikipedia is a free online encyclopedia written by volunteers."] * 40)  # > 256 tokens

@@ -14,6 +14,7 @@ import torch
 from quantize import awq, gptq, int8, rtn
 from quantize.qlinear import QuantLinear
 from runtime.config import ModelConfig
+from runtime.loader import load_model
 from runtime.model import random_model
 
 VOCAB = 97
@@ -221,3 +222,14 @@ def test_smoothed_w8a8_cli_records_and_saves_the_folded_model(tiny_checkpoint, t
             mod.set_path("reference")
     windows = token_windows(WordTokenizer(), wiki_text("eval"), 512, 2)
     assert window_nlls(model, windows) == pytest.approx(record["window_nlls"]["wiki"], rel=1e-3)
+
+
+def test_gptq_per_channel_act_order_saves_and_reloads(tiny_checkpoint, tmp_path):
+    """Per-channel act-order leaves no g_idx (one group per row): the checkpoint must say desc_act False."""
+    out = tmp_path / "q"
+    argv = ["--model", str(tiny_checkpoint), "--bits", "4", "--group-size", "-1", "--act-order"]
+    gptq.main([*argv, "--nsamples", "4", "--seqlen", "64", "--batch-size", "2", "--out", str(out)])
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["desc_act"] is False and qc["group_size"] == -1
+    model, _, _ = load_model(str(out))
+    assert torch.isfinite(model(torch.tensor([[1, 2, 3]]))).all()
