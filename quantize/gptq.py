@@ -43,29 +43,33 @@ class GPTQConfig:
     mse_grid: int = 100
     mse_max_shrink: float = 0.8
     mse_norm: float = 2.4
-    hessian_skip: int = 0  # leave each window's first N tokens (attention sinks, massive activations) out of H
+    first_token_weight: float = 1.0  # weight of each window's first token (the attention sink) in H; 0 leaves it out
 
     def __post_init__(self):
         if not 0 < self.damp_percent < 1:
             raise ValueError(f"damp_percent must be in (0, 1), got {self.damp_percent}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
-        if self.hessian_skip < 0:
-            raise ValueError(f"hessian_skip must be >= 0, got {self.hessian_skip}")
+        if self.first_token_weight < 0:
+            raise ValueError(f"first_token_weight must be >= 0, got {self.first_token_weight}")
 
 
-def accumulate_hessian(inputs: list[Tensor], skip: int = 0) -> Tensor:
-    """H = 2/N Σ x xᵀ over all N input rows (tokens) of a linear layer: [in, in] float32.
+def accumulate_hessian(inputs: list[Tensor], first_token_weight: float = 1.0) -> Tensor:
+    """H = 2/N Σ w_t x xᵀ over all N input rows (tokens) of a linear layer, N = Σ w_t: [in, in] float32.
 
-    inputs: [B, T, in] per calibration batch; skip > 0 leaves out each window's first ``skip`` positions."""
+    inputs: [B, T, in] per calibration batch. w_t = 1, except each window's first token (the attention sink,
+    which carries the massive activations) weighs ``first_token_weight`` (0: left out)."""
     in_features = inputs[0].shape[-1]
     H = torch.zeros(in_features, in_features, dtype=torch.float32, device=inputs[0].device)
     n = 0
     for x in inputs:
-        if skip:
-            if x.dim() != 3 or x.shape[1] <= skip:
-                raise GPTQError(f"hessian_skip={skip} needs windows longer than {skip} tokens, got {tuple(x.shape)}")
-            x = x[:, skip:]
+        if first_token_weight != 1.0:
+            if x.dim() != 3 or x.shape[1] < 2:
+                raise GPTQError(f"first_token_weight needs [batch, tokens >= 2, in] inputs, got {tuple(x.shape)}")
+            sink = x[:, 0].reshape(-1, in_features).float()
+            H.addmm_(sink.t(), sink, alpha=first_token_weight)
+            n += first_token_weight * sink.shape[0]
+            x = x[:, 1:]
         x = x.reshape(-1, in_features).float()
         H.addmm_(x.t(), x)
         n += x.shape[0]
@@ -193,7 +197,7 @@ class GPTQ(LayerAlgorithm):
         from quantize.rtn import quant_linear
 
         linear = stage.linear
-        H = accumulate_hessian(stage.inputs, self.gcfg.hessian_skip)
+        H = accumulate_hessian(stage.inputs, self.gcfg.first_token_weight)
         group_size = self.qcfg.group_size_for(linear.in_features, stage.full_name)
         res = gptq_quantize(linear.weight, H, self.qcfg.bits, self.qcfg.sym, group_size, self.gcfg, linear.bias)
         err = layer_error(linear.weight, res.qweight, H)
@@ -226,10 +230,10 @@ def add_gptq_args(ap) -> None:
     g.add_argument("--block-size", type=int, default=128, help="columns per lazy-update block")
     g.add_argument("--mse", action="store_true", help="MSE search of each group's range (clipping)")
     g.add_argument(
-        "--hessian-skip",
-        type=int,
-        default=0,
-        help="leave each calibration window's first N tokens (attention sinks) out of the Hessian (default 0)",
+        "--first-token-weight",
+        type=float,
+        default=1.0,
+        help="weight of each calibration window's first token (the attention sink) in the Hessian; 0 leaves it out",
     )
 
 
@@ -241,7 +245,7 @@ def gptq_config(ap, args) -> GPTQConfig:
             damp_percent=args.damp_percent,
             block_size=args.block_size,
             mse=args.mse,
-            hessian_skip=args.hessian_skip,
+            first_token_weight=args.first_token_weight,
         )
     except ValueError as err:
         ap.error(str(err))

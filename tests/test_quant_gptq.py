@@ -134,14 +134,16 @@ def test_cholesky_failure_retries_with_more_damping():
         inverse_cholesky(-torch.eye(4) * 5 + torch.ones(4, 4), 0.01, 0.2)
 
 
-def test_hessian_skip_leaves_out_each_windows_first_tokens():
+def test_first_token_weight_in_the_hessian():
     torch.manual_seed(0)
     batches = [torch.randn(2, 7, 5), torch.randn(3, 7, 5)]
-    kept = torch.cat([b[:, 2:].reshape(-1, 5) for b in batches])  # [25, 5]
-    expected = 2.0 / kept.shape[0] * kept.t() @ kept
-    torch.testing.assert_close(accumulate_hessian(batches, skip=2), expected)
-    assert not torch.allclose(accumulate_hessian(batches), expected)
-    with pytest.raises(GPTQError, match="hessian_skip=7"):
-        accumulate_hessian(batches, skip=7)
-    with pytest.raises(ValueError, match="hessian_skip"):
-        GPTQConfig(hessian_skip=-1)
+    first = torch.cat([b[:, 0] for b in batches])  # [5, 5]: each window's first token
+    rest = torch.cat([b[:, 1:].reshape(-1, 5) for b in batches])  # [30, 5]
+    for w in (0.0, 4.0):
+        expected = 2.0 / (rest.shape[0] + w * first.shape[0]) * (rest.t() @ rest + w * first.t() @ first)
+        torch.testing.assert_close(accumulate_hessian(batches, first_token_weight=w), expected)
+    torch.testing.assert_close(accumulate_hessian(batches, 1.0), 2.0 / 35 * (rest.t() @ rest + first.t() @ first))
+    with pytest.raises(GPTQError, match="first_token_weight"):
+        accumulate_hessian([torch.randn(2, 1, 5)], first_token_weight=0.0)
+    with pytest.raises(ValueError, match="first_token_weight"):
+        GPTQConfig(first_token_weight=-1)
