@@ -56,11 +56,11 @@ def quantized_draft(model: Transformer, bits: int = 8, group_size: int | None = 
     # int8 symmetric per-channel is quantize.int8's weight-only layout; int4 asymmetric g128 is RTN4's
     quantize_model(draft, QuantConfig(bits=bits, group_size=group_size, sym=bits == 8))
     # quantize_model pins the dequantize-every-forward reference path (exact, for measuring quantization
-    # error); a draft exists to be fast, and the verifier keeps the output lossless whatever it proposes
-    fast = "triton" if model.norm.weight.is_cuda else ("cpu_int8" if bits == 8 else "cpu_int4")
+    # error); a draft exists to be fast, and the verifier keeps the output lossless whatever it proposes:
+    # let each layer pick its device's fast path (QuantLinear.auto_path) at its first forward
     for layer in draft.modules():
-        if isinstance(layer, QuantLinear) and layer.unsupported_reason(fast) is None:
-            layer.set_path(fast)
+        if isinstance(layer, QuantLinear):
+            layer.auto = True
     return draft.eval()
 
 

@@ -205,7 +205,6 @@ def test_smoothed_w8a8_cli_records_and_saves_the_folded_model(tiny_checkpoint, t
         pytest.skip("quantize.formats.save_quantized (issue 4) is not in this checkout")
     from evals.perplexity import window_nlls
     from runtime.data import token_windows, wiki_text
-    from runtime.loader import load_model
 
     out, records = tmp_path / "q", tmp_path / "r.jsonl"
     argv = ["--model", str(tiny_checkpoint), "--w8a8", "--smooth", "0.5", "--nsamples", "4", "--seqlen", "32"]
