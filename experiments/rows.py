@@ -204,8 +204,27 @@ def quantized_row(ctx, params: dict) -> Variant:
         done = subprocess.run(command, stdout=sys.stderr)
         if done.returncode != 0 or not is_checkpoint_dir(out):
             raise RowUnavailable(f"quantizer failed (exit {done.returncode}): {' '.join(command[1:])}")
+    from quantize.qlinear import QuantLinear
+
+    # quality columns: the exact fp32 reference math on weights dequantized once (the `dense` path), so they
+    # measure the quantization alone and score tasks at fp32 speed
     m, _, _ = load_model(str(out), dtype=torch.float32)
-    return model_variant(ctx, m, checkpoint=str(out), build_command=" ".join(command[1:]))
+    for layer in m.modules():
+        if isinstance(layer, QuantLinear):
+            layer.set_path("dense")
+    # speed column: what a user runs, the fast int kernels with bf16 activations, against the same model
+    # unquantized in bf16 (mixed), so the ratio is the quantization's own speedup
+    fast, _, _ = load_model(str(out), dtype=torch.bfloat16)
+    for layer in fast.modules():
+        if isinstance(layer, QuantLinear):
+            layer.set_path(layer.auto_path(layer.scales.device), pin=False)
+    bf16_base = copy.deepcopy(ctx.model).set_dtype(torch.bfloat16, mixed=True)
+    variant = model_variant(ctx, m, checkpoint=str(out), build_command=" ".join(command[1:]))
+    variant.timed = plain_generate(fast)
+    variant.baseline_timed = plain_generate(bf16_base)
+    variant.baseline_name = "the unquantized model in bf16 (mixed); both sides bf16 activations, batch 1"
+    variant.extra["timed_paths"] = sorted({x.path for x in fast.modules() if isinstance(x, QuantLinear)})
+    return variant
 
 
 # ---- serving engine (issue 6) -----------------------------------------------------------------------

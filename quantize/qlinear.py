@@ -75,7 +75,7 @@ def quantize_activations_per_token(x: Tensor) -> tuple[Tensor, Tensor]:
     return q, scale
 
 
-PATHS = ("reference", "cpu_int4", "cpu_int8", "cpu_w8a8", "triton")
+PATHS = ("reference", "dense", "cpu_int4", "cpu_int8", "cpu_w8a8", "triton")
 
 
 class QuantLinear(nn.Module):
@@ -87,6 +87,9 @@ class QuantLinear(nn.Module):
     Paths (``path="auto"`` picks one at the first forward from the input's device and compute_dtype; on CPU
     int4 is picked only for a 16-bit compute_dtype, since it rounds activations to bf16):
       reference  dequantize-then-matmul in fp32 (what every other path is tested against)
+      dense      the reference math on a weight dequantized once and kept (fp32): bit-identical to reference
+                 and as fast as an unquantized fp32 model, for evaluating a quantized model's quality at
+                 scale; resident bytes are the dense size plus the packed codes
       cpu_int4   torch's int4 packed matmul (2/3/4-bit codes, group size a multiple of 32; bf16 activations)
       cpu_int8   torch's int8 weight-only matmul (8-bit codes)
       cpu_w8a8   torch._int_mm on int8 activations and weights (act_quant=True)
@@ -127,10 +130,11 @@ class QuantLinear(nn.Module):
         """Keep the codes in the layout `path` reads, dropping every other layout."""
         from quantize.kernels import cpu
 
-        for name in ("packed_codes", "int4_weight", "int4_scales_zeros", "int8_weight", "in_perm", "zero_shift"):
+        layouts = ("packed_codes", "dense_weight", "int4_weight", "int4_scales_zeros", "int8_weight", "in_perm")
+        for name in layouts + ("zero_shift",):
             self._buffers.pop(name, None)
         self.path = path
-        if path in ("reference", "triton"):
+        if path in ("reference", "dense", "triton"):
             from quantize.packing import block_shape, pack_codes
 
             per_block = block_shape(self.bits)[0]
@@ -138,6 +142,9 @@ class QuantLinear(nn.Module):
             padded = F.pad(codes.t().to(torch.int32), (0, 0, 0, k_pad - self.in_features))
             # [k_pad * bits / 32, out] int32, GPTQ's layout (low bits first, 3-bit codes straddle words)
             self.register_buffer("packed_codes", pack_codes(padded, self.bits).to(codes.device))
+            if path == "dense":  # not persistent: checkpoints hold the codes, never the dense copy
+                weight = self.qweight().dequantize(torch.float32)
+                self.register_buffer("dense_weight", weight, persistent=False)
             return
         perm = cpu.contiguous_group_order(self.g_idx, self.group_size, self.in_features)
         self.register_buffer("in_perm", perm)
@@ -241,7 +248,7 @@ class QuantLinear(nn.Module):
     def unsupported_reason(self, path: str) -> str | None:
         from quantize.kernels import cpu
 
-        if path in ("reference", "triton"):
+        if path in ("reference", "dense", "triton"):
             return None
         if path == "cpu_w8a8" and not self.act_quant:
             return "cpu_w8a8 quantizes activations; build the layer with act_quant=True"
@@ -295,7 +302,7 @@ class QuantLinear(nn.Module):
         if self.auto and self.auto_device != x.device.type:
             self.set_path(self.auto_path(x.device), pin=False)
             self.auto_device = x.device.type
-        if self.path == "reference":
+        if self.path in ("reference", "dense"):
             return self.reference_forward(x)
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
@@ -316,7 +323,7 @@ class QuantLinear(nn.Module):
         return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
 
     def reference_forward(self, x: Tensor) -> Tensor:
-        w = self.qweight().dequantize(torch.float32)
+        w = self.dense_weight if self.path == "dense" else self.qweight().dequantize(torch.float32)
         if self.act_quant:
             q, s = quantize_activations_per_token(x)
             y = F.linear(q.float(), w) * s

@@ -67,7 +67,21 @@ def test_cpu_int8_and_w8a8_match_reference(group_size, act_order, sym, act_quant
         assert rel_err(fast(x), ref(x)) < TOLERANCE[(path, dtype)]
 
 
-@pytest.mark.parametrize("path", ["cpu_int4", "cpu_int8", "cpu_w8a8", "reference"])
+@pytest.mark.parametrize("bits,act_quant", [(4, False), (3, False), (8, True)])
+def test_dense_path_is_bit_identical_to_reference_and_saves_only_codes(bits, act_quant):
+    gen = torch.Generator().manual_seed(bits)
+    qw = rtn_quantize(torch.randn(48, 160, generator=gen) * 0.05, bits, 32, act_order=True)
+    qw.bias = torch.randn(48, generator=gen) * 0.1
+    ref = QuantLinear(qw, act_quant=act_quant, path="reference")
+    dense = QuantLinear(qw, act_quant=act_quant, path="dense")
+    for m in (1, 9):
+        x = torch.randn(m, 160, generator=gen)
+        assert torch.equal(dense(x), ref(x))
+    assert "dense_weight" not in dense.state_dict() and dense.state_dict().keys() == ref.state_dict().keys()
+    assert torch.equal(dense.qweight().codes, qw.codes)
+
+
+@pytest.mark.parametrize("path", ["cpu_int4", "cpu_int8", "cpu_w8a8", "reference", "dense"])
 def test_every_layout_recovers_the_exact_codes(path):
     bits = 8 if path in ("cpu_int8", "cpu_w8a8") else 4
     qw = rtn_quantize(torch.randn(64, 128) * 0.05, bits, 32, act_order=True)
