@@ -17,6 +17,7 @@ def log(msg: str) -> None:
 
 
 LOCKING = {"enabled": True}
+EVAL_THREADS = {"n": 1}  # threads outside timed sections (the runner sets it from evals.threads)
 
 
 @contextlib.contextmanager
@@ -30,7 +31,7 @@ def bench_section():
         try:
             yield
         finally:
-            torch.set_num_threads(1)
+            torch.set_num_threads(EVAL_THREADS["n"])
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 

@@ -36,6 +36,8 @@ class EvalSection:
     task_limit: int | None = 50  # documents per task
     task_docs: int = 500  # documents generated per offline task
     bootstrap_iters: int = 200
+    # torch threads outside timed sections: 0 = every core (an idle machine); 1 lets several runs share one
+    threads: int = 0
 
 
 @dataclass
@@ -93,6 +95,8 @@ class ExperimentConfig:
             if r.lossless_class not in LOSSLESS_CLASSES:
                 allowed = list(LOSSLESS_CLASSES)
                 raise ConfigError(f"rows[{r.name}].lossless_class: {r.lossless_class!r} not in {allowed}")
+        if self.evals.threads < 0:
+            raise ConfigError(f"evals.threads: {self.evals.threads} must be >= 0 (0 = every core)")
         if self.kind == "table" and not self.rows:
             raise ConfigError("rows: a table config needs at least one row")
         if self.kind != "table" and not self.sweep.values:

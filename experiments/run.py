@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from evals.fidelity import FidelityAccumulator, compare_teacher_forced, model_scorer, token_match
-from experiments.bench import DEFAULT_THREADS, LOCKING, bench_section, log
+from experiments.bench import DEFAULT_THREADS, EVAL_THREADS, LOCKING, bench_section, log
 from experiments.config import ConfigError, ExperimentConfig, Row, load_config
 from experiments.records import append_jsonl, module_command, provenance
 from experiments.rows import ROWS, RowUnavailable, Variant, plain_generate, weight_bytes
@@ -249,7 +249,8 @@ def main(argv: list[str] | None = None) -> None:
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
-    torch.set_num_threads(1)
+    EVAL_THREADS["n"] = cfg.evals.threads or DEFAULT_THREADS
+    torch.set_num_threads(EVAL_THREADS["n"])
     LOCKING["enabled"] = cfg.bench.lock
     out_dir = Path(args.results_dir or cfg.results_dir) / cfg.name
     out_dir.mkdir(parents=True, exist_ok=True)
