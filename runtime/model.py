@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from runtime.config import ModelConfig, UnsupportedModelError
+from runtime.kernels import cpu_decode
 
 
 @dataclass
@@ -244,6 +245,7 @@ class Transformer(nn.Module):
         # None: the residual stream has the weights' dtype (the reference behaviour). torch.float32 with
         # bf16 weights keeps the sum of layer outputs in fp32 (mixed precision: fewer bf16 argmax flips).
         self.residual_dtype: torch.dtype | None = None
+        self.fast_decode = True  # one-token fp32 CPU steps through the compiled step (runtime.kernels.cpu_decode)
         inv_freq, self.rope_attention_scale = rope_inv_freq(config)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
@@ -253,6 +255,11 @@ class Transformer(nn.Module):
         scale = self.rope_attention_scale
         cos, sin = (freqs.cos() * scale).to(dtype), (freqs.sin() * scale).to(dtype)
         return torch.cat((cos, cos), dim=-1)[:, :, None, :], torch.stack((-sin, sin), dim=-2)[:, :, None]
+
+    def rope_row(self, position: int) -> tuple[Tensor, Tensor]:
+        """cos [D] and sin [D/2] of one position, the values rope() gives (what the compiled step reads)."""
+        cos, signed_sin = self.rope(torch.tensor([[position]], device=self.inv_freq.device), self.compute_dtype)
+        return cos.reshape(-1), signed_sin[0, 0, 0, 1].contiguous()
 
     def forward(
         self,
@@ -268,9 +275,13 @@ class Transformer(nn.Module):
         if meta is None:
             meta = AttentionMetadata.contiguous(tokens.shape[0], 0, tokens.shape[1], tokens.device, cache is not None)
         x = self.embed_tokens(tokens).to(self.residual_dtype or self.compute_dtype)
-        cos, sin = self.rope(meta.positions, self.compute_dtype)
-        for layer in self.layers:
-            x = layer(x, cos, sin, meta, cache)
+        fast = cpu_decode.decode(self, x, meta, cache) if tokens.shape[1] == 1 and x.is_cpu else None
+        if fast is not None:  # the compiled one-token step: the same layers, no per-op dispatch
+            x = fast
+        else:
+            cos, sin = self.rope(meta.positions, self.compute_dtype)
+            for layer in self.layers:
+                x = layer(x, cos, sin, meta, cache)
         x = self.norm(x)
         return x if hidden_only else self.logits(x)
 

@@ -1,0 +1,137 @@
+"""The compiled CPU decode step: every decoder layer of a one-token step in one C++ call (cpu_decode.cpp).
+
+Python costs ~45 dispatched ops per layer in a decode step (norms, rope, cache writes, attention, SiLU);
+on the 2-core CPU those cost as much as a third of the weight-streaming time. The C++ step keeps ATen's
+GEMV for the four projections and does the rest in short loops. It serves fp32 models on CPU whose
+layers are runtime.model's own (plain ``Linear`` weights, no q/k norm) with a contiguous KVCache, when
+every row decodes at the same position; anything else keeps the Python path.
+
+The extension is built once per machine (``torch.utils.cpp_extension``, g++) under
+``$QSPEC_HOME/extensions``; where it cannot be built, a warning says why and the Python path runs.
+``QSPEC_FAST_DECODE=0`` turns it off; ``Transformer.fast_decode = False`` does so for one model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("cpu_decode.cpp")
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off"]  # no FMA contraction: rope matches apply_rope exactly
+_STATE: dict = {}
+
+
+def enabled() -> bool:
+    return os.environ.get("QSPEC_FAST_DECODE", "1") != "0"
+
+
+def build_key() -> str:
+    """Source, flags, torch version and this CPU's features: a build from another machine is never reused."""
+    cpu = ""
+    if Path("/proc/cpuinfo").is_file():
+        cpu = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
+    parts = [SOURCE.read_text(), " ".join(FLAGS), torch.__version__, sys.version, cpu]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:12]
+
+
+def extension():
+    """The compiled module, or None (with one warning) where it cannot be built."""
+    if "module" not in _STATE:
+        _STATE["module"] = None
+        try:
+            from torch.utils.cpp_extension import load
+
+            from runtime.loader import qspec_home
+
+            key = build_key()
+            build_dir = qspec_home() / "extensions" / f"cpu_decode-{key}"
+            build_dir.mkdir(parents=True, exist_ok=True)
+            if not any(build_dir.glob("*.so")):
+                print("[qspec] compiling the CPU decode step (once per machine, ~1 min)", file=sys.stderr, flush=True)
+            _STATE["module"] = load(
+                name=f"qspec_cpu_decode_{key}",
+                sources=[str(SOURCE)],
+                extra_cflags=FLAGS,
+                build_directory=str(build_dir),
+                verbose=False,
+            )
+        except Exception as err:  # no compiler, no ninja, a read-only cache: the Python path still works
+            warnings.warn(f"qspec: CPU decode step unavailable, using the Python path ({err})", stacklevel=2)
+    return _STATE["module"]
+
+
+def layer_tensors(model) -> list[torch.Tensor] | None:
+    """The 7 tensors per layer the C++ step reads, or None when a layer is not one it implements."""
+    from runtime.model import MLP, Attention, DecoderLayer, Linear, RMSNorm
+
+    empty = _STATE.setdefault("empty", torch.empty(0))
+    out = []
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if (
+            type(layer) is not DecoderLayer
+            or type(attn) is not Attention
+            or type(mlp) is not MLP
+            or type(layer.input_layernorm) is not RMSNorm
+            or type(layer.post_attention_layernorm) is not RMSNorm
+            or any(type(m) is not Linear for m in linears)
+            or attn.q_norm is not None
+            or attn.o_proj.bias is not None
+            or mlp.gate_up_proj.bias is not None
+            or mlp.down_proj.bias is not None
+        ):
+            return None
+        qkv_bias = attn.qkv_proj.bias
+        out += [
+            layer.input_layernorm.weight,
+            attn.qkv_proj.weight,
+            empty if qkv_bias is None else qkv_bias,
+            attn.o_proj.weight,
+            layer.post_attention_layernorm.weight,
+            mlp.gate_up_proj.weight,
+            mlp.down_proj.weight,
+        ]
+    if any(t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu" for t in out if t.numel()):
+        return None
+    return out
+
+
+def decode(model, x: torch.Tensor, meta, cache) -> torch.Tensor | None:
+    """Run every decoder layer on x [B, 1, hidden] (one new token per row, all at meta.contiguous_start);
+    returns the residual stream [B, 1, hidden] after the last layer, or None when this step does not
+    qualify (the caller then runs the Python layers)."""
+    from runtime.kv_cache import KVCache
+
+    if not (
+        enabled()
+        and getattr(model, "fast_decode", True)
+        and type(cache) is KVCache
+        and x.shape[1] == 1
+        and meta.mask is None
+        and meta.contiguous_start is not None
+        and x.dtype == torch.float32
+        and x.device.type == "cpu"
+        and cache.k.dtype == torch.float32
+        and not torch.is_grad_enabled()
+    ):
+        return None
+    tensors = layer_tensors(model)
+    if tensors is None or extension() is None:
+        return None
+    cfg = model.config
+    pos = int(meta.contiguous_start)
+    if pos + 1 > cache.max_seq_len:
+        raise ValueError(f"KV cache holds {cache.max_seq_len} positions, {pos + 1} requested")
+    cos, sin = model.rope_row(pos)
+    hidden = x.reshape(x.shape[0], -1).contiguous()
+    out = extension().decode_layers(
+        hidden, tensors, cache.k, cache.v, cos, sin, pos, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+        cfg.rms_norm_eps,
+    )
+    return out.view(x.shape)

@@ -1,0 +1,72 @@
+"""The compiled one-token CPU decode step (runtime.kernels.cpu_decode) against HF transformers and the
+Python layers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_model import hf_twin
+
+from runtime.generate import generate
+from runtime.kernels import cpu_decode
+from runtime.kv_cache import KVCache
+from runtime.model import AttentionMetadata, random_model
+from runtime.sampling import SamplingParams
+
+pytestmark = pytest.mark.skipif(cpu_decode.extension() is None, reason="the C++ decode step could not be built here")
+
+
+def spy_on_fast_path(monkeypatch) -> list[bool]:
+    """Record, per one-token forward, whether the compiled step ran it."""
+    taken: list[bool] = []
+    original = cpu_decode.decode
+
+    def spy(*args, **kwargs):
+        out = original(*args, **kwargs)
+        taken.append(out is not None)
+        return out
+
+    monkeypatch.setattr(cpu_decode, "decode", spy)
+    return taken
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("batch,prefix", [(1, 40), (2, 290)])  # 2 x 290 keys: the threaded attention branch
+def test_decode_steps_match_transformers(tiny_config, tmp_path, monkeypatch, batch, prefix):
+    ours = random_model(tiny_config, seed=3)
+    hf = hf_twin(ours, tmp_path)
+    steps = 6
+    tokens = torch.randint(0, tiny_config.vocab_size, (batch, prefix + steps), generator=torch.Generator().manual_seed(0))
+    ref = hf(tokens).logits  # the oracle: one full causal forward
+    cache = KVCache(tiny_config, batch, prefix + steps)
+    ours(tokens[:, :prefix], AttentionMetadata.contiguous(batch, 0, prefix, "cpu"), cache)  # Python prefill
+    taken = spy_on_fast_path(monkeypatch)
+    for i in range(prefix, prefix + steps):
+        got = ours(tokens[:, i : i + 1], AttentionMetadata.contiguous(batch, i, 1, "cpu"), cache)
+        torch.testing.assert_close(got[:, 0], ref[:, i], atol=2e-5, rtol=1e-4)
+    # every layer it implements runs compiled; q/k-norm models (Qwen3) keep the Python layers
+    assert taken == [tiny_config.qk_norm is False] * steps
+
+
+@torch.inference_mode()
+def test_fast_and_python_decode_agree_token_for_token(tiny_llama, monkeypatch):
+    prompts = [[5, 9, 2, 7, 7, 3, 11, 4], [8, 1, 6, 2, 9, 9, 10, 5]]  # equal lengths: one position per step
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    taken = spy_on_fast_path(monkeypatch)
+    fast = generate(tiny_llama, prompts, params)
+    assert taken and all(taken)
+    tiny_llama.fast_decode = False
+    slow = generate(tiny_llama, prompts, params)
+    assert fast.tokens == slow.tokens
+
+
+@torch.inference_mode()
+def test_ineligible_steps_fall_back(tiny_llama):
+    x = torch.zeros(1, 1, tiny_llama.config.hidden_size)
+    meta = AttentionMetadata.contiguous(1, 3, 1, "cpu")
+    cache = KVCache(tiny_llama.config, 1, 8)
+    assert cpu_decode.decode(tiny_llama, x, meta, cache) is not None
+    assert cpu_decode.decode(tiny_llama, x.bfloat16(), meta, cache) is None  # fp32 only
+    assert cpu_decode.decode(tiny_llama, x, AttentionMetadata.causal(torch.tensor([[3]]), kv_len=4), cache) is None
+    with pytest.raises(ValueError, match="KV cache holds 8 positions, 9 requested"):
+        cpu_decode.decode(tiny_llama, x, AttentionMetadata.contiguous(1, 8, 1, "cpu"), cache)
