@@ -36,7 +36,8 @@ def test_decode_steps_match_transformers(tiny_config, tmp_path, monkeypatch, bat
     ours = random_model(tiny_config, seed=3)
     hf = hf_twin(ours, tmp_path)
     steps = 6
-    tokens = torch.randint(0, tiny_config.vocab_size, (batch, prefix + steps), generator=torch.Generator().manual_seed(0))
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, tiny_config.vocab_size, (batch, prefix + steps), generator=gen)
     ref = hf(tokens).logits  # the oracle: one full causal forward
     cache = KVCache(tiny_config, batch, prefix + steps)
     ours(tokens[:, :prefix], AttentionMetadata.contiguous(batch, 0, prefix, "cpu"), cache)  # Python prefill

@@ -131,7 +131,16 @@ def decode(model, x: torch.Tensor, meta, cache) -> torch.Tensor | None:
     cos, sin = model.rope_row(pos)
     hidden = x.reshape(x.shape[0], -1).contiguous()
     out = extension().decode_layers(
-        hidden, tensors, cache.k, cache.v, cos, sin, pos, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+        hidden,
+        tensors,
+        cache.k,
+        cache.v,
+        cos,
+        sin,
+        pos,
+        cfg.num_heads,
+        cfg.num_kv_heads,
+        cfg.head_dim,
         cfg.rms_norm_eps,
     )
     return out.view(x.shape)
