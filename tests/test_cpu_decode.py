@@ -71,3 +71,32 @@ def test_ineligible_steps_fall_back(tiny_llama):
     assert cpu_decode.decode(tiny_llama, x, AttentionMetadata.causal(torch.tensor([[3]]), kv_len=4), cache) is None
     with pytest.raises(ValueError, match="KV cache holds 8 positions, 9 requested"):
         cpu_decode.decode(tiny_llama, x, AttentionMetadata.contiguous(1, 8, 1, "cpu"), cache)
+
+
+@torch.inference_mode()
+def test_bf16_mixed_steps_stay_within_bf16_noise(monkeypatch):
+    """bf16 layers (fp32 residual): the compiled step differs from the Python bf16 layers by less than
+    those differ from fp32 (its reductions run in another order, each rounding step is the same)."""
+    from tests.conftest import TINY_CONFIGS
+
+    cfg, prefix, steps = TINY_CONFIGS["llama"], 30, 6
+    fp32 = random_model(cfg, seed=4)
+    bf16 = random_model(cfg, seed=4).set_dtype(torch.bfloat16, mixed=True)
+    tokens = torch.randint(0, cfg.vocab_size, (1, prefix + steps), generator=torch.Generator().manual_seed(1))
+    ref = fp32(tokens)
+    caches = {fast: KVCache(cfg, 1, prefix + steps, torch.bfloat16) for fast in (True, False)}
+    taken = spy_on_fast_path(monkeypatch)
+    for fast, cache in caches.items():
+        bf16.fast_decode = fast
+        bf16(tokens[:, :prefix], AttentionMetadata.contiguous(1, 0, prefix, "cpu"), cache)
+    fast_vs_python, python_vs_fp32 = 0.0, 0.0
+    for i in range(prefix, prefix + steps):
+        meta = AttentionMetadata.contiguous(1, i, 1, "cpu")
+        bf16.fast_decode = True
+        fast = bf16(tokens[:, i : i + 1], meta, caches[True])[:, 0]
+        bf16.fast_decode = False
+        python = bf16(tokens[:, i : i + 1], meta, caches[False])[:, 0]
+        fast_vs_python = max(fast_vs_python, float((fast - python).abs().max()))
+        python_vs_fp32 = max(python_vs_fp32, float((python - ref[:, i]).abs().max()))
+    assert taken == [True, False] * steps  # bf16 (mixed) steps take it unless the model turns it off
+    assert fast_vs_python < python_vs_fp32, (fast_vs_python, python_vs_fp32)

@@ -1,10 +1,12 @@
-// One-token decode through every decoder layer in one call (CPU, fp32).
+// One-token decode through every decoder layer in one call (CPU; fp32, or bf16 layers with an fp32
+// residual stream as Transformer.set_dtype(bf16, mixed=True) runs them).
 //
 // Same math as runtime.model's layers for T == 1 with a contiguous KV cache: RMSNorm, fused q/k/v,
 // rope (the flip-halves form of apply_rope, product for product), the cache write at `pos`, grouped-query
 // attention over slots 0..pos, o_proj, residual, RMSNorm, fused gate/up, SiLU * up, down_proj, residual.
 // The matrix-vector products stay ATen's (MKL GEMV, both cores); everything between them is a short
 // loop here, so a layer costs 4 GEMVs plus a few microseconds instead of ~45 Python-dispatched ops.
+// Elementwise steps round to the compute type T where the Python ops do (each bf16 op rounds its result).
 // Reductions (norm, dot products, softmax sums) use 16 lane-wise partial sums: the order differs from
 // ATen's, so results match the Python path to float rounding, not bit for bit ("same math").
 #include <torch/extension.h>
@@ -17,6 +19,12 @@ namespace {
 
 constexpr int kLanes = 16;
 
+template <typename T>
+inline T rnd(float v) { return static_cast<T>(v); }  // float -> T (round to nearest even for bf16)
+
+template <typename T>
+inline float f32(T v) { return static_cast<float>(v); }
+
 float sum_of_squares(const float* x, int64_t n) {
   float acc[kLanes] = {0};
   int64_t i = 0;
@@ -28,42 +36,43 @@ float sum_of_squares(const float* x, int64_t n) {
   return total;
 }
 
-float dot(const float* a, const float* b, int64_t n) {
+template <typename T>
+float dot(const float* a, const T* b, int64_t n) {
   float acc[kLanes] = {0};
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes)
-    for (int l = 0; l < kLanes; ++l) acc[l] += a[i + l] * b[i + l];
+    for (int l = 0; l < kLanes; ++l) acc[l] += a[i + l] * f32(b[i + l]);
   float total = 0;
   for (int l = 0; l < kLanes; ++l) total += acc[l];
-  for (; i < n; ++i) total += a[i] * b[i];
+  for (; i < n; ++i) total += a[i] * f32(b[i]);
   return total;
 }
 
-// out = x * rsqrt(mean(x^2) + eps) * w, as F.rms_norm.
-void rms_norm(const float* x, const float* w, float* out, int64_t n, float eps) {
+// RMSNorm of the fp32 residual: fp32 x * rsqrt(mean(x^2) + eps) * w (F.rms_norm), or for bf16 layers the
+// normalised value cast to bf16, then times the bf16 weight (RMSNorm.forward's mixed branch).
+template <typename T>
+void rms_norm(const float* x, const T* w, T* out, int64_t n, float eps) {
   const float inv = 1.0f / std::sqrt(sum_of_squares(x, n) / static_cast<float>(n) + eps);
-  for (int64_t i = 0; i < n; ++i) out[i] = (x[i] * inv) * w[i];
+  for (int64_t i = 0; i < n; ++i) out[i] = rnd<T>(f32(rnd<T>(x[i] * inv)) * f32(w[i]));
 }
 
-// apply_rope for one head: x * cos + flip_halves(x) * (-sin, +sin).
-void rope(const float* x, const float* cos, const float* sin, float* out, int64_t d) {
+// apply_rope for one head: x * cos + flip_halves(x) * (-sin, +sin), each product and the sum rounded to T.
+template <typename T, typename Out>
+void rope(const T* x, const T* cos, const T* sin, Out* out, int64_t d) {
   const int64_t half = d / 2;
-  for (int64_t i = 0; i < half; ++i) {
-    const float a = x[i] * cos[i];
-    const float b = x[i + half] * -sin[i];
-    out[i] = a + b;
-  }
-  for (int64_t i = half; i < d; ++i) {
-    const float a = x[i] * cos[i];
-    const float b = x[i - half] * sin[i - half];
-    out[i] = a + b;
+  for (int64_t i = 0; i < d; ++i) {
+    const T a = rnd<T>(f32(x[i]) * f32(cos[i]));
+    const T b = i < half ? rnd<T>(f32(x[i + half]) * -f32(sin[i])) : rnd<T>(f32(x[i - half]) * f32(sin[i - half]));
+    out[i] = static_cast<Out>(rnd<T>(f32(a) + f32(b)));
   }
 }
 
-// softmax(q . k_j * scale) . v_j over the first `len` cache slots of one kv head.
-void attend_one(const float* q, const float* k, const float* v, float* out, int64_t len, int64_t d,
-                float scale, std::vector<float>& scores) {
+// softmax(q . k_j * scale) . v_j over the first `len` cache slots of one kv head, in float.
+template <typename T>
+void attend_one(const float* q, const T* k, const T* v, T* out, int64_t len, int64_t d, float scale,
+                std::vector<float>& scores, std::vector<float>& acc) {
   scores.resize(len);
+  acc.assign(d, 0.0f);
   float max_score = -INFINITY;
   for (int64_t j = 0; j < len; ++j) {
     scores[j] = dot(q, k + j * d, d) * scale;
@@ -74,83 +83,73 @@ void attend_one(const float* q, const float* k, const float* v, float* out, int6
     scores[j] = std::exp(scores[j] - max_score);
     denom += scores[j];
   }
-  for (int64_t i = 0; i < d; ++i) out[i] = 0;
   for (int64_t j = 0; j < len; ++j) {
     const float p = scores[j] / denom;
-    const float* vj = v + j * d;
-    for (int64_t i = 0; i < d; ++i) out[i] += p * vj[i];
+    const T* vj = v + j * d;
+    for (int64_t i = 0; i < d; ++i) acc[i] += p * f32(vj[i]);
   }
+  for (int64_t i = 0; i < d; ++i) out[i] = rnd<T>(acc[i]);
 }
 
 // y [B, N] = x [B, K] @ W[N, K]^T (+ bias): GEMV per row for B == 1 (the faster kernel here), GEMM otherwise.
 void linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, at::Tensor& y) {
+  const bool has_bias = bias.defined() && bias.numel() > 0;
   if (x.size(0) == 1) {
     auto row = x.view({-1});
     auto out = y.view({-1});
-    if (bias.defined() && bias.numel() > 0)
+    if (has_bias)
       at::addmv_out(out, bias, w, row);
     else
       at::mv_out(out, w, row);
-  } else if (bias.defined() && bias.numel() > 0) {
+  } else if (has_bias) {
     at::addmm_out(y, bias, x, w.t());
   } else {
     at::mm_out(y, x, w.t());
   }
 }
 
-}  // namespace
-
-// x: [B, hidden] fp32 residual stream of the new tokens (updated in place and returned).
-// layers: 7 tensors per layer: input norm w, qkv w [q+2kv, hidden], qkv bias (empty if none), o w,
-//   post norm w, gate_up w [2m, hidden], down w [hidden, m].
-// k_cache, v_cache: [L, B_cache, Hkv, S, D] contiguous; the new k/v go to slot `pos` of rows 0..B-1.
-// cos: [D] (both halves), sin: [D/2], both already multiplied by the rope attention scale.
-at::Tensor decode_layers(at::Tensor x, const std::vector<at::Tensor>& layers, at::Tensor k_cache,
-                         at::Tensor v_cache, at::Tensor cos, at::Tensor sin, int64_t pos, int64_t num_heads,
-                         int64_t num_kv_heads, int64_t head_dim, double eps) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be [B, hidden] fp32");
-  TORCH_CHECK(layers.size() % 7 == 0, "7 tensors per layer");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the KV cache must be contiguous");
+template <typename T>
+void decode_layers_impl(at::Tensor& x, const std::vector<at::Tensor>& layers, at::Tensor& k_cache,
+                        at::Tensor& v_cache, const at::Tensor& cos, const at::Tensor& sin, int64_t pos,
+                        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps) {
   const int64_t B = x.size(0), hidden = x.size(1), L = static_cast<int64_t>(layers.size() / 7);
   const int64_t D = head_dim, Hq = num_heads, Hkv = num_kv_heads, group = Hq / Hkv;
-  const int64_t q_size = Hq * D, kv_size = Hkv * D, S = k_cache.size(3), Bc = k_cache.size(1);
-  TORCH_CHECK(pos < S && B <= Bc && k_cache.size(0) >= L, "position or batch outside the KV cache");
+  const int64_t q_size = Hq * D, kv_size = Hkv * D, qkv_size = q_size + 2 * kv_size;
+  const int64_t S = k_cache.size(3), Bc = k_cache.size(1);
   const int64_t inter = layers[5].size(0) / 2;
   const float feps = static_cast<float>(eps), scale = 1.0f / std::sqrt(static_cast<float>(D));
-  const float* cos_p = cos.data_ptr<float>();
-  const float* sin_p = sin.data_ptr<float>();
-  auto opts = x.options();
-  at::Tensor normed = at::empty({B, hidden}, opts), qkv = at::empty({B, q_size + 2 * kv_size}, opts);
+  const T* cos_p = cos.data_ptr<T>();
+  const T* sin_p = sin.data_ptr<T>();
+  auto opts = k_cache.options();
+  at::Tensor normed = at::empty({B, hidden}, opts), qkv = at::empty({B, qkv_size}, opts);
   at::Tensor attn = at::empty({B, q_size}, opts), proj = at::empty({B, hidden}, opts);
   at::Tensor gate_up = at::empty({B, 2 * inter}, opts), act = at::empty({B, inter}, opts);
   float* xp = x.data_ptr<float>();
-  const int64_t layer_stride = Bc * Hkv * S * D, row_stride = Hkv * S * D;
+  const T* pp = proj.data_ptr<T>();
+  const int64_t layer_stride = Bc * Hkv * S * D, row_stride = Hkv * S * D, len = pos + 1;
   for (int64_t l = 0; l < L; ++l) {
     const at::Tensor* w = &layers[7 * l];
     for (int64_t b = 0; b < B; ++b)
-      rms_norm(xp + b * hidden, w[0].data_ptr<float>(), normed.data_ptr<float>() + b * hidden, hidden, feps);
+      rms_norm(xp + b * hidden, w[0].data_ptr<T>(), normed.data_ptr<T>() + b * hidden, hidden, feps);
     linear(normed, w[1], w[2], qkv);
-    float* kc = k_cache.data_ptr<float>() + l * layer_stride;
-    float* vc = v_cache.data_ptr<float>() + l * layer_stride;
+    T* kc = k_cache.data_ptr<T>() + l * layer_stride;
+    T* vc = v_cache.data_ptr<T>() + l * layer_stride;
     for (int64_t b = 0; b < B; ++b) {  // rope k and write k/v at `pos`
-      const float* row = qkv.data_ptr<float>() + b * (q_size + 2 * kv_size);
+      const T* row = qkv.data_ptr<T>() + b * qkv_size;
       for (int64_t h = 0; h < Hkv; ++h) {
-        float* k_slot = kc + b * row_stride + (h * S + pos) * D;
-        rope(row + q_size + h * D, cos_p, sin_p, k_slot, D);
+        rope(row + q_size + h * D, cos_p, sin_p, kc + b * row_stride + (h * S + pos) * D, D);
         std::copy(row + q_size + kv_size + h * D, row + q_size + kv_size + (h + 1) * D,
                   vc + b * row_stride + (h * S + pos) * D);
       }
     }
-    const int64_t len = pos + 1;
     auto attend_range = [&](int64_t begin, int64_t end) {
-      std::vector<float> scores, q_buf(D);
+      std::vector<float> scores, acc, q(D);
       for (int64_t i = begin; i < end; ++i) {  // i enumerates (row, query head)
-        const int64_t b = i / Hq, h = i % Hq, kvh = h / group;
-        const float* row = qkv.data_ptr<float>() + b * (q_size + 2 * kv_size);
-        rope(row + h * D, cos_p, sin_p, q_buf.data(), D);
-        const int64_t base = b * row_stride + kvh * S * D;
-        attend_one(q_buf.data(), kc + base, vc + base, attn.data_ptr<float>() + b * q_size + h * D, len, D,
-                   scale, scores);
+        const int64_t b = i / Hq, h = i % Hq;
+        rope(qkv.data_ptr<T>() + b * qkv_size + h * D, cos_p, sin_p, q.data(), D);
+        const int64_t base = b * row_stride + (h / group) * S * D;
+        attend_one(q.data(), kc + base, vc + base, attn.data_ptr<T>() + b * q_size + h * D, len, D, scale, scores,
+                   acc);
       }
     };
     if (len * B >= 512)
@@ -158,22 +157,48 @@ at::Tensor decode_layers(at::Tensor x, const std::vector<at::Tensor>& layers, at
     else
       attend_range(0, B * Hq);
     linear(attn, w[3], at::Tensor(), proj);
-    const float* pp = proj.data_ptr<float>();
-    for (int64_t i = 0; i < B * hidden; ++i) xp[i] += pp[i];
+    for (int64_t i = 0; i < B * hidden; ++i) xp[i] += f32(pp[i]);
     for (int64_t b = 0; b < B; ++b)
-      rms_norm(xp + b * hidden, w[4].data_ptr<float>(), normed.data_ptr<float>() + b * hidden, hidden, feps);
+      rms_norm(xp + b * hidden, w[4].data_ptr<T>(), normed.data_ptr<T>() + b * hidden, hidden, feps);
     linear(normed, w[5], at::Tensor(), gate_up);
     for (int64_t b = 0; b < B; ++b) {
-      const float* g = gate_up.data_ptr<float>() + b * 2 * inter;
-      float* a = act.data_ptr<float>() + b * inter;
-      for (int64_t i = 0; i < inter; ++i) a[i] = (g[i] / (1.0f + std::exp(-g[i]))) * g[inter + i];
+      const T* g = gate_up.data_ptr<T>() + b * 2 * inter;
+      T* a = act.data_ptr<T>() + b * inter;
+      for (int64_t i = 0; i < inter; ++i) {
+        const float gi = f32(g[i]);
+        a[i] = rnd<T>(f32(rnd<T>(gi / (1.0f + std::exp(-gi)))) * f32(g[inter + i]));
+      }
     }
     linear(act, w[6], at::Tensor(), proj);
-    for (int64_t i = 0; i < B * hidden; ++i) xp[i] += pp[i];
+    for (int64_t i = 0; i < B * hidden; ++i) xp[i] += f32(pp[i]);
   }
+}
+
+}  // namespace
+
+// x: [B, hidden] fp32 residual stream of the new tokens (updated in place and returned).
+// layers: 7 tensors per layer, all of the compute type: input norm w, qkv w [q+2kv, hidden], qkv bias
+//   (empty if none), o w, post norm w, gate_up w [2m, hidden], down w [hidden, m].
+// k_cache, v_cache: [L, B_cache, Hkv, S, D] contiguous, of the compute type; the new k/v go to slot `pos`.
+// cos: [D] (both halves), sin: [D/2], of the compute type, already times the rope attention scale.
+at::Tensor decode_layers(at::Tensor x, const std::vector<at::Tensor>& layers, at::Tensor k_cache,
+                         at::Tensor v_cache, at::Tensor cos, at::Tensor sin, int64_t pos, int64_t num_heads,
+                         int64_t num_kv_heads, int64_t head_dim, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be [B, hidden] fp32");
+  TORCH_CHECK(!layers.empty() && layers.size() % 7 == 0, "7 tensors per layer");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the KV cache must be contiguous");
+  TORCH_CHECK(pos < k_cache.size(3) && x.size(0) <= k_cache.size(1), "position or batch outside the KV cache");
+  TORCH_CHECK(k_cache.size(0) >= static_cast<int64_t>(layers.size() / 7), "the KV cache has too few layers");
+  if (k_cache.scalar_type() == at::kFloat)
+    decode_layers_impl<float>(x, layers, k_cache, v_cache, cos, sin, pos, num_heads, num_kv_heads, head_dim, eps);
+  else if (k_cache.scalar_type() == at::kBFloat16)
+    decode_layers_impl<at::BFloat16>(x, layers, k_cache, v_cache, cos, sin, pos, num_heads, num_kv_heads, head_dim,
+                                     eps);
+  else
+    TORCH_CHECK(false, "compute type must be fp32 or bf16");
   return x;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_layers", &decode_layers, "one-token decode through every decoder layer (CPU, fp32)");
+  m.def("decode_layers", &decode_layers, "one-token decode through every decoder layer (CPU, fp32 / bf16)");
 }

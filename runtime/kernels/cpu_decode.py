@@ -2,9 +2,10 @@
 
 Python costs ~45 dispatched ops per layer in a decode step (norms, rope, cache writes, attention, SiLU);
 on the 2-core CPU those cost as much as a third of the weight-streaming time. The C++ step keeps ATen's
-GEMV for the four projections and does the rest in short loops. It serves fp32 models on CPU whose
-layers are runtime.model's own (plain ``Linear`` weights, no q/k norm) with a contiguous KVCache, when
-every row decodes at the same position; anything else keeps the Python path.
+GEMV for the four projections and does the rest in short loops. It serves CPU models with an fp32
+residual stream (fp32, and bf16 with ``mixed=True``) whose layers are runtime.model's own (plain ``Linear``
+weights, no q/k norm) with a contiguous KVCache, when every row decodes at the same position; anything else
+keeps the Python path.
 
 The extension is built once per machine (``torch.utils.cpp_extension``, g++) under
 ``$QSPEC_HOME/extensions``; where it cannot be built, a warning says why and the Python path runs.
@@ -97,7 +98,10 @@ def layer_tensors(model) -> list[torch.Tensor] | None:
             mlp.gate_up_proj.weight,
             mlp.down_proj.weight,
         ]
-    if any(t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu" for t in out if t.numel()):
+    dtype = out[0].dtype
+    if dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if any(t.dtype != dtype or not t.is_contiguous() or t.device.type != "cpu" for t in out if t.numel()):
         return None
     return out
 
@@ -115,14 +119,13 @@ def decode(model, x: torch.Tensor, meta, cache) -> torch.Tensor | None:
         and x.shape[1] == 1
         and meta.mask is None
         and meta.contiguous_start is not None
-        and x.dtype == torch.float32
+        and x.dtype == torch.float32  # the residual stream: fp32 models and bf16 (mixed) ones
         and x.device.type == "cpu"
-        and cache.k.dtype == torch.float32
         and not torch.is_grad_enabled()
     ):
         return None
     tensors = layer_tensors(model)
-    if tensors is None or extension() is None:
+    if tensors is None or tensors[0].dtype != cache.k.dtype or extension() is None:
         return None
     cfg = model.config
     pos = int(meta.contiguous_start)
