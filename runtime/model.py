@@ -256,10 +256,12 @@ class Transformer(nn.Module):
         cos, sin = (freqs.cos() * scale).to(dtype), (freqs.sin() * scale).to(dtype)
         return torch.cat((cos, cos), dim=-1)[:, :, None, :], torch.stack((-sin, sin), dim=-2)[:, :, None]
 
-    def rope_row(self, position: int) -> tuple[Tensor, Tensor]:
-        """cos [D] and sin [D/2] of one position, the values rope() gives (what the compiled step reads)."""
-        cos, signed_sin = self.rope(torch.tensor([[position]], device=self.inv_freq.device), self.compute_dtype)
-        return cos.reshape(-1), signed_sin[0, 0, 0, 1].contiguous()
+    def rope_rows(self, start: int, count: int) -> tuple[Tensor, Tensor]:
+        """cos [count, D] and sin [count, D/2] of positions start.., the values rope() gives (what the compiled
+        step reads)."""
+        positions = torch.arange(start, start + count, device=self.inv_freq.device)[None]
+        cos, signed_sin = self.rope(positions, self.compute_dtype)
+        return cos[0, :, 0].contiguous(), signed_sin[0, :, 0, 1].contiguous()
 
     def forward(
         self,
@@ -275,8 +277,9 @@ class Transformer(nn.Module):
         if meta is None:
             meta = AttentionMetadata.contiguous(tokens.shape[0], 0, tokens.shape[1], tokens.device, cache is not None)
         x = self.embed_tokens(tokens).to(self.residual_dtype or self.compute_dtype)
-        fast = cpu_decode.decode(self, x, meta, cache) if tokens.shape[1] == 1 and x.is_cpu else None
-        if fast is not None:  # the compiled one-token step: the same layers, no per-op dispatch
+        short = tokens.shape[1] <= cpu_decode.MAX_TOKENS
+        fast = cpu_decode.decode(self, x, meta, cache) if short and x.is_cpu else None
+        if fast is not None:  # the compiled decode step: the same layers, no per-op dispatch
             x = fast
         else:
             cos, sin = self.rope(meta.positions, self.compute_dtype)

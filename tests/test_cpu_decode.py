@@ -31,8 +31,11 @@ def spy_on_fast_path(monkeypatch) -> list[bool]:
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("batch,prefix", [(1, 40), (2, 290)])  # 2 x 290 keys: the threaded attention branch
-def test_decode_steps_match_transformers(tiny_config, tmp_path, monkeypatch, batch, prefix):
+@pytest.mark.parametrize(
+    "batch,prefix,chunk",
+    [(1, 40, 1), (2, 290, 1), (2, 40, 3)],  # 2 x 290 keys: the threaded attention branch; 3: chain verification
+)
+def test_decode_steps_match_transformers(tiny_config, tmp_path, monkeypatch, batch, prefix, chunk):
     ours = random_model(tiny_config, seed=3)
     hf = hf_twin(ours, tmp_path)
     steps = 6
@@ -42,11 +45,23 @@ def test_decode_steps_match_transformers(tiny_config, tmp_path, monkeypatch, bat
     cache = KVCache(tiny_config, batch, prefix + steps)
     ours(tokens[:, :prefix], AttentionMetadata.contiguous(batch, 0, prefix, "cpu"), cache)  # Python prefill
     taken = spy_on_fast_path(monkeypatch)
-    for i in range(prefix, prefix + steps):
-        got = ours(tokens[:, i : i + 1], AttentionMetadata.contiguous(batch, i, 1, "cpu"), cache)
-        torch.testing.assert_close(got[:, 0], ref[:, i], atol=2e-5, rtol=1e-4)
+    for i in range(prefix, prefix + steps, chunk):
+        got = ours(tokens[:, i : i + chunk], AttentionMetadata.contiguous(batch, i, chunk, "cpu"), cache)
+        torch.testing.assert_close(got, ref[:, i : i + chunk], atol=2e-5, rtol=1e-4)
     # every layer it implements runs compiled; q/k-norm models (Qwen3) keep the Python layers
-    assert taken == [tiny_config.qk_norm is False] * steps
+    assert taken == [tiny_config.qk_norm is False] * (steps // chunk)
+
+
+@torch.inference_mode()
+def test_short_prefill_matches_transformers(tmp_path):
+    from tests.conftest import TINY_CONFIGS
+
+    ours = random_model(TINY_CONFIGS["llama"], seed=5)
+    hf = hf_twin(ours, tmp_path)
+    tokens = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(2))
+    cache = KVCache(ours.config, 2, 16)
+    got = ours(tokens, AttentionMetadata.contiguous(2, 0, 12, "cpu"), cache)  # 12 <= MAX_TOKENS: compiled
+    torch.testing.assert_close(got, hf(tokens).logits, atol=2e-5, rtol=1e-4)
 
 
 @torch.inference_mode()
@@ -79,7 +94,7 @@ def test_bf16_mixed_steps_stay_within_bf16_noise(monkeypatch):
     those differ from fp32 (its reductions run in another order, each rounding step is the same)."""
     from tests.conftest import TINY_CONFIGS
 
-    cfg, prefix, steps = TINY_CONFIGS["llama"], 30, 6
+    cfg, prefix, steps = TINY_CONFIGS["llama"], 40, 6  # a prefix over MAX_TOKENS: prefilled by Python
     fp32 = random_model(cfg, seed=4)
     bf16 = random_model(cfg, seed=4).set_dtype(torch.bfloat16, mixed=True)
     tokens = torch.randint(0, cfg.vocab_size, (1, prefix + steps), generator=torch.Generator().manual_seed(1))

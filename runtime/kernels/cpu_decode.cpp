@@ -1,5 +1,5 @@
-// One-token decode through every decoder layer in one call (CPU; fp32, or bf16 layers with an fp32
-// residual stream as Transformer.set_dtype(bf16, mixed=True) runs them).
+// A decode step (one token, or a short chunk such as a chain verification) through every decoder layer in
+// one call (CPU; fp32, or bf16 layers with an fp32 residual stream, as set_dtype(bf16, mixed=True) runs them).
 //
 // Same math as runtime.model's layers for T == 1 with a contiguous KV cache: RMSNorm, fused q/k/v,
 // rope (the flip-halves form of apply_rope, product for product), the cache write at `pos`, grouped-query
@@ -109,10 +109,11 @@ void linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, at
 }
 
 template <typename T>
-void decode_layers_impl(at::Tensor& x, const std::vector<at::Tensor>& layers, at::Tensor& k_cache,
+void decode_layers_impl(at::Tensor& x, int64_t tokens, const std::vector<at::Tensor>& layers, at::Tensor& k_cache,
                         at::Tensor& v_cache, const at::Tensor& cos, const at::Tensor& sin, int64_t pos,
                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps) {
-  const int64_t B = x.size(0), hidden = x.size(1), L = static_cast<int64_t>(layers.size() / 7);
+  const int64_t rows = x.size(0), Tn = tokens, B = rows / Tn, hidden = x.size(1);
+  const int64_t L = static_cast<int64_t>(layers.size() / 7);
   const int64_t D = head_dim, Hq = num_heads, Hkv = num_kv_heads, group = Hq / Hkv;
   const int64_t q_size = Hq * D, kv_size = Hkv * D, qkv_size = q_size + 2 * kv_size;
   const int64_t S = k_cache.size(3), Bc = k_cache.size(1);
@@ -121,47 +122,68 @@ void decode_layers_impl(at::Tensor& x, const std::vector<at::Tensor>& layers, at
   const T* cos_p = cos.data_ptr<T>();
   const T* sin_p = sin.data_ptr<T>();
   auto opts = k_cache.options();
-  at::Tensor normed = at::empty({B, hidden}, opts), qkv = at::empty({B, qkv_size}, opts);
-  at::Tensor attn = at::empty({B, q_size}, opts), proj = at::empty({B, hidden}, opts);
-  at::Tensor gate_up = at::empty({B, 2 * inter}, opts), act = at::empty({B, inter}, opts);
+  at::Tensor normed = at::empty({rows, hidden}, opts), qkv = at::empty({rows, qkv_size}, opts);
+  at::Tensor attn = at::empty({rows, q_size}, opts), proj = at::empty({rows, hidden}, opts);
+  at::Tensor gate_up = at::empty({rows, 2 * inter}, opts), act = at::empty({rows, inter}, opts);
+  // several tokens per row: their roped queries [B, Hq, T, D] and the causal mask over the cache prefix
+  at::Tensor q_all, mask;
+  if (Tn > 1) {
+    q_all = at::empty({B, Hq, Tn, D}, opts);
+    mask = at::ones({Tn, pos + Tn}, opts.dtype(at::kBool)).tril(pos);  // query t sees slots 0..pos+t
+  }
   float* xp = x.data_ptr<float>();
   const T* pp = proj.data_ptr<T>();
   const int64_t layer_stride = Bc * Hkv * S * D, row_stride = Hkv * S * D, len = pos + 1;
   for (int64_t l = 0; l < L; ++l) {
     const at::Tensor* w = &layers[7 * l];
-    for (int64_t b = 0; b < B; ++b)
-      rms_norm(xp + b * hidden, w[0].data_ptr<T>(), normed.data_ptr<T>() + b * hidden, hidden, feps);
+    for (int64_t r = 0; r < rows; ++r)
+      rms_norm(xp + r * hidden, w[0].data_ptr<T>(), normed.data_ptr<T>() + r * hidden, hidden, feps);
     linear(normed, w[1], w[2], qkv);
     T* kc = k_cache.data_ptr<T>() + l * layer_stride;
     T* vc = v_cache.data_ptr<T>() + l * layer_stride;
-    for (int64_t b = 0; b < B; ++b) {  // rope k and write k/v at `pos`
-      const T* row = qkv.data_ptr<T>() + b * qkv_size;
+    for (int64_t r = 0; r < rows; ++r) {  // rope k and write k/v at slot pos + t
+      const int64_t b = r / Tn, t = r % Tn;
+      const T* row = qkv.data_ptr<T>() + r * qkv_size;
       for (int64_t h = 0; h < Hkv; ++h) {
-        rope(row + q_size + h * D, cos_p, sin_p, kc + b * row_stride + (h * S + pos) * D, D);
+        rope(row + q_size + h * D, cos_p + t * D, sin_p + t * (D / 2), kc + b * row_stride + (h * S + pos + t) * D, D);
         std::copy(row + q_size + kv_size + h * D, row + q_size + kv_size + (h + 1) * D,
-                  vc + b * row_stride + (h * S + pos) * D);
+                  vc + b * row_stride + (h * S + pos + t) * D);
       }
     }
-    auto attend_range = [&](int64_t begin, int64_t end) {
-      std::vector<float> scores, acc, q(D);
-      for (int64_t i = begin; i < end; ++i) {  // i enumerates (row, query head)
-        const int64_t b = i / Hq, h = i % Hq;
-        rope(qkv.data_ptr<T>() + b * qkv_size + h * D, cos_p, sin_p, q.data(), D);
-        const int64_t base = b * row_stride + (h / group) * S * D;
-        attend_one(q.data(), kc + base, vc + base, attn.data_ptr<T>() + b * q_size + h * D, len, D, scale, scores,
-                   acc);
+    if (Tn == 1) {
+      auto attend_range = [&](int64_t begin, int64_t end) {
+        std::vector<float> scores, acc, q(D);
+        for (int64_t i = begin; i < end; ++i) {  // i enumerates (row, query head)
+          const int64_t b = i / Hq, h = i % Hq;
+          rope(qkv.data_ptr<T>() + b * qkv_size + h * D, cos_p, sin_p, q.data(), D);
+          const int64_t base = b * row_stride + (h / group) * S * D;
+          attend_one(q.data(), kc + base, vc + base, attn.data_ptr<T>() + b * q_size + h * D, len, D, scale, scores,
+                     acc);
+        }
+      };
+      if (len * B >= 512)
+        at::parallel_for(0, B * Hq, 1, attend_range);  // long contexts: split the heads over the cores
+      else
+        attend_range(0, B * Hq);
+    } else {  // a short chunk (chain verification): ATen's SDPA over the cache prefix, as the Python layers run
+      T* qp = q_all.data_ptr<T>();
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t b = r / Tn, t = r % Tn;
+        for (int64_t h = 0; h < Hq; ++h)
+          rope(qkv.data_ptr<T>() + r * qkv_size + h * D, cos_p + t * D, sin_p + t * (D / 2),
+               qp + ((b * Hq + h) * Tn + t) * D, D);
       }
-    };
-    if (len * B >= 512)
-      at::parallel_for(0, B * Hq, 1, attend_range);  // long contexts: split the heads over the cores
-    else
-      attend_range(0, B * Hq);
+      auto keys = k_cache[l].narrow(0, 0, B).narrow(2, 0, pos + Tn);
+      auto values = v_cache[l].narrow(0, 0, B).narrow(2, 0, pos + Tn);
+      auto out = at::scaled_dot_product_attention(q_all, keys, values, mask, 0.0, false, std::nullopt, true);
+      attn.view({B, Tn, Hq, D}).copy_(out.transpose(1, 2));
+    }
     linear(attn, w[3], at::Tensor(), proj);
-    for (int64_t i = 0; i < B * hidden; ++i) xp[i] += f32(pp[i]);
-    for (int64_t b = 0; b < B; ++b)
-      rms_norm(xp + b * hidden, w[4].data_ptr<T>(), normed.data_ptr<T>() + b * hidden, hidden, feps);
+    for (int64_t i = 0; i < rows * hidden; ++i) xp[i] += f32(pp[i]);
+    for (int64_t r = 0; r < rows; ++r)
+      rms_norm(xp + r * hidden, w[4].data_ptr<T>(), normed.data_ptr<T>() + r * hidden, hidden, feps);
     linear(normed, w[5], at::Tensor(), gate_up);
-    for (int64_t b = 0; b < B; ++b) {
+    for (int64_t b = 0; b < rows; ++b) {
       const T* g = gate_up.data_ptr<T>() + b * 2 * inter;
       T* a = act.data_ptr<T>() + b * inter;
       for (int64_t i = 0; i < inter; ++i) {
@@ -170,29 +192,33 @@ void decode_layers_impl(at::Tensor& x, const std::vector<at::Tensor>& layers, at
       }
     }
     linear(act, w[6], at::Tensor(), proj);
-    for (int64_t i = 0; i < B * hidden; ++i) xp[i] += f32(pp[i]);
+    for (int64_t i = 0; i < rows * hidden; ++i) xp[i] += f32(pp[i]);
   }
 }
 
 }  // namespace
 
-// x: [B, hidden] fp32 residual stream of the new tokens (updated in place and returned).
+// x: [B*T, hidden] fp32 residual stream of T new tokens per row, row-major (updated in place and returned).
 // layers: 7 tensors per layer, all of the compute type: input norm w, qkv w [q+2kv, hidden], qkv bias
 //   (empty if none), o w, post norm w, gate_up w [2m, hidden], down w [hidden, m].
-// k_cache, v_cache: [L, B_cache, Hkv, S, D] contiguous, of the compute type; the new k/v go to slot `pos`.
-// cos: [D] (both halves), sin: [D/2], of the compute type, already times the rope attention scale.
-at::Tensor decode_layers(at::Tensor x, const std::vector<at::Tensor>& layers, at::Tensor k_cache,
+// k_cache, v_cache: [L, B_cache, Hkv, S, D] contiguous, of the compute type; token t's k/v go to slot pos + t.
+// cos: [T, D] (both halves), sin: [T, D/2], of the compute type, already times the rope attention scale.
+at::Tensor decode_layers(at::Tensor x, int64_t tokens, const std::vector<at::Tensor>& layers, at::Tensor k_cache,
                          at::Tensor v_cache, at::Tensor cos, at::Tensor sin, int64_t pos, int64_t num_heads,
                          int64_t num_kv_heads, int64_t head_dim, double eps) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be [B, hidden] fp32");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be [B*T, hidden] fp32");
+  TORCH_CHECK(tokens >= 1 && x.size(0) % tokens == 0, "x rows must be a multiple of the tokens per row");
   TORCH_CHECK(!layers.empty() && layers.size() % 7 == 0, "7 tensors per layer");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the KV cache must be contiguous");
-  TORCH_CHECK(pos < k_cache.size(3) && x.size(0) <= k_cache.size(1), "position or batch outside the KV cache");
+  TORCH_CHECK(pos + tokens <= k_cache.size(3) && x.size(0) / tokens <= k_cache.size(1),
+              "positions or batch outside the KV cache");
+  TORCH_CHECK(cos.size(0) == tokens && sin.size(0) == tokens, "one cos/sin row per token");
   TORCH_CHECK(k_cache.size(0) >= static_cast<int64_t>(layers.size() / 7), "the KV cache has too few layers");
   if (k_cache.scalar_type() == at::kFloat)
-    decode_layers_impl<float>(x, layers, k_cache, v_cache, cos, sin, pos, num_heads, num_kv_heads, head_dim, eps);
+    decode_layers_impl<float>(x, tokens, layers, k_cache, v_cache, cos, sin, pos, num_heads, num_kv_heads, head_dim,
+                              eps);
   else if (k_cache.scalar_type() == at::kBFloat16)
-    decode_layers_impl<at::BFloat16>(x, layers, k_cache, v_cache, cos, sin, pos, num_heads, num_kv_heads, head_dim,
+    decode_layers_impl<at::BFloat16>(x, tokens, layers, k_cache, v_cache, cos, sin, pos, num_heads, num_kv_heads, head_dim,
                                      eps);
   else
     TORCH_CHECK(false, "compute type must be fp32 or bf16");

@@ -1,11 +1,11 @@
-"""The compiled CPU decode step: every decoder layer of a one-token step in one C++ call (cpu_decode.cpp).
+"""The compiled CPU decode step: every decoder layer of a decode step in one C++ call (cpu_decode.cpp).
 
 Python costs ~45 dispatched ops per layer in a decode step (norms, rope, cache writes, attention, SiLU);
 on the 2-core CPU those cost as much as a third of the weight-streaming time. The C++ step keeps ATen's
 GEMV for the four projections and does the rest in short loops. It serves CPU models with an fp32
 residual stream (fp32, and bf16 with ``mixed=True``) whose layers are runtime.model's own (plain ``Linear``
-weights, no q/k norm) with a contiguous KVCache, when every row decodes at the same position; anything else
-keeps the Python path.
+weights, no q/k norm) with a contiguous KVCache, when every row's new tokens (one, or a chunk of up to
+MAX_TOKENS such as a chain verification) sit at the same positions; anything else keeps the Python path.
 
 The extension is built once per machine (``torch.utils.cpp_extension``, g++) under
 ``$QSPEC_HOME/extensions``; where it cannot be built, a warning says why and the Python path runs.
@@ -24,6 +24,7 @@ import torch
 
 SOURCE = Path(__file__).with_name("cpu_decode.cpp")
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off"]  # no FMA contraction: rope matches apply_rope exactly
+MAX_TOKENS = 32  # longer chunks (prefills) are GEMM-bound: the Python layers and SDPA's causal kernel run them
 _STATE: dict = {}
 
 
@@ -107,18 +108,20 @@ def layer_tensors(model) -> list[torch.Tensor] | None:
 
 
 def decode(model, x: torch.Tensor, meta, cache) -> torch.Tensor | None:
-    """Run every decoder layer on x [B, 1, hidden] (one new token per row, all at meta.contiguous_start);
-    returns the residual stream [B, 1, hidden] after the last layer, or None when this step does not
+    """Run every decoder layer on x [B, T, hidden]: T <= MAX_TOKENS new tokens per row, every row at positions
+    meta.contiguous_start.., causal over the cache (a decode step, a chain verification, a short prefill);
+    returns the residual stream [B, T, hidden] after the last layer, or None when this step does not
     qualify (the caller then runs the Python layers)."""
     from runtime.kv_cache import KVCache
 
+    T = x.shape[1]
     if not (
         enabled()
         and getattr(model, "fast_decode", True)
         and type(cache) is KVCache
-        and x.shape[1] == 1
-        and meta.mask is None
-        and meta.contiguous_start is not None
+        and 1 <= T <= MAX_TOKENS
+        and meta.contiguous_start is not None  # set only by AttentionMetadata.contiguous: causal by position
+        and meta.kv_len == meta.contiguous_start + T
         and x.dtype == torch.float32  # the residual stream: fp32 models and bf16 (mixed) ones
         and x.device.type == "cpu"
         and not torch.is_grad_enabled()
@@ -129,12 +132,13 @@ def decode(model, x: torch.Tensor, meta, cache) -> torch.Tensor | None:
         return None
     cfg = model.config
     pos = int(meta.contiguous_start)
-    if pos + 1 > cache.max_seq_len:
-        raise ValueError(f"KV cache holds {cache.max_seq_len} positions, {pos + 1} requested")
-    cos, sin = model.rope_row(pos)
-    hidden = x.reshape(x.shape[0], -1).contiguous()
+    if pos + T > cache.max_seq_len:
+        raise ValueError(f"KV cache holds {cache.max_seq_len} positions, {pos + T} requested")
+    cos, sin = model.rope_rows(pos, T)
+    hidden = x.reshape(-1, x.shape[2]).contiguous()
     out = extension().decode_layers(
         hidden,
+        T,
         tensors,
         cache.k,
         cache.v,
