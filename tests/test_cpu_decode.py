@@ -115,3 +115,11 @@ def test_bf16_mixed_steps_stay_within_bf16_noise(monkeypatch):
         python_vs_fp32 = max(python_vs_fp32, float((python - ref[:, i]).abs().max()))
     assert taken == [True, False] * steps  # bf16 (mixed) steps take it unless the model turns it off
     assert fast_vs_python < python_vs_fp32, (fast_vs_python, python_vs_fp32)
+
+
+@torch.inference_mode()
+def test_prefill_rms_norm_matches_functional():
+    x = torch.randn(3, 70, 96, generator=torch.Generator().manual_seed(6)) * 3
+    weight = torch.rand(96, generator=torch.Generator().manual_seed(7)) + 0.5
+    got = cpu_decode.rms_norm(x, weight, 1e-5)
+    torch.testing.assert_close(got, torch.nn.functional.rms_norm(x, (96,), weight, 1e-5), atol=1e-6, rtol=1e-5)

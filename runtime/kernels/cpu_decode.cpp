@@ -225,6 +225,24 @@ at::Tensor decode_layers(at::Tensor x, int64_t tokens, const std::vector<at::Ten
   return x;
 }
 
+// RMSNorm of fp32 rows x [N, hidden] with an fp32 weight (F.rms_norm's math in one pass per row, rows split
+// over the cores): the Python layers' norm for long chunks (prefill), where F.rms_norm runs ~10 ATen ops.
+at::Tensor rms_norm_rows(at::Tensor x, at::Tensor weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be [N, hidden] fp32");
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.numel() == x.size(1), "weight must be [hidden] fp32");
+  const int64_t n = x.size(0), hidden = x.size(1);
+  at::Tensor out = at::empty_like(x);
+  const float* xp = x.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      rms_norm(xp + r * hidden, wp, op + r * hidden, hidden, static_cast<float>(eps));
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_layers", &decode_layers, "one-token decode through every decoder layer (CPU, fp32 / bf16)");
+  m.def("decode_layers", &decode_layers, "a decode step through every decoder layer (CPU, fp32 / bf16)");
+  m.def("rms_norm_rows", &rms_norm_rows, "RMSNorm of fp32 rows (CPU)");
 }

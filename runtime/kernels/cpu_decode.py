@@ -151,3 +151,10 @@ def decode(model, x: torch.Tensor, meta, cache) -> torch.Tensor | None:
         cfg.rms_norm_eps,
     )
     return out.view(x.shape)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """F.rms_norm(x, weight, eps) of fp32 CPU rows in one compiled pass, or None where the extension is off."""
+    if not enabled() or extension() is None:
+        return None
+    return extension().rms_norm_rows(x.reshape(-1, x.shape[-1]).contiguous(), weight, eps).view(x.shape)
