@@ -201,6 +201,10 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as err:
         ap.error(str(err))
     model, _, path = load_model(args.model, dtype=DTYPES[args.dtype], device=args.device)
+    if model.norm.weight.is_cpu:
+        from runtime.kernels import cpu_decode
+
+        cpu_decode.extension()  # built (once per machine) before the clock starts, not inside the first token
     tokenizer = load_tokenizer(str(path))
     prompts = [encode_prompt(tokenizer, p, args.chat) for p in args.prompt]
 

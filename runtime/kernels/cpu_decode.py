@@ -53,11 +53,16 @@ def extension():
             key = build_key()
             build_dir = qspec_home() / "extensions" / f"cpu_decode-{key}"
             build_dir.mkdir(parents=True, exist_ok=True)
+            # compile a copy kept in the build directory: ninja rebuilds whenever the source path changes, so
+            # every checkout of the same source then shares one build
+            source = build_dir / SOURCE.name
+            if not source.is_file() or source.read_text() != SOURCE.read_text():
+                source.write_text(SOURCE.read_text())
             if not any(build_dir.glob("*.so")):
                 print("[qspec] compiling the CPU decode step (once per machine, ~1 min)", file=sys.stderr, flush=True)
             _STATE["module"] = load(
                 name=f"qspec_cpu_decode_{key}",
-                sources=[str(SOURCE)],
+                sources=[str(source)],
                 extra_cflags=FLAGS,
                 build_directory=str(build_dir),
                 verbose=False,
