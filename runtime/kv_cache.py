@@ -30,8 +30,7 @@ class KVCache:
     def update(self, layer: int, k: Tensor, v: Tensor, meta) -> tuple[Tensor, Tensor]:
         """Write k/v [B, Hkv, T, D] at meta.slots [B, T]; return [B, Hkv, kv_len, D] views."""
         B, H, T, D = k.shape
-        if meta.kv_len > self.max_seq_len:
-            raise ValueError(f"KV cache holds {self.max_seq_len} positions, {meta.kv_len} requested")
+        self.check_fits(meta.kv_len)
         k_cache, v_cache = self.k[layer, :B], self.v[layer, :B]
         start = meta.contiguous_start
         if start is not None:  # every row writes the same contiguous slot range: a plain slice copy
@@ -42,6 +41,10 @@ class KVCache:
             k_cache.scatter_(2, index, k)
             v_cache.scatter_(2, index, v)
         return k_cache[:, :, : meta.kv_len], v_cache[:, :, : meta.kv_len]
+
+    def check_fits(self, kv_len: int) -> None:
+        if kv_len > self.max_seq_len:
+            raise ValueError(f"KV cache holds {self.max_seq_len} positions, {kv_len} requested")
 
     def move(self, batch_index: int, src_slots: Tensor, dst_start: int) -> None:
         """Copy the k/v at src_slots of one sequence to consecutive slots from dst_start (tree acceptance)."""

@@ -249,7 +249,7 @@ class Transformer(nn.Module):
         # None: the residual stream has the weights' dtype (the reference behaviour). torch.float32 with
         # bf16 weights keeps the sum of layer outputs in fp32 (mixed precision: fewer bf16 argmax flips).
         self.residual_dtype: torch.dtype | None = None
-        self.fast_decode = True  # one-token fp32 CPU steps through the compiled step (runtime.kernels.cpu_decode)
+        self.fast_decode = True  # short CPU decode steps through the compiled step (runtime.kernels.cpu_decode)
         inv_freq, self.rope_attention_scale = rope_inv_freq(config)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 

@@ -122,7 +122,7 @@ def decode(model, x: torch.Tensor, meta, cache) -> torch.Tensor | None:
     T = x.shape[1]
     if not (
         enabled()
-        and getattr(model, "fast_decode", True)
+        and model.fast_decode
         and type(cache) is KVCache
         and 1 <= T <= MAX_TOKENS
         and meta.contiguous_start is not None  # set only by AttentionMetadata.contiguous: causal by position
@@ -137,8 +137,7 @@ def decode(model, x: torch.Tensor, meta, cache) -> torch.Tensor | None:
         return None
     cfg = model.config
     pos = int(meta.contiguous_start)
-    if pos + T > cache.max_seq_len:
-        raise ValueError(f"KV cache holds {cache.max_seq_len} positions, {pos + T} requested")
+    cache.check_fits(meta.kv_len)
     cos, sin = model.rope_rows(pos, T)
     hidden = x.reshape(-1, x.shape[2]).contiguous()
     out = extension().decode_layers(
