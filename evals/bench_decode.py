@@ -17,10 +17,11 @@ from pathlib import Path
 
 import torch
 
-from evals.record import provenance
+from runtime.config import DTYPES
 from runtime.data import wiki_split
-from runtime.generate import DTYPES, generate
+from runtime.decoding import generate
 from runtime.loader import DEFAULT_MODEL, load_model, load_tokenizer
+from runtime.provenance import provenance
 from runtime.sampling import SamplingParams
 
 

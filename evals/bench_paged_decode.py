@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = engine_check(args, device)
     ok = all(r["ok"] for r in ops + engine)
     if args.out:
-        from evals.record import provenance
+        from runtime.provenance import provenance
 
         args.out.parent.mkdir(parents=True, exist_ok=True)
         config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}

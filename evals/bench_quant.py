@@ -32,6 +32,7 @@ from torch import nn
 
 from quantize.qembedding import tie_quantized_embedding
 from quantize.qlinear import QuantizedWeight, QuantLinear, set_module
+from runtime.layout import decoder_linear_names
 
 VARIANTS = ("fp32", "bf16", "int8", "w8a8", "int4")
 DESCRIPTIONS = {
@@ -72,11 +73,7 @@ def minmax_rtn(weight: torch.Tensor, bits: int, group_size: int, sym: bool) -> Q
 
 
 def decoder_linears(model) -> list[str]:
-    names = []
-    for i in range(model.config.num_layers):
-        p = f"layers.{i}."
-        names += [p + "self_attn.qkv_proj", p + "self_attn.o_proj", p + "mlp.gate_up_proj", p + "mlp.down_proj"]
-    return names
+    return decoder_linear_names(model.config.num_layers)
 
 
 def build_variant(base, variant: str, group_size: int, lm_head: bool):
@@ -216,7 +213,7 @@ def make_prompts(tokenizer, batch: int, length: int, vocab_size: int, seed: int)
 def bench_decode(
     models: dict, tokenizer, batch_sizes: list[int], prompt_len: int, new_tokens: int, repeats: int, seed: int
 ):
-    from runtime.generate import generate
+    from runtime.decoding import generate
     from runtime.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)

@@ -27,8 +27,8 @@ import torch
 
 from evals.loadgen import WorkItem, build_workload
 from evals.metrics import RequestRecord, distribution, summarize
-from evals.record import provenance
 from runtime.engine import EngineConfig, LLMEngine
+from runtime.provenance import provenance
 from runtime.sampling import SamplingParams
 
 
@@ -129,7 +129,7 @@ def bench_prefix(model, tokenizer, args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from runtime.generate import DTYPES
+    from runtime.config import DTYPES
     from runtime.loader import DEFAULT_MODEL, load_model, load_tokenizer
 
     ap = argparse.ArgumentParser(prog="python -m evals.bench_serving", description=__doc__.splitlines()[0])

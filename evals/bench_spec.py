@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from evals.record import module_command, provenance
+from runtime.provenance import module_command, provenance
 
 DEFAULT_METHODS = {
     "rewrite": ["plain", "ngram:k=8", "ngram:k=16", "ngram:k=8,fixed=1", "hf-plain", "hf-pld:k=4", "hf-pld:k=10"],
@@ -88,7 +88,7 @@ def parse_method(spec: str) -> tuple[str, dict]:
 
 def rewrite_prompts(tokenizer, n: int, min_tokens: int) -> list[list[int]]:
     from runtime.data import wiki_split
-    from runtime.generate import encode_prompt
+    from runtime.decoding import encode_prompt
 
     out = []
     for doc in wiki_split("eval"):
@@ -115,7 +115,7 @@ def continue_prompts(tokenizer, n: int, prefix_tokens: int) -> list[list[int]]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from runtime.generate import generate
+    from runtime.decoding import generate
     from runtime.loader import DEFAULT_MODEL, load_model, load_tokenizer
     from runtime.sampling import SamplingParams
     from speculate.cli import build_speculator

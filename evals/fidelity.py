@@ -19,8 +19,9 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import Tensor
 
-from runtime.generate import decode_meta, generate, prefill_meta
+from runtime.decoding import generate
 from runtime.kv_cache import KVCache
+from runtime.model import decode_meta, prefill_meta
 from runtime.sampling import SamplingParams
 
 Scorer = Callable[[Tensor], Tensor]

@@ -18,9 +18,9 @@ from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
-from runtime.generate import generate, prefill_meta
+from runtime.decoding import generate
 from runtime.kv_cache import KVCache
-from runtime.model import AttentionMetadata
+from runtime.model import AttentionMetadata, prefill_meta
 from runtime.sampling import SamplingParams
 
 
@@ -41,7 +41,7 @@ class QspecLM(LM):
     ):
         super().__init__()
         if isinstance(model, str) or model is None:  # built from --model_args: load a model spec
-            from runtime.generate import DTYPES
+            from runtime.config import DTYPES
             from runtime.loader import DEFAULT_MODEL, load_model, load_tokenizer
 
             spec = model or DEFAULT_MODEL

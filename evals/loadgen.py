@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from evals.metrics import SLO, RequestRecord, format_summary, summarize
-from evals.record import provenance
+from runtime.provenance import provenance
 
 
 @dataclass

@@ -14,9 +14,9 @@ import sys
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from runtime.data import LANGUAGES, token_windows, wiki_text
+from runtime.data import load_text, token_windows
+from runtime.scoring import window_nlls
 
 
 @dataclass
@@ -26,20 +26,6 @@ class PerplexityResult:
     windows: int
     tokens_scored: int
     seqlen: int
-
-
-@torch.inference_mode()
-def window_nlls(model, windows: list[list[int]], batch_size: int = 4) -> list[float]:
-    """Summed NLL of each window's predicted tokens, through any model mapping [B, T] tokens to logits."""
-    device = next(model.parameters()).device
-    sums = []
-    for i in range(0, len(windows), batch_size):
-        batch = torch.tensor(windows[i : i + batch_size], device=device)
-        logits = model(batch)
-        logits = logits.logits if hasattr(logits, "logits") else logits
-        nll = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), batch[:, 1:].flatten(), reduction="none")
-        sums.extend(nll.view(batch.shape[0], -1).sum(-1).double().tolist())
-    return sums
 
 
 def perplexity(
@@ -71,22 +57,8 @@ def perplexity(
     return PerplexityResult(math.exp(mean), mean, len(windows), n_tokens, seqlen)
 
 
-def load_text(data: str, split: str) -> str:
-    """--data: 'wiki' (English), 'wiki-es' / 'wiki-fr', or a path to a UTF-8 text file."""
-    if data == "wiki":
-        return wiki_text(split, "en")
-    if data.startswith("wiki-") and data[5:] in LANGUAGES:
-        return wiki_text(split, data[5:])
-    from pathlib import Path
-
-    path = Path(data)
-    if not path.is_file():
-        raise SystemExit(f"error: --data {data!r} is neither wiki, wiki-LANG ({', '.join(LANGUAGES)}) nor a file")
-    return path.read_text(encoding="utf-8")
-
-
 def main(argv: list[str] | None = None) -> None:
-    from runtime.generate import DTYPES
+    from runtime.config import DTYPES
     from runtime.loader import DEFAULT_MODEL, load_model, load_tokenizer
 
     ap = argparse.ArgumentParser(prog="python -m evals.perplexity", description=__doc__.splitlines()[0])
@@ -101,10 +73,14 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     model, _, path = load_model(args.model, DTYPES[args.dtype], args.device)
     tokenizer = load_tokenizer(str(path))
+    try:
+        text = load_text(args.data, args.split)
+    except ValueError as err:
+        ap.error(str(err))
     res = perplexity(
         model,
         tokenizer,
-        load_text(args.data, args.split),
+        text,
         args.seqlen,
         args.max_windows,
         args.batch_size,

@@ -20,7 +20,7 @@ from evals.wiki_tasks import GROUP, TASKS, build_tasks
 
 
 def tasks_dir_default() -> Path:
-    from runtime.loader import qspec_home
+    from runtime.paths import qspec_home
 
     return qspec_home() / "tasks"
 
@@ -100,7 +100,7 @@ def render(summary: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from runtime.generate import DTYPES
+    from runtime.config import DTYPES
     from runtime.loader import DEFAULT_MODEL, ModelSpecError
 
     ap = argparse.ArgumentParser(prog="python -m evals.tasks", description=__doc__.splitlines()[0])
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
         args.limit = int(args.limit)
 
     from evals.lm_eval_adapter import QspecLM
-    from experiments.records import module_command, provenance
+    from runtime.provenance import module_command, provenance
 
     start = time.time()
     try:

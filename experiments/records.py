@@ -1,11 +1,9 @@
-"""Result records: provenance (from evals.record: git sha, versions, device) plus the exact command, JSONL I/O."""
+"""Result records as JSONL (provenance itself comes from runtime.provenance)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-
-from evals.record import module_command, provenance  # noqa: F401  (re-exported for experiments.*)
 
 
 def append_jsonl(path: str | Path, record: dict) -> None:

@@ -2,8 +2,8 @@
 
 A Variant says how to (1) score sequences teacher-forced or, for engine paths that only emit tokens,
 capture the logits they sampled from, (2) generate greedily, (3) build an lm-eval model for tasks,
-(4) time itself against the baseline it claims to speed up. A kind whose package has not landed raises
-RowUnavailable with the missing entry point; the runner records the row as "wired, not run".
+(4) time itself against the baseline it claims to speed up. A row that cannot run here (its quantizer failed,
+its speculator cannot be built) raises RowUnavailable; the runner records it as "not run" with the reason.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from runtime.sampling import SamplingParams
 
 
 class RowUnavailable(RuntimeError):
-    """The row's implementation (another issue's package) is not in this checkout."""
+    """The row cannot run here (its quantizer failed, its speculator cannot be built); recorded, not fatal."""
 
 
 @dataclass
@@ -158,7 +158,7 @@ def attention_row(ctx, params: dict) -> Variant:
 
 
 def dtype_row(ctx, params: dict) -> Variant:
-    from runtime.generate import DTYPES
+    from runtime.config import DTYPES
 
     name = params.get("dtype", "bf16")
     if name not in DTYPES:
@@ -175,7 +175,7 @@ QUANT_MODULES = {"rtn": "quantize.rtn", "int8": "quantize.int8", "gptq": "quanti
 def quantized_checkpoint(ctx, params: dict) -> tuple[Path, list[str]]:
     """The cached checkpoint for these settings under $QSPEC_HOME/quantized (built once by the quantizer's
     own CLI; every later run reuses it)."""
-    from runtime.loader import qspec_home
+    from runtime.paths import qspec_home
 
     method = params.get("method")
     if method not in QUANT_MODULES:
@@ -191,13 +191,9 @@ def quantized_checkpoint(ctx, params: dict) -> tuple[Path, list[str]]:
 
 
 def quantized_row(ctx, params: dict) -> Variant:
-    import importlib.util
 
     from runtime.loader import is_checkpoint_dir, load_model
 
-    method = params.get("method")
-    if importlib.util.find_spec(QUANT_MODULES.get(method, "quantize.rtn")) is None:
-        raise RowUnavailable(f"{QUANT_MODULES.get(method)} is not in this checkout (issue 3)")
     out, command = quantized_checkpoint(ctx, params)
     if not is_checkpoint_dir(out):
         print(f"[qspec] building {out.name}: {' '.join(command[1:])}", file=sys.stderr, flush=True)
@@ -275,10 +271,8 @@ def engine_logits_run(make_engine, ctx, concurrent: bool):
 
 
 def engine_row(ctx, params: dict) -> Variant:
-    try:
-        from runtime.engine import EngineConfig, LLMEngine
-    except ImportError as err:
-        raise RowUnavailable(f"runtime.engine is not in this checkout (issue 6): {err}") from err
+    from runtime.engine import EngineConfig, LLMEngine
+
     m = ctx.model
     mode = params.get("mode", "paged")
     settings = dict(params.get("engine", {}))
@@ -331,12 +325,9 @@ def speculative_row(ctx, params: dict) -> Variant:
     speculators must reproduce plain greedy output exactly); the speed column runs at the row's temperature
     against plain decoding at the same temperature. The teacher-forced columns score the target itself:
     speculation never changes the model, only how many target forwards a token costs."""
-    try:
-        from speculate.base import SpeculatorError
-        from speculate.cli import build_speculator
-        from speculate.generate import speculative_generate
-    except ImportError as err:
-        raise RowUnavailable(f"speculate.cli.build_speculator is not in this checkout (issue 5): {err}") from err
+    from speculate.base import SpeculatorError
+    from speculate.cli import build_speculator
+    from speculate.generate import speculative_generate
 
     m = ctx.model
     name = params.get("speculator")
@@ -366,7 +357,7 @@ def speculative_row(ctx, params: dict) -> Variant:
         return go
 
     def plain(prompts, max_tokens):
-        from runtime.generate import generate
+        from runtime.decoding import generate
 
         p = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True, seed=ctx.cfg.seed)
         return [generate(m, [list(q)], p).tokens[0] for q in prompts]

@@ -26,8 +26,9 @@ import torch
 from evals.fidelity import FidelityAccumulator, compare_teacher_forced, model_scorer, token_match
 from experiments.bench import DEFAULT_THREADS, EVAL_THREADS, LOCKING, bench_section, log
 from experiments.config import ConfigError, ExperimentConfig, Row, load_config
-from experiments.records import append_jsonl, module_command, provenance
+from experiments.records import append_jsonl
 from experiments.rows import ROWS, RowUnavailable, Variant, plain_generate, weight_bytes
+from runtime.provenance import module_command, provenance
 
 
 @dataclass
@@ -73,8 +74,8 @@ def load_context(cfg: ExperimentConfig) -> Context:
         prompts = windows(max(bench.prompts, 16), bench.prompt_tokens)
         return Context(cfg, model, tokenizer, path, fidelity, greedy, prompts)
 
+    from runtime.config import DTYPES
     from runtime.data import token_windows, wiki_split, wiki_text
-    from runtime.generate import DTYPES
     from runtime.loader import load_model, load_tokenizer
 
     if cfg.model.dtype not in DTYPES:

@@ -11,9 +11,11 @@ import torch
 
 from evals.metrics import RequestRecord, distribution, summarize
 from experiments.config import ConfigError
-from experiments.records import append_jsonl, provenance
+from experiments.records import append_jsonl
 from experiments.rows import RowUnavailable, speculative_row
-from runtime.generate import DTYPES, generate
+from runtime.config import DTYPES
+from runtime.decoding import generate
+from runtime.provenance import provenance
 from runtime.sampling import SamplingParams
 
 

@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from quantize.qembedding import tie_quantized_embedding
 from quantize.qlinear import QuantLinear
 from runtime.config import ModelConfig
+from runtime.layout import fused_layer_state
 from runtime.model import DecoderLayer, Transformer, rope_inv_freq
 
 
@@ -216,21 +217,8 @@ class ShardedCheckpoint:
 
     def layer(self, i: int) -> DecoderLayer:
         """Decoder layer i in fp32, q/k/v and gate/up fused as in Transformer.load_hf_state_dict."""
-        cfg, p = self.config, f"model.layers.{i}."
-        state = {
-            "self_attn.qkv_proj.weight": torch.cat([self.tensor(p + f"self_attn.{n}_proj.weight") for n in "qkv"]),
-            "self_attn.o_proj.weight": self.tensor(p + "self_attn.o_proj.weight"),
-            "mlp.gate_up_proj.weight": torch.cat([self.tensor(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")]),
-            "mlp.down_proj.weight": self.tensor(p + "mlp.down_proj.weight"),
-            "input_layernorm.weight": self.tensor(p + "input_layernorm.weight"),
-            "post_attention_layernorm.weight": self.tensor(p + "post_attention_layernorm.weight"),
-        }
-        if cfg.attention_bias:
-            state["self_attn.qkv_proj.bias"] = torch.cat([self.tensor(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
-        if cfg.qk_norm:
-            state["self_attn.q_norm.weight"] = self.tensor(p + "self_attn.q_norm.weight")
-            state["self_attn.k_norm.weight"] = self.tensor(p + "self_attn.k_norm.weight")
-        layer = DecoderLayer(cfg, i)
+        state = fused_layer_state(self.config, self.tensor, f"model.layers.{i}.")
+        layer = DecoderLayer(self.config, i)
         layer.load_state_dict(state, strict=True)
         return layer.eval()
 

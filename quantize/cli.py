@@ -11,6 +11,10 @@ from pathlib import Path
 import torch
 
 from quantize.config import DECODER_LINEARS, QuantConfig, QuantConfigError
+from quantize.formats import save_quantized
+from runtime.layout import decoder_linear_names
+from runtime.provenance import module_command
+from runtime.provenance import provenance as record_provenance
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -86,15 +90,8 @@ def load(ap: argparse.ArgumentParser, args, cfg: QuantConfig):
             path = resolve(args.model)
             source = ShardedCheckpoint(path)
             model = source.skeleton()
-            for i, layer in enumerate(model.layers):  # widths are known from the config, weights are not loaded
-                for leaf, width in (
-                    ("qkv_proj", layer.self_attn.qkv_proj.in_features),
-                    ("o_proj", layer.self_attn.o_proj.in_features),
-                    ("gate_up_proj", layer.mlp.gate_up_proj.in_features),
-                    ("down_proj", layer.mlp.down_proj.in_features),
-                ):
-                    if leaf in cfg.modules:
-                        cfg.group_size_for(width, f"layers.{i}.{leaf}")
+            for name in decoder_linear_names(len(model.layers), cfg.modules):  # widths from the meta skeleton
+                cfg.group_size_for(model.get_submodule(name).in_features, name)
         else:
             model, _, path = load_model(args.model, torch.float32)
             cfg.targets(model)
@@ -117,7 +114,7 @@ class CachedTokenizer:
         import hashlib
         from types import SimpleNamespace
 
-        from runtime.loader import qspec_home
+        from runtime.paths import qspec_home
 
         ident = f"{getattr(self.tokenizer, 'name_or_path', '')}|{len(self.tokenizer)}|{add_special_tokens}|"
         key = hashlib.sha256((ident + text).encode()).hexdigest()[:32]
@@ -153,9 +150,6 @@ def calibration_tokens(ap: argparse.ArgumentParser, args, tokenizer) -> torch.Te
 
 
 def provenance(argv: list[str] | None, module: str) -> dict:
-    from evals.record import module_command
-    from evals.record import provenance as record_provenance
-
     return {**record_provenance(command=module_command(module, argv)), "threads": torch.get_num_threads()}
 
 
@@ -214,8 +208,8 @@ def evaluate(model, tokenizer, texts: str, default_windows: int) -> dict:
     style text lists, keeping each window's summed NLL so any prefix of the windows can be re-scored."""
     import math
 
-    from evals.perplexity import load_text, window_nlls
-    from runtime.data import token_windows
+    from runtime.data import load_text, token_windows
+    from runtime.scoring import window_nlls
 
     out = {"eval_protocol": "eval split, first N windows x 512 tokens, no BOS", "perplexity": {}, "window_nlls": {}}
     for item in texts.split(","):
@@ -229,13 +223,6 @@ def evaluate(model, tokenizer, texts: str, default_windows: int) -> dict:
 
 
 def save(model, out: Path, cfg: QuantConfig, source: Path, record: dict) -> None:
-    try:
-        from quantize.formats import save_quantized
-    except ImportError as err:
-        raise SystemExit(
-            f"error: saving a quantized checkpoint needs quantize.formats.save_quantized (issue 4), which this "
-            f"checkout lacks ({err}); use --eval to measure in memory"
-        ) from err
     save_quantized(model, out, cfg.to_dict(), tokenizer_from=source)
     (out / "qspec_quantize.json").write_text(json.dumps(record, indent=2))
     log(f"saved {out}")

@@ -12,9 +12,10 @@ from dataclasses import dataclass, field, fields
 from torch import nn
 
 from quantize.qlinear import SUPPORTED_BITS
+from runtime.layout import LINEAR_NAMES, decoder_linear_names
 
 # Linear layers of runtime.model.DecoderLayer, by their leaf name (q/k/v and gate/up are fused).
-DECODER_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+DECODER_LINEARS = LINEAR_NAMES
 
 
 class QuantConfigError(ValueError):
@@ -67,17 +68,7 @@ class QuantConfig:
     def targets(self, model: nn.Module) -> list[str]:
         """Dotted names of the linear layers this config quantizes in a runtime.model.Transformer, in
         forward order; raises if a group does not fit one of them."""
-        names = [
-            f"layers.{i}.{sub}.{leaf}"
-            for i in range(len(model.layers))
-            for sub, leaf in (
-                ("self_attn", "qkv_proj"),
-                ("self_attn", "o_proj"),
-                ("mlp", "gate_up_proj"),
-                ("mlp", "down_proj"),
-            )
-            if leaf in self.modules
-        ]
+        names = decoder_linear_names(len(model.layers), self.modules)
         if self.lm_head:
             names.append("lm_head")
         for name in names:

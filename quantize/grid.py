@@ -92,3 +92,10 @@ def expand_groups(params: Tensor, in_features: int, group_size: int) -> Tensor:
     """[out, n_groups] -> [out, in]: each column gets its group's value."""
     g = torch.arange(in_features, device=params.device) // group_size
     return params[:, g]
+
+
+def quantize_activations_per_token(x: Tensor) -> tuple[Tensor, Tensor]:
+    """Dynamic symmetric int8 per token: x ≈ q * s with q in [-127, 127], s = max|x| / 127 per row."""
+    scale = x.abs().amax(-1, keepdim=True).float().clamp(min=1e-8) / 127.0
+    q = torch.clamp(torch.round(x.float() / scale), -127, 127).to(torch.int8)
+    return q, scale

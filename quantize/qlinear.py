@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from quantize.grid import quantize_activations_per_token
+
 SUPPORTED_BITS = (2, 3, 4, 8)
 
 
@@ -66,13 +68,6 @@ class QuantizedWeight:
     def weight_bytes(self) -> int:
         """Bytes of a packed checkpoint: bits per code plus fp16 scales and zeros per group."""
         return self.codes.numel() * self.bits // 8 + 2 * 2 * self.scales.numel()
-
-
-def quantize_activations_per_token(x: Tensor) -> tuple[Tensor, Tensor]:
-    """Dynamic symmetric int8 per token: x ≈ q * s with q in [-127, 127], s = max|x| / 127 per row."""
-    scale = x.abs().amax(-1, keepdim=True).float().clamp(min=1e-8) / 127.0
-    q = torch.clamp(torch.round(x.float() / scale), -127, 127).to(torch.int8)
-    return q, scale
 
 
 PATHS = ("reference", "dense", "cpu_int4", "cpu_int8", "cpu_w8a8", "triton")

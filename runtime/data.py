@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
 
 from runtime.loader import package_file
 
@@ -75,3 +76,15 @@ def calibration_windows(tokenizer, nsamples: int, seqlen: int, seed: int = 0, la
     rng = random.Random(seed)
     starts = [rng.randrange(0, len(ids) - seqlen) for _ in range(nsamples)]
     return [ids[s : s + seqlen] for s in starts]
+
+
+def load_text(data: str, split: str) -> str:
+    """--data: 'wiki' (English), 'wiki-es' / 'wiki-fr', or a path to a UTF-8 text file."""
+    if data == "wiki":
+        return wiki_text(split, "en")
+    if data.startswith("wiki-") and data[5:] in LANGUAGES:
+        return wiki_text(split, data[5:])
+    path = Path(data)
+    if not path.is_file():
+        raise ValueError(f"--data {data!r} is neither wiki, wiki-LANG ({', '.join(LANGUAGES)}) nor a file")
+    return path.read_text(encoding="utf-8")

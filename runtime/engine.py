@@ -23,7 +23,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from runtime.generate import StopChecker
+from runtime.layout import device_of
 from runtime.model import Transformer
 from runtime.paged_cache import SCRATCH_BLOCK, BlockManager, PagedAttentionMetadata, PagedKVCache
 from runtime.sampling import SamplingParams, logits_to_probs, make_generator, sample_rows
@@ -35,6 +35,7 @@ from runtime.scheduler import (
     Sequence,
     SequenceStatus,
 )
+from runtime.stopping import StopChecker
 
 __all__ = ["EngineConfig", "LLMEngine", "RequestOutput", "RequestRejectedError", "Speculator"]
 
@@ -102,9 +103,8 @@ class LLMEngine:
         self.config = config = config or EngineConfig()
         self.speculator = speculator
         cfg = model.config
-        param = model.norm.weight  # not embed_tokens: a quantized one dequantizes its whole table for .weight
-        self.device = param.device
-        kv_dtype = model.layers[0].input_layernorm.weight.dtype  # the compute dtype k/v come out in
+        self.device = device_of(model)
+        kv_dtype = model.compute_dtype  # the dtype k/v come out in
         num_blocks = config.num_blocks or (
             PagedKVCache.blocks_for_budget(cfg, config.kv_cache_bytes, config.block_size, kv_dtype) + 1
         )

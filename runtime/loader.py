@@ -13,14 +13,17 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
 
 import torch
 
 from runtime.config import ModelConfig
+from runtime.model import Transformer
+from runtime.paths import qspec_home
 
 
 class ModelSpecError(ValueError):
@@ -44,10 +47,6 @@ REGISTRY = {
     ),
 }
 DEFAULT_MODEL = "smollm2-135m"
-
-
-def qspec_home() -> Path:
-    return Path(os.environ.get("QSPEC_HOME", Path.home() / ".cache" / "qspec"))
 
 
 def package_file(module: str, filename: str, install_hint: str) -> Path:
@@ -162,23 +161,46 @@ def load_state_dict(path: Path) -> dict[str, torch.Tensor]:
     return load_file(path / "model.safetensors")
 
 
+# Quantized checkpoint readers, by ``quantization_config.quant_method``: reader(model, path, quantization_config,
+# dtype) fills a Transformer built from the checkpoint's config. runtime knows no format itself; packages that
+# implement formats (quantize.formats) register here, on import or through the ``qspec.checkpoint_formats``
+# entry-point group (so any installed plugin is found without runtime importing it).
+QuantizedReader = Callable[[Transformer, Path, dict, torch.dtype], Transformer]
+QUANTIZED_READERS: dict[str, QuantizedReader] = {}
+ENTRY_POINT_GROUP = "qspec.checkpoint_formats"
+
+
+def register_quantized_format(quant_method: str, reader: QuantizedReader) -> None:
+    QUANTIZED_READERS[quant_method] = reader
+
+
+def quantized_reader(quant_method: str, path: Path) -> QuantizedReader:
+    if quant_method not in QUANTIZED_READERS:
+        for entry in metadata.entry_points(group=ENTRY_POINT_GROUP):
+            entry.load()()  # each plugin's register() adds its readers
+    if quant_method not in QUANTIZED_READERS:
+        known = ", ".join(sorted(QUANTIZED_READERS)) or "none registered"
+        raise ModelSpecError(
+            f"{path}: quantized checkpoint with quant_method {quant_method!r}, which no installed format reads "
+            f"(readers: {known}); `import quantize` registers qspec's own"
+        )
+    return QUANTIZED_READERS[quant_method]
+
+
 def load_model(spec: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
     """Model spec -> (Transformer in eval mode, ModelConfig, checkpoint directory).
 
-    qspec quantized checkpoints (config.json with ``quantization_config``) load through quantize.formats.
+    Quantized checkpoints (config.json with ``quantization_config``) load through the registered reader.
     """
-    from runtime.model import Transformer
-
     path = resolve(spec)
     hf_config = json.loads((path / "config.json").read_text())
     config = ModelConfig.from_hf(hf_config)
     if "quantization_config" not in hf_config and (path / "quantize_config.json").is_file():
         hf_config["quantization_config"] = json.loads((path / "quantize_config.json").read_text())  # AutoGPTQ era
     if "quantization_config" in hf_config:
-        from quantize.formats import load_quantized_into  # quantized checkpoints live in quantize/
-
-        model = Transformer(config).set_dtype(dtype)
-        load_quantized_into(model, path, hf_config["quantization_config"], dtype=dtype)
+        qc = hf_config["quantization_config"]
+        reader = quantized_reader(str(qc.get("quant_method", "gptq")).lower(), path)
+        model = reader(Transformer(config).set_dtype(dtype), path, qc, dtype)
     else:
         model = Transformer(config)
         model.load_hf_state_dict(load_state_dict(path))

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from runtime.config import ModelConfig, UnsupportedModelError
 from runtime.kernels import cpu_decode
+from runtime.layout import fused_layer_state, unfused_layer_state
 
 
 @dataclass
@@ -67,6 +68,20 @@ class AttentionMetadata:
             meta = AttentionMetadata(positions, positions, None, start + length, is_causal=length > 1)
         meta.contiguous_start = start
         return meta
+
+
+def decode_meta(positions: Tensor) -> AttentionMetadata:
+    """Metadata for one new token per row at the given positions [B]."""
+    if bool((positions == positions[0]).all()):
+        return AttentionMetadata.contiguous(positions.shape[0], int(positions[0]), 1, positions.device)
+    return AttentionMetadata.causal(positions[:, None], kv_len=int(positions.max()) + 1)
+
+
+def prefill_meta(batch: int, length: int, device) -> AttentionMetadata:
+    return AttentionMetadata.contiguous(batch, 0, length, device)
+
+
+_NO_BIAS = torch.empty(0)  # the compiled step's "no q/k/v bias"
 
 
 class Linear(nn.Linear):
@@ -267,6 +282,43 @@ class Transformer(nn.Module):
         cos, signed_sin = self.rope(positions, self.compute_dtype)
         return cos[0, :, 0].contiguous(), signed_sin[0, :, 0, 1].contiguous()
 
+    def compiled_step_tensors(self) -> list[Tensor] | None:
+        """The 7 tensors per layer the compiled CPU step (runtime.kernels.cpu_decode) reads, or None when a
+        layer is not one it implements (a swapped-in QuantLinear, q/k norms, biases beyond q/k/v)."""
+        out = []
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if (
+                type(layer) is not DecoderLayer
+                or type(attn) is not Attention
+                or type(mlp) is not MLP
+                or type(layer.input_layernorm) is not RMSNorm
+                or type(layer.post_attention_layernorm) is not RMSNorm
+                or any(type(m) is not Linear for m in linears)
+                or attn.q_norm is not None
+                or attn.o_proj.bias is not None
+                or mlp.gate_up_proj.bias is not None
+                or mlp.down_proj.bias is not None
+            ):
+                return None
+            qkv_bias = attn.qkv_proj.bias
+            out += [
+                layer.input_layernorm.weight,
+                attn.qkv_proj.weight,
+                _NO_BIAS if qkv_bias is None else qkv_bias,
+                attn.o_proj.weight,
+                layer.post_attention_layernorm.weight,
+                mlp.gate_up_proj.weight,
+                mlp.down_proj.weight,
+            ]
+        dtype = out[0].dtype
+        if dtype not in (torch.float32, torch.bfloat16):
+            return None
+        if any(t.dtype != dtype or not t.is_contiguous() or t.device.type != "cpu" for t in out if t.numel()):
+            return None
+        return out
+
     def forward(
         self,
         tokens: Tensor,
@@ -333,22 +385,8 @@ class Transformer(nn.Module):
         if not cfg.tie_word_embeddings:
             own["lm_head.weight"] = take("lm_head.weight")
         for i in range(cfg.num_layers):
-            p = f"layers.{i}."
-            own[p + "self_attn.qkv_proj.weight"] = torch.cat(
-                [take(p + f"self_attn.{n}_proj.weight") for n in "qkv"], dim=0
-            )
-            if cfg.attention_bias:
-                own[p + "self_attn.qkv_proj.bias"] = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
-            own[p + "self_attn.o_proj.weight"] = take(p + "self_attn.o_proj.weight")
-            if cfg.qk_norm:
-                own[p + "self_attn.q_norm.weight"] = take(p + "self_attn.q_norm.weight")
-                own[p + "self_attn.k_norm.weight"] = take(p + "self_attn.k_norm.weight")
-            own[p + "mlp.gate_up_proj.weight"] = torch.cat(
-                [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")], dim=0
-            )
-            own[p + "mlp.down_proj.weight"] = take(p + "mlp.down_proj.weight")
-            own[p + "input_layernorm.weight"] = take(p + "input_layernorm.weight")
-            own[p + "post_attention_layernorm.weight"] = take(p + "post_attention_layernorm.weight")
+            layer_state = fused_layer_state(cfg, take, f"layers.{i}.")
+            own.update({f"layers.{i}.{name}": tensor for name, tensor in layer_state.items()})
         expected = set(self.state_dict()) - ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
         if set(own) != expected:
             raise KeyError(f"state dict mismatch: {sorted(expected ^ set(own))[:5]}")
@@ -369,35 +407,7 @@ class Transformer(nn.Module):
         if not cfg.tie_word_embeddings:
             out["lm_head.weight"] = self.lm_head.weight.detach()
         for i, layer in enumerate(self.layers):
-            p = f"model.layers.{i}."
-            attn, mlp = layer.self_attn, layer.mlp
-            q, k, v = attn.qkv_proj.weight.detach().split([cfg.q_size, cfg.kv_size, cfg.kv_size])
-            out.update(
-                {
-                    p + "self_attn.q_proj.weight": q,
-                    p + "self_attn.k_proj.weight": k,
-                    p + "self_attn.v_proj.weight": v,
-                    p + "self_attn.o_proj.weight": attn.o_proj.weight.detach(),
-                }
-            )
-            if cfg.attention_bias:
-                qb, kb, vb = attn.qkv_proj.bias.detach().split([cfg.q_size, cfg.kv_size, cfg.kv_size])
-                out.update(
-                    {p + "self_attn.q_proj.bias": qb, p + "self_attn.k_proj.bias": kb, p + "self_attn.v_proj.bias": vb}
-                )
-            if cfg.qk_norm:
-                out[p + "self_attn.q_norm.weight"] = attn.q_norm.weight.detach()
-                out[p + "self_attn.k_norm.weight"] = attn.k_norm.weight.detach()
-            gate, up = mlp.gate_up_proj.weight.detach().split(cfg.intermediate_size)
-            out.update(
-                {
-                    p + "mlp.gate_proj.weight": gate,
-                    p + "mlp.up_proj.weight": up,
-                    p + "mlp.down_proj.weight": mlp.down_proj.weight.detach(),
-                    p + "input_layernorm.weight": layer.input_layernorm.weight.detach(),
-                    p + "post_attention_layernorm.weight": layer.post_attention_layernorm.weight.detach(),
-                }
-            )
+            out.update(unfused_layer_state(cfg, layer, f"model.layers.{i}."))
         return {k: v.contiguous() for k, v in out.items()}
 
 

@@ -452,7 +452,7 @@ def parse_metrics(text: str) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> None:
     import torch
 
-    from runtime.generate import DTYPES
+    from runtime.config import DTYPES
     from runtime.loader import DEFAULT_MODEL, load_model, load_tokenizer
 
     ap = argparse.ArgumentParser(prog="python -m runtime.server", description=__doc__.splitlines()[0])

@@ -18,7 +18,7 @@ SPECULATORS = ("ngram", "draft", "medusa", "quant-draft")
 
 
 def default_medusa_dir(model_path: Path | str) -> Path:
-    from runtime.loader import qspec_home
+    from runtime.paths import qspec_home
 
     return qspec_home() / "medusa" / Path(model_path).name
 

@@ -16,9 +16,9 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from runtime.generate import decode_meta
 from runtime.kv_cache import KVCache
-from runtime.model import AttentionMetadata, Transformer
+from runtime.layout import device_of
+from runtime.model import AttentionMetadata, Transformer, decode_meta
 from runtime.sampling import logits_to_probs, sample
 from speculate.base import Proposal, SpecState, Speculator, SpeculatorError, check_k
 
@@ -86,14 +86,12 @@ class DraftModelSpeculator(Speculator):
 
     def start(self, state: SpecState) -> None:
         B, capacity = state.tokens.shape
-        w = self.draft.norm.weight  # device only (a quantized embedding dequantizes its table for .weight)
-        dtype = self.draft.layers[0].input_layernorm.weight.dtype
-        self.cache = KVCache(self.draft.config, B, capacity, dtype, w.device)
+        self.cache = KVCache(self.draft.config, B, capacity, self.draft.compute_dtype, device_of(self.draft))
         # Prefill every committed token but the last two (propose() re-feeds those each step). Padding
         # positions of shorter rows are overwritten before anything reads them (attention is by position).
         T = int(state.lengths.max()) - 2
         if T > 0:
-            positions = torch.arange(T, device=w.device).expand(B, -1)
+            positions = torch.arange(T, device=device_of(self.draft)).expand(B, -1)
             self.draft(state.tokens[:, :T], AttentionMetadata.causal(positions, kv_len=T), self.cache)
 
     def propose(self, state: SpecState) -> Proposal:
@@ -134,7 +132,5 @@ def parse_draft_spec(spec: str | None, target: Transformer) -> tuple[Transformer
         return layer_skip_draft(target, n), f"layers:{n}"
     from runtime.loader import load_model
 
-    w = target.norm.weight  # device only (a quantized embedding dequantizes its table for .weight)
-    dtype = target.layers[0].input_layernorm.weight.dtype
-    draft, _, _ = load_model(spec, dtype=dtype, device=w.device)
+    draft, _, _ = load_model(spec, dtype=target.compute_dtype, device=device_of(target))
     return draft, spec

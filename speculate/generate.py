@@ -17,10 +17,11 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import Tensor
 
-from runtime.generate import StopChecker, prefill_meta
 from runtime.kv_cache import KVCache
-from runtime.model import AttentionMetadata, Transformer
+from runtime.layout import device_of
+from runtime.model import AttentionMetadata, Transformer, prefill_meta
 from runtime.sampling import SamplingParams, logits_to_probs, make_generator, sample
+from runtime.stopping import StopChecker
 from speculate.base import Proposal, SpecState, Speculator
 from speculate.verify import (
     CandidateTree,
@@ -147,8 +148,8 @@ def speculative_generate(
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
     B = len(prompts)
-    device = model.norm.weight.device  # not embed_tokens: a quantized one dequantizes its whole table for .weight
-    dtype = model.layers[0].input_layernorm.weight.dtype
+    device = device_of(model)
+    dtype = model.compute_dtype
     cfg = model.config
     lengths = torch.tensor([len(p) for p in prompts], device=device)
     headroom = speculator.max_tokens_per_step() + 1

@@ -7,7 +7,7 @@ import pytest
 import torch
 from test_model import hf_twin
 
-from runtime.generate import generate
+from runtime.decoding import generate
 from runtime.kernels import cpu_decode
 from runtime.kv_cache import KVCache
 from runtime.model import AttentionMetadata, random_model

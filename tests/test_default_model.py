@@ -9,7 +9,7 @@ import torch
 
 from evals.perplexity import perplexity
 from runtime.data import wiki_split, wiki_text
-from runtime.generate import generate
+from runtime.decoding import generate
 from runtime.sampling import SamplingParams
 
 pytestmark = pytest.mark.integration

@@ -117,7 +117,7 @@ def test_loglikelihood_against_direct_sum(tiny_real_vocab, tokenizer):
 
 
 def test_generate_until_stops_and_matches_runtime(tiny_real_vocab, tokenizer):
-    from runtime.generate import generate
+    from runtime.decoding import generate
     from runtime.sampling import SamplingParams
 
     model, _ = tiny_real_vocab

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.generate import generate
+from runtime.decoding import generate
 from runtime.sampling import SamplingParams, logits_to_probs, make_generator, sample_rows
 
 

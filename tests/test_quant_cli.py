@@ -47,7 +47,6 @@ def tiny_checkpoint(tmp_path, monkeypatch):
     gen = torch.Generator().manual_seed(0)
     text = " ".join(WORDS[i] for i in torch.randint(0, 300, (3000,), generator=gen).tolist())
     monkeypatch.setattr("runtime.data.wiki_text", lambda split="eval", lang="en": text)
-    monkeypatch.setattr("evals.perplexity.wiki_text", lambda split="eval", lang="en": text)
     return save_checkpoint(random_model(TINY, seed=0), tmp_path / "ckpt")
 
 
@@ -149,9 +148,6 @@ def test_gptq_cli_records_config_and_provenance(tiny_checkpoint, tmp_path, capsy
 
 
 def test_save_and_reload_through_formats(tiny_checkpoint, tmp_path):
-    formats = pytest.importorskip("quantize.formats")
-    if not hasattr(formats, "save_quantized"):
-        pytest.skip("quantize.formats.save_quantized (issue 4) is not in this checkout")
     from runtime.loader import load_model
 
     out = tmp_path / "q"
@@ -200,11 +196,8 @@ def test_layer_by_layer_cli_equals_in_memory(tiny_checkpoint, tmp_path, main):
 
 
 def test_smoothed_w8a8_cli_records_and_saves_the_folded_model(tiny_checkpoint, tmp_path):
-    formats = pytest.importorskip("quantize.formats")
-    if not hasattr(formats, "save_quantized"):
-        pytest.skip("quantize.formats.save_quantized (issue 4) is not in this checkout")
-    from evals.perplexity import window_nlls
     from runtime.data import token_windows, wiki_text
+    from runtime.scoring import window_nlls
 
     out, records = tmp_path / "q", tmp_path / "r.jsonl"
     argv = ["--model", str(tiny_checkpoint), "--w8a8", "--smooth", "0.5", "--nsamples", "4", "--seqlen", "32"]

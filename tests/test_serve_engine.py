@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from runtime.decoding import generate
 from runtime.engine import EngineConfig, LLMEngine
-from runtime.generate import generate
 from runtime.kv_cache import KVCache
 from runtime.model import AttentionMetadata
 from runtime.paged_cache import PagedAttentionMetadata, PagedKVCache
@@ -257,7 +257,7 @@ def test_ngram_speculation_in_the_engine_keeps_greedy_outputs(model):
 
 @pytest.mark.integration
 def test_default_model_concurrent_chat_equals_generate(default_model):
-    from runtime.generate import encode_prompt
+    from runtime.decoding import encode_prompt
 
     model, tokenizer, _ = default_model
     questions = ["What is the capital of France?", "Name three primary colors.", "Write a haiku about rain."]

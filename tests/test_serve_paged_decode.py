@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from runtime.decoding import generate
 from runtime.engine import EngineConfig, LLMEngine
-from runtime.generate import generate
 from runtime.model import random_model
 from runtime.paged_cache import PagedAttentionMetadata, PagedKVCache, resolve_decode_kernel
 from runtime.sampling import SamplingParams

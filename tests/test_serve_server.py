@@ -20,7 +20,7 @@ import torch
 aiohttp = pytest.importorskip("aiohttp")
 
 from runtime.config import ModelConfig  # noqa: E402
-from runtime.generate import generate  # noqa: E402
+from runtime.decoding import generate  # noqa: E402
 from runtime.loader import load_model, load_tokenizer, resolve, save_checkpoint  # noqa: E402
 from runtime.model import random_model  # noqa: E402
 from runtime.sampling import SamplingParams  # noqa: E402

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.generate import encode_prompt, generate
+from runtime.decoding import encode_prompt, generate
 from runtime.sampling import SamplingParams
 from speculate.draft import DraftModelSpeculator, layer_skip_draft, quantized_draft
 from speculate.generate import speculative_generate

@@ -8,7 +8,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from runtime.generate import generate
+from runtime.decoding import generate
 from runtime.model import random_model
 from runtime.sampling import SamplingParams
 from speculate.base import SpeculatorError

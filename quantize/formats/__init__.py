@@ -20,6 +20,8 @@ from quantize.formats import awq, gptq
 from quantize.formats.errors import CheckpointError, check_safetensors_file
 from quantize.qembedding import shares_quantized_head, tie_quantized_embedding
 from quantize.qlinear import QuantizedWeight, QuantLinear, set_module
+from runtime import layout
+from runtime.loader import register_quantized_format
 
 FORMATS = ("gptq", "gptq_v2", "awq")
 __all__ = ["FORMATS", "CheckpointError", "save_quantized", "load_quantized_into", "linear_layout"]
@@ -32,25 +34,8 @@ def linear_layout(model, quantized_head: bool = False) -> list[tuple[str, list[t
     A tied lm_head is listed only when it is (or, quantized_head, is about to be) a QuantLinear.
     """
     cfg = model.config
-    out = []
-    for i in range(cfg.num_layers):
-        p = f"layers.{i}."
-        hf = "model." + p
-        out += [
-            (
-                p + "self_attn.qkv_proj",
-                [(hf + f"self_attn.{n}_proj", s) for n, s in zip("qkv", (cfg.q_size, cfg.kv_size, cfg.kv_size))],
-            ),
-            (p + "self_attn.o_proj", [(hf + "self_attn.o_proj", cfg.hidden_size)]),
-            (
-                p + "mlp.gate_up_proj",
-                [(hf + "mlp.gate_proj", cfg.intermediate_size), (hf + "mlp.up_proj", cfg.intermediate_size)],
-            ),
-            (p + "mlp.down_proj", [(hf + "mlp.down_proj", cfg.hidden_size)]),
-        ]
-    if quantized_head or isinstance(model.lm_head, QuantLinear) or not cfg.tie_word_embeddings:
-        out.append(("lm_head", [("lm_head", cfg.vocab_size)]))
-    return out
+    with_head = quantized_head or isinstance(model.lm_head, QuantLinear) or not cfg.tie_word_embeddings
+    return layout.linear_layout(cfg, with_head)
 
 
 def split_rows(qw: QuantizedWeight, sizes: list[int]) -> list[QuantizedWeight]:
@@ -266,6 +251,15 @@ def load_quantized_into(model, path: str | Path, quantization_config: dict, dtyp
     if unused:
         raise CheckpointError(f"{path}: tensors not used by the model: {unused[:8]}{' ...' if len(unused) > 8 else ''}")
     return model
+
+
+def register() -> None:
+    """Make runtime.loader.load_model read GPTQ and AWQ checkpoints (also the entry point runtime finds)."""
+    for method in ("gptq", "awq"):
+        register_quantized_format(method, load_quantized_into)
+
+
+register()
 
 
 def hf_key(tensors: dict[str, Tensor], name: str) -> str | None:

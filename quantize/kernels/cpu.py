@@ -17,6 +17,8 @@ from functools import lru_cache
 import torch
 from torch import Tensor
 
+from quantize.grid import quantize_activations_per_token
+
 INT4_GROUP_SIZES = (256, 128, 64, 32)
 
 
@@ -145,7 +147,6 @@ def w8a8_mm(
     x: Tensor, flat: Tensor, scales: Tensor, zero_shift: Tensor | None, group_size: int, perm: Tensor | None
 ) -> Tensor:
     """int8 activations (per-token dynamic, as quantize_activations_per_token) x int8 codes: fp32 [M, N]."""
-    from quantize.qlinear import quantize_activations_per_token
 
     n, k = scales.shape[0], x.shape[1]
     q, x_scale = quantize_activations_per_token(x)

@@ -23,6 +23,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from quantize.grid import quantize_activations_per_token
+
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 GEMV_MAX_M = 4
 
@@ -141,7 +143,6 @@ def qmm_gemv_kernel(
 
 def quant_matmul(x: Tensor, layer, kernel: str = "auto") -> Tensor:
     """x [M, K] @ dequant(layer)^T -> [M, N] (no bias) in x's dtype; kernel: auto | gemm | gemv."""
-    from quantize.qlinear import quantize_activations_per_token
 
     x_scale = None
     if layer.act_quant:  # W8A8 semantics: per-token int8 activations (simulated: the kernel dots in float)

@@ -22,6 +22,9 @@ from pathlib import Path
 
 import torch
 
+from runtime.kv_cache import KVCache
+from runtime.paths import qspec_home
+
 SOURCE = Path(__file__).with_name("cpu_decode.cpp")
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off"]  # no FMA contraction: rope matches apply_rope exactly
 MAX_TOKENS = 32  # longer chunks (prefills) are GEMM-bound: the Python layers and SDPA's causal kernel run them
@@ -48,8 +51,6 @@ def extension():
         try:
             from torch.utils.cpp_extension import load
 
-            from runtime.loader import qspec_home
-
             key = build_key()
             build_dir = qspec_home() / "extensions" / f"cpu_decode-{key}"
             build_dir.mkdir(parents=True, exist_ok=True)
@@ -72,53 +73,11 @@ def extension():
     return _STATE["module"]
 
 
-def layer_tensors(model) -> list[torch.Tensor] | None:
-    """The 7 tensors per layer the C++ step reads, or None when a layer is not one it implements."""
-    from runtime.model import MLP, Attention, DecoderLayer, Linear, RMSNorm
-
-    empty = _STATE.setdefault("empty", torch.empty(0))
-    out = []
-    for layer in model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        if (
-            type(layer) is not DecoderLayer
-            or type(attn) is not Attention
-            or type(mlp) is not MLP
-            or type(layer.input_layernorm) is not RMSNorm
-            or type(layer.post_attention_layernorm) is not RMSNorm
-            or any(type(m) is not Linear for m in linears)
-            or attn.q_norm is not None
-            or attn.o_proj.bias is not None
-            or mlp.gate_up_proj.bias is not None
-            or mlp.down_proj.bias is not None
-        ):
-            return None
-        qkv_bias = attn.qkv_proj.bias
-        out += [
-            layer.input_layernorm.weight,
-            attn.qkv_proj.weight,
-            empty if qkv_bias is None else qkv_bias,
-            attn.o_proj.weight,
-            layer.post_attention_layernorm.weight,
-            mlp.gate_up_proj.weight,
-            mlp.down_proj.weight,
-        ]
-    dtype = out[0].dtype
-    if dtype not in (torch.float32, torch.bfloat16):
-        return None
-    if any(t.dtype != dtype or not t.is_contiguous() or t.device.type != "cpu" for t in out if t.numel()):
-        return None
-    return out
-
-
 def decode(model, x: torch.Tensor, meta, cache) -> torch.Tensor | None:
     """Run every decoder layer on x [B, T, hidden]: T <= MAX_TOKENS new tokens per row, every row at positions
     meta.contiguous_start.., causal over the cache (a decode step, a chain verification, a short prefill);
     returns the residual stream [B, T, hidden] after the last layer, or None when this step does not
     qualify (the caller then runs the Python layers)."""
-    from runtime.kv_cache import KVCache
-
     T = x.shape[1]
     if not (
         enabled()
@@ -132,7 +91,7 @@ def decode(model, x: torch.Tensor, meta, cache) -> torch.Tensor | None:
         and not torch.is_grad_enabled()
     ):
         return None
-    tensors = layer_tensors(model)
+    tensors = model.compiled_step_tensors()
     if tensors is None or tensors[0].dtype != cache.k.dtype or extension() is None:
         return None
     cfg = model.config

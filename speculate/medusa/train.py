@@ -31,7 +31,7 @@ MAX_TOP = 10  # accuracy table width: candidates per head the tree may use
 
 
 def default_output_dir(model_spec: str) -> Path:
-    from runtime.loader import qspec_home
+    from runtime.paths import qspec_home
 
     return qspec_home() / "medusa" / Path(model_spec).name.removesuffix(".gguf")
 

@@ -1,0 +1,117 @@
+"""Batched generation with a static (contiguous) KV cache: the plain decoding loop every other loop is
+tested against.
+
+Prompts of different lengths share one prefill: rows are right-padded, every row uses positions 0..T-1
+and attention is causal by position, so padding only ever writes cache slots that the row's own later
+tokens overwrite before anything reads them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from runtime.kv_cache import KVCache
+from runtime.layout import device_of
+from runtime.model import AttentionMetadata, Transformer, decode_meta, prefill_meta
+from runtime.sampling import SamplingParams, logits_to_probs, make_generator, sample_rows
+from runtime.stopping import StopChecker
+
+
+@dataclass
+class GenerationOutput:
+    tokens: list[list[int]]  # new tokens per prompt (stop token included when it ended the row)
+    finish_reasons: list[str]  # "eos" | "stop" | "length"
+    ttft_s: float = 0.0  # time to first token (prefill + first sample)
+    step_times_s: list[float] = field(default_factory=list)  # wall time of each decode step
+
+    @property
+    def tpot_s(self) -> float:
+        return sum(self.step_times_s) / max(len(self.step_times_s), 1)
+
+
+@torch.inference_mode()
+def generate(
+    model: Transformer,
+    prompts: list[list[int]],
+    params: SamplingParams | list[SamplingParams],
+    tokenizer=None,
+    use_cache: bool = True,
+    on_token: Callable[[int, int], None] | None = None,
+) -> GenerationOutput:
+    """Generate for a batch of token-id prompts; on_token(row, token) streams each new token."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    B = len(prompts)
+    row_params = params if isinstance(params, list) else [params] * B
+    device = device_of(model)
+    dtype = model.compute_dtype
+    cfg = model.config
+    lengths = torch.tensor([len(p) for p in prompts], device=device)
+    max_new = max(p.max_tokens for p in row_params)
+    total = int(lengths.max()) + max_new
+    if total > cfg.max_position_embeddings:
+        raise ValueError(f"prompt + max_tokens = {total} exceeds the model's {cfg.max_position_embeddings} positions")
+    generators = [make_generator(p.seed, device) for p in row_params]
+    stops = [StopChecker(p, cfg.eos_token_ids, tokenizer) for p in row_params]
+
+    tokens = torch.zeros(B, total, dtype=torch.long, device=device)
+    for b, p in enumerate(prompts):
+        tokens[b, : len(p)] = torch.tensor(p, device=device)
+    cache = KVCache(cfg, B, total, dtype, device) if use_cache else None
+
+    out = GenerationOutput(tokens=[[] for _ in range(B)], finish_reasons=[""] * B)
+    done = [False] * B
+    t0 = time.perf_counter()
+    T = int(lengths.max())
+    if use_cache:
+        hidden = model(tokens[:, :T], prefill_meta(B, T, device), cache, hidden_only=True)
+    else:
+        hidden = model(tokens[:, :T], hidden_only=True)
+    last = hidden[torch.arange(B, device=device), lengths - 1]  # [B, H]
+    positions = lengths.clone()  # where each row's next token goes
+    step = 0
+    while True:
+        logits = model.logits(last)
+        probs = torch.stack([logits_to_probs(logits[b], row_params[b]) for b in range(B)])
+        next_tokens = sample_rows(probs, row_params, generators)
+        if step == 0:
+            out.ttft_s = time.perf_counter() - t0
+        for b in range(B):
+            if done[b]:
+                continue
+            tok = int(next_tokens[b])
+            out.tokens[b].append(tok)
+            if on_token is not None:
+                on_token(b, tok)
+            reason = stops[b].check(out.tokens[b])
+            if reason is not None:
+                done[b], out.finish_reasons[b] = True, reason
+        if all(done):
+            break
+        tokens[torch.arange(B, device=device), positions] = next_tokens
+        t_step = time.perf_counter()
+        if use_cache:
+            hidden = model(next_tokens[:, None], decode_meta(positions), cache, hidden_only=True)
+            last = hidden[:, 0]
+        else:  # full recompute: the reference the cache is tested against
+            L = int(positions.max()) + 1
+            pos = torch.arange(L, device=device).expand(B, -1)
+            hidden = model(tokens[:, :L], AttentionMetadata.causal(pos), hidden_only=True)
+            last = hidden[torch.arange(B, device=device), positions]
+        positions += 1
+        step += 1
+        out.step_times_s.append(time.perf_counter() - t_step)
+    return out
+
+
+def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
+    if chat:
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+        )
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+    return tokenizer(prompt, add_special_tokens=False).input_ids
