@@ -194,7 +194,7 @@ class GPTQ(LayerAlgorithm):
     def quantize_stage(self, stage: Stage) -> None:
         if stage.name not in self.qcfg.modules and not (stage.name == "lm_head" and self.qcfg.lm_head):
             return
-        from quantize.rtn import quant_linear
+        from quantize.qlinear import quant_linear
 
         linear = stage.linear
         H = accumulate_hessian(stage.inputs, self.gcfg.first_token_weight)
@@ -213,7 +213,7 @@ class GPTQ(LayerAlgorithm):
         )
         if self.log is not None and res.damp > self.gcfg.damp_percent:
             self.log(f"{stage.full_name}: Cholesky needed damping {res.damp:.4f}")
-        set_module(stage.owner, stage.path, quant_linear(res.qweight, self.qcfg, linear))
+        set_module(stage.owner, stage.path, quant_linear(res.qweight, self.qcfg.act_quant, linear))
 
     def record(self) -> dict:
         # desc_act in the checkpoint sense: the columns carry a g_idx (act-order without static groups, with

@@ -82,12 +82,12 @@ class SmoothQuant(LayerAlgorithm):
     def quantize_stage(self, stage: Stage) -> None:
         if stage.name not in self.qcfg.modules and not (stage.name == "lm_head" and self.qcfg.lm_head):
             return
-        from quantize.qlinear import set_module
-        from quantize.rtn import quant_linear, quantize_weight
+        from quantize.qlinear import quant_linear, set_module
+        from quantize.rtn import quantize_weight
 
         linear = stage.linear
         qw = quantize_weight(linear.weight, self.qcfg, linear.bias, name=stage.full_name)
-        set_module(stage.owner, stage.path, quant_linear(qw, self.qcfg, linear))
+        set_module(stage.owner, stage.path, quant_linear(qw, self.qcfg.act_quant, linear))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -19,7 +19,8 @@ from torch import Tensor, nn
 
 from quantize.grid import quantize_activations_per_token
 
-SUPPORTED_BITS = (2, 3, 4, 8)
+SUPPORTED_BITS = (2, 3, 4, 8)  # every path: the reference and Triton
+FAST_CPU_BITS = (4, 8)  # bit widths with a packed torch CPU kernel (quantize.kernels.cpu)
 
 
 @dataclass
@@ -339,3 +340,11 @@ def set_module(model: nn.Module, name: str, module: nn.Module) -> None:
     """Replace the submodule at a dotted path (e.g. 'layers.3.mlp.down_proj')."""
     parent_name, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent_name) if parent_name else model, child, module)
+
+
+def quant_linear(qweight: QuantizedWeight, act_quant: bool, like: nn.Module) -> QuantLinear:
+    """A QuantLinear on the device of the layer it replaces, pinned to the exact dequantize-then-matmul
+    reference path: calibration and quality measurements see the quantization error alone. Callers that
+    want speed afterwards pick a fast path (``layer.set_path(...)``, or ``layer.auto = True``)."""
+    ref = like.weight
+    return QuantLinear(qweight, act_quant=act_quant, compute_dtype=ref.dtype, path="reference").to(ref.device)

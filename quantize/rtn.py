@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from quantize.config import QuantConfig
 from quantize.grid import expand_groups, group_params, quantize_codes
 from quantize.qembedding import tie_quantized_embedding
-from quantize.qlinear import QuantizedWeight, QuantLinear, set_module
+from quantize.qlinear import QuantizedWeight, quant_linear, set_module
 
 
 def quantize_weight(
@@ -36,21 +36,15 @@ def quantize_weight(
     )
 
 
-def quant_linear(qweight: QuantizedWeight, cfg: QuantConfig, like: nn.Module) -> QuantLinear:
-    """A QuantLinear on the device of the layer it replaces, pinned to the exact dequantize-then-matmul
-    reference path: calibration and quality measurements see the quantization error alone. Callers that
-    want speed afterwards pick a fast path (``layer.set_path(...)``, or ``layer.auto = True``)."""
-    ref = like.weight
-    return QuantLinear(qweight, act_quant=cfg.act_quant, compute_dtype=ref.dtype, path="reference").to(ref.device)
-
-
 @torch.no_grad()
 def quantize_model(model: nn.Module, cfg: QuantConfig, mse: bool = False, progress: bool = False) -> nn.Module:
     """Replace every targeted linear of a runtime.model.Transformer by an RTN QuantLinear (in place)."""
     names = cfg.targets(model)
     for i, name in enumerate(names):
         layer = model.get_submodule(name)
-        set_module(model, name, quant_linear(quantize_weight(layer.weight, cfg, layer.bias, mse, name), cfg, layer))
+        set_module(
+            model, name, quant_linear(quantize_weight(layer.weight, cfg, layer.bias, mse, name), cfg.act_quant, layer)
+        )
         if progress:
             from quantize.cli import log
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from quantize.qlinear import FAST_CPU_BITS
 from speculate.base import Speculator, SpeculatorError, check_k
 
 SPECULATORS = ("ngram", "draft", "medusa", "quant-draft")
@@ -55,8 +56,8 @@ def build_speculator(
         from speculate.draft import DraftModelSpeculator, quantized_draft
 
         check_k(k)
-        if quant_bits not in (4, 8):
-            raise SpeculatorError(f"quant-draft supports 8 or 4 bits, got {quant_bits}")
+        if quant_bits not in FAST_CPU_BITS:  # a draft must be cheaper than the target: fast kernels only
+            raise SpeculatorError(f"quant-draft supports {' or '.join(map(str, FAST_CPU_BITS))} bits, got {quant_bits}")
         return DraftModelSpeculator(
             model, quantized_draft(model, quant_bits, quant_group_size), k=k, name=f"quant-draft(int{quant_bits})"
         )

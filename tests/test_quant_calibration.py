@@ -27,12 +27,12 @@ class Recorder(LayerAlgorithm):
     def quantize_stage(self, stage):
         self.seen[stage.full_name] = torch.cat(stage.inputs)
         if self.quantize:
-            from quantize.qlinear import set_module
-            from quantize.rtn import quant_linear, quantize_weight
+            from quantize.qlinear import quant_linear, set_module
+            from quantize.rtn import quantize_weight
 
             cfg = QuantConfig(bits=3, group_size=32)
             qw = quantize_weight(stage.linear.weight, cfg, stage.linear.bias)
-            set_module(stage.owner, stage.path, quant_linear(qw, cfg, stage.linear))
+            set_module(stage.owner, stage.path, quant_linear(qw, cfg.act_quant, stage.linear))
 
 
 def hooked_inputs(model: nn.Module, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
