@@ -170,3 +170,32 @@ def test_loadgen_against_qspec_server(server, tiny_checkpoint):  # noqa: F811
         assert s["completed"] == 3, [r.error for r in records]
         assert all(r.output_tokens == 5 for r in records)  # server usage, ignore_eos honoured
         assert all(0 < r.ttft <= r.e2e for r in records) and s["tpot_s"]["n"] == 3
+
+
+def test_unreachable_server_is_recorded_not_run(tmp_path):
+    cfg = yaml.safe_load((ROOT / "configs" / "tiny.yaml").read_text())
+    cfg.update(name="down", kind="concurrency", rows=[])
+    cfg["sweep"] = {"values": [2], "series": [{"name": "down", "url": f"http://127.0.0.1:{free_port()}"}]}
+    path = tmp_path / "down.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    run_experiment([str(path), "--results-dir", str(tmp_path)])
+    (record,) = [json.loads(line) for line in (tmp_path / "down" / "records.jsonl").read_text().splitlines()]
+    assert record["status"] == "wired, not run" and "no request completed" in record["reason"]
+
+
+@pytest.mark.slow  # tokenizes the wiki eval split (~30 s here)
+def test_external_only_sweep_loads_just_the_tokenizer(stub, tmp_path, monkeypatch):
+    """With every series on a server, model.spec only supplies the tokenizer (no weights are loaded)."""
+    import runtime.loader
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("an external-server sweep loaded model weights")
+
+    monkeypatch.setattr(runtime.loader, "load_model", no_weights)
+    cfg = {"name": "ext", "kind": "concurrency", "model": {"spec": "smollm2-135m"},
+           "sweep": {"values": [2], "new_tokens": 4, "series": [{"name": "stub", "url": stub}]}}  # fmt: skip
+    path = tmp_path / "ext.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    run_experiment([str(path), "--results-dir", str(tmp_path)])
+    (record,) = [json.loads(line) for line in (tmp_path / "ext" / "records.jsonl").read_text().splitlines()]
+    assert record["status"] == "ok" and record["results"]["requests"] == 4
