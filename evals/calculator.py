@@ -460,6 +460,24 @@ def tp_layouts(
     return rows
 
 
+def winning_ranges(
+    s: Shapes, dtype: str, kv_dtype: str, gpus: int, tps: list[int], max_batch: int, context: int, hw: Hardware,
+    memory_per_gpu: float | None = None, vocab_parallel: bool = True,
+) -> list[dict]:  # fmt: skip
+    """Total batches 1 and every multiple of `gpus` up to max_batch (so every layout's replicas get equal
+    shares; in between, rounding up to whole sequences per replica makes the winner flicker), grouped into
+    runs won by the same layout: [{tp, from, to}] (tp None where no layout fits)."""
+    runs: list[dict] = []
+    for b in sorted({1, *range(gpus, max_batch + 1, gpus)}):
+        rows = tp_layouts(s, dtype, kv_dtype, gpus, tps, [b], context, hw, memory_per_gpu, vocab_parallel)
+        tp = next((r["tp"] for r in rows if r["wins"]), None)
+        if runs and runs[-1]["tp"] == tp:
+            runs[-1]["to"] = b
+        else:
+            runs.append({"tp": tp, "from": b, "to": b})
+    return runs
+
+
 def disaggregation(
     s: Shapes,
     dtype: str,
@@ -533,7 +551,9 @@ def largest_batch(ok, limit: int = 1 << 20) -> int:
     return lo
 
 
-def render_parallel(layouts: list[dict], disagg: list[dict], gpus: int, slo_tpot: float | None) -> str:
+def render_parallel(
+    layouts: list[dict], disagg: list[dict], gpus: int, slo_tpot: float | None, ranges: list[dict] | None = None
+) -> str:
     lines = ["", f"tensor parallelism on {gpus} GPUs: TP=t x DP={gpus}/t replicas, total decode batch split evenly", ""]
     lines.append("| batch | TP x DP | weights/GPU | KV/GPU | sent/token/GPU | TPOT ms | tok/s | fits | wins |")
     lines.append("|---:|:---|---:|---:|---:|---:|---:|:---:|:---:|")
@@ -549,6 +569,9 @@ def render_parallel(layouts: list[dict], disagg: list[dict], gpus: int, slo_tpot
             winners.setdefault(r["tp"], []).append(r["batch"])
     lines.append("")
     lines += [f"TP={tp} wins at total batch {', '.join(map(str, bs))}" for tp, bs in sorted(winners.items())]
+    for run in ranges or []:
+        who = "no layout fits" if run["tp"] is None else f"TP={run['tp']} x DP={gpus // run['tp']} wins"
+        lines.append(f"total batch {run['from']:,}-{run['to']:,}: {who}")
     if disagg:
         lines += ["", "prefill/decode disaggregation (per decode batch; tokens/s per GPU are equal, TPOT is not)", ""]
         lines.append(
@@ -672,6 +695,7 @@ def main(argv: list[str] | None = None) -> None:
     par.add_argument("--tp", default=None, help="tensor-parallel sizes to compare, e.g. 1,2,4,8")
     par.add_argument("--gpus", type=int, default=8, help="GPUs shared by TP x DP layouts (default 8)")
     par.add_argument("--batches", default="1,4,16,64,256", help="total decode batches (default 1,4,16,64,256)")
+    par.add_argument("--max-batch", type=int, default=2048, help="scan batches 1..N for the winning layouts")
     par.add_argument("--link-bandwidth", default="450GB/s", help="per-GPU interconnect, each way (NVLink ~450GB/s)")
     par.add_argument("--link-latency-us", type=float, default=5.0, help="latency per collective (default 5 us)")
     par.add_argument("--lm-head", choices=["vocab-parallel", "replicated"], default="vocab-parallel")
@@ -706,13 +730,18 @@ def main(argv: list[str] | None = None) -> None:
         return
     print(render(report))
     if parallel:
-        print(render_parallel(parallel["tp_layouts"], parallel["disaggregation"], args.gpus, parallel["slo_tpot_s"]))
+        print(
+            render_parallel(
+                parallel["tp_layouts"], parallel["disaggregation"], args.gpus, parallel["slo_tpot_s"],
+                parallel["tp_winning_ranges"],
+            )
+        )  # fmt: skip
 
 
 def parallel_report(hf: dict, args, memory_per_gpu: float | None) -> dict:
     if hf.get("quantization_config"):
         raise CalculatorError("the TP section counts unquantized weights; drop quantization_config")
-    for name in ("gpus", "prompt_tokens", "output_tokens", "disagg_tp"):
+    for name in ("gpus", "prompt_tokens", "output_tokens", "disagg_tp", "max_batch"):
         if getattr(args, name) < 1:
             raise CalculatorError(f"--{name.replace('_', '-')} must be >= 1")
     s = Shapes.from_hf(hf)
@@ -734,7 +763,12 @@ def parallel_report(hf: dict, args, memory_per_gpu: float | None) -> dict:
         s, args.dtype, kv_dtype, args.disagg_tp, batches, args.prompt_tokens, args.output_tokens, hw, slo,
         vocab_parallel,
     )  # fmt: skip
-    return {"hardware": asdict(hw), "tp_layouts": layouts, "disaggregation": disagg, "slo_tpot_s": slo}
+    ranges = winning_ranges(
+        s, args.dtype, kv_dtype, args.gpus, int_list(args.tp), args.max_batch, args.context, hw, memory_per_gpu,
+        vocab_parallel,
+    )  # fmt: skip
+    return {"hardware": asdict(hw), "tp_layouts": layouts, "tp_winning_ranges": ranges, "disaggregation": disagg,
+            "slo_tpot_s": slo}  # fmt: skip
 
 
 if __name__ == "__main__":

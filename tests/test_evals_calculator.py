@@ -23,6 +23,7 @@ from evals.calculator import (
     tp_layouts,
     tp_shard,
     tp_weight_bytes_per_gpu,
+    winning_ranges,
 )
 from runtime.config import ModelConfig
 from runtime.model import Transformer, random_model
@@ -288,3 +289,21 @@ def test_cli_parallel_section(capsys):
     with pytest.raises(SystemExit):
         main(["--config", str(path), "--tp", "1,3", "--gpus", "8"])
     assert "TP=3 does not divide 8 GPUs" in capsys.readouterr().err
+
+
+def test_winning_ranges_partition_the_batches_and_follow_communication_cost():
+    s = Shapes.from_hf(LLAMA31_8B)
+    fast = Hardware(bandwidth=4.8e12, flops=9.9e14, link_bandwidth=4.5e11, link_latency=5e-6)
+    runs = winning_ranges(s, "bf16", "bf16", 8, [1, 2, 4, 8], 1024, 4096, fast, memory_per_gpu=141e9)
+    scanned = [1, *range(8, 1025, 8)]
+    assert runs[0]["from"] == 1 and runs[-1]["to"] == 1024
+    assert all(scanned.index(b["from"]) == scanned.index(a["to"]) + 1 for a, b in zip(runs, runs[1:]))
+    for run in runs:  # each run's layout is the winner tp_layouts names at both ends
+        for b in (run["from"], run["to"]):
+            rows = tp_layouts(s, "bf16", "bf16", 8, [1, 2, 4, 8], [b], 4096, fast, 141e9)
+            assert next(r["tp"] for r in rows if r["wins"]) == run["tp"]
+    assert runs[0]["tp"] == 8  # one sequence: splitting the weight reads wins
+    # a slow link (1 GB/s): communication dominates as soon as a few sequences share each all-reduce
+    slow = Hardware(bandwidth=4.8e12, flops=9.9e14, link_bandwidth=1e9, link_latency=5e-6)
+    runs = winning_ranges(s, "bf16", "bf16", 8, [1, 2, 4, 8], 256, 4096, slow)
+    assert runs[0]["tp"] != 1 and runs[-1]["tp"] == 1 and runs[-1]["from"] <= 16
