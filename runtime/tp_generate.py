@@ -64,7 +64,10 @@ def main(argv: list[str] | None = None) -> None:
     if world > 1:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     try:
-        path = resolve(args.model)
+        path = resolve(args.model) if rank == 0 else None  # a first run converts once, not once per rank
+        if world > 1:
+            dist.barrier()
+        path = path or resolve(args.model)
         hf_config = json.loads((path / "config.json").read_text())
         if "quantization_config" in hf_config:
             ap.error("tensor parallelism shards dense checkpoints; quantized ones are not supported")
