@@ -333,6 +333,272 @@ def calculate(
     )
 
 
+# ---- tensor parallelism and prefill/decode disaggregation ---------------------------------------------
+#
+# Layout of runtime.tp (Megatron-LM): q/k/v and gate/up column-parallel, o_proj and down_proj row-parallel
+# with one all-reduce of [tokens, hidden] after each; heads split by whole GQA groups (KV heads replicated
+# when there are fewer than ranks); the embedding and lm_head either vocab-parallel (one more all-reduce
+# after the embedding lookup and an all-gather of the fp32 logits, as vLLM does) or replicated (qspec's
+# runtime). Per-GPU numbers are those of the largest shard (uneven splits round up). Communication is
+# what one GPU sends: a ring all-reduce of M bytes over t ranks sends 2 (t-1)/t M, an all-gather (t-1)/t M.
+# A step's time is max(memory, compute) + communication (no overlap) + one link latency per collective.
+
+
+@dataclass
+class Hardware:
+    bandwidth: float = 1e12  # per-GPU memory bandwidth, bytes/s
+    flops: float = 1e14  # per-GPU compute, FLOP/s
+    link_bandwidth: float = 450e9  # per-GPU interconnect, bytes/s each way
+    link_latency: float = 5e-6  # seconds per collective
+    act_bytes: float = 2.0  # activation dtype of the all-reduces (bf16)
+
+
+def tp_shard(s: Shapes, tp: int) -> tuple[int, int, int]:
+    """(query heads, KV heads, intermediate columns) on the largest of tp shards."""
+    if tp < 1:
+        raise CalculatorError(f"tensor-parallel size must be >= 1, got {tp}")
+    group = s.num_heads // s.num_kv_heads
+    if s.num_kv_heads >= tp:
+        kv = -(-s.num_kv_heads // tp)
+        q = kv * group
+    elif tp % s.num_kv_heads == 0 and s.num_heads % tp == 0:
+        kv, q = 1, s.num_heads // tp
+    else:
+        raise CalculatorError(f"cannot split {s.num_heads} query / {s.num_kv_heads} KV heads over {tp} ranks")
+    return q, kv, -(-s.intermediate_size // tp)
+
+
+def tp_weight_bytes_per_gpu(s: Shapes, dtype_bytes: float, tp: int, vocab_parallel: bool = True) -> float:
+    """Weight bytes held by one GPU (unquantized)."""
+    q, kv, inter = tp_shard(s, tp)
+    d, hd = s.hidden_size, s.head_dim
+    attn = d * (q + 2 * kv) * hd + q * hd * d + ((q + 2 * kv) * hd if s.attention_bias else 0)
+    mlp = 3 * d * inter
+    norms = s.num_layers * (2 * d + (2 * hd if s.qk_norm else 0)) + d
+    rows = -(-s.vocab_size // tp) if vocab_parallel else s.vocab_size
+    tables = rows * d * (1 if s.tie_word_embeddings else 2)
+    return (s.num_layers * (attn + mlp) + norms + tables) * dtype_bytes
+
+
+def tp_kv_bytes_per_token_per_gpu(s: Shapes, kv_dtype_bytes: float, tp: int) -> float:
+    return 2 * s.num_layers * tp_shard(s, tp)[1] * s.head_dim * kv_dtype_bytes
+
+
+def tp_collectives_per_forward(s: Shapes, tp: int, vocab_parallel: bool = True) -> int:
+    """All-reduces after every o_proj and down_proj (+ the embedding's and the logits' gather if vocab-parallel)."""
+    return 0 if tp == 1 else 2 * s.num_layers + (2 if vocab_parallel else 0)
+
+
+def tp_comm_bytes_per_token(s: Shapes, tp: int, act_bytes: float = 2.0, vocab_parallel: bool = True) -> float:
+    """Bytes one GPU sends per token of a forward."""
+    if tp == 1:
+        return 0.0
+    all_reduces = 2 * s.num_layers + (1 if vocab_parallel else 0)
+    gather = (tp - 1) / tp * s.vocab_size * 4 if vocab_parallel else 0.0  # fp32 logits
+    return all_reduces * 2 * (tp - 1) / tp * s.hidden_size * act_bytes + gather
+
+
+def tp_decode_step(
+    s: Shapes, dtype: str, kv_dtype: str, tp: int, batch: int, context: int, hw: Hardware, vocab_parallel=True
+) -> dict:
+    """Seconds of one decode step of `batch` sequences at `context` tokens on one TP group."""
+    w = tp_weight_bytes_per_gpu(s, DTYPE_BYTES[dtype], tp, vocab_parallel)
+    kv = tp_kv_bytes_per_token_per_gpu(s, DTYPE_BYTES[kv_dtype], tp)
+    t_mem = (w + batch * context * kv) / hw.bandwidth
+    t_compute = batch * flops_per_token(s, context) / tp / hw.flops
+    t_comm = batch * tp_comm_bytes_per_token(s, tp, hw.act_bytes, vocab_parallel) / hw.link_bandwidth
+    t_comm += tp_collectives_per_forward(s, tp, vocab_parallel) * hw.link_latency
+    return {"memory_s": t_mem, "compute_s": t_compute, "comm_s": t_comm, "step_s": max(t_mem, t_compute) + t_comm}
+
+
+def tp_layouts(
+    s: Shapes,
+    dtype: str,
+    kv_dtype: str,
+    gpus: int,
+    tps: list[int],
+    batches: list[int],
+    context: int,
+    hw: Hardware,
+    memory_per_gpu: float | None = None,
+    vocab_parallel: bool = True,
+) -> list[dict]:
+    """For each total batch: every layout TP=t x DP=gpus/t (each replica decodes ceil(batch / replicas)
+    sequences), its per-GPU bytes, TPOT and aggregate throughput; the fitting layout with the highest
+    throughput wins (ties: lower TPOT)."""
+    rows = []
+    for batch in batches:
+        cands = []
+        for tp in tps:
+            if gpus % tp:
+                raise CalculatorError(f"TP={tp} does not divide {gpus} GPUs")
+            replicas = gpus // tp
+            per_replica = -(-batch // replicas)
+            step = tp_decode_step(s, dtype, kv_dtype, tp, per_replica, context, hw, vocab_parallel)
+            w = tp_weight_bytes_per_gpu(s, DTYPE_BYTES[dtype], tp, vocab_parallel)
+            kv = per_replica * context * tp_kv_bytes_per_token_per_gpu(s, DTYPE_BYTES[kv_dtype], tp)
+            fits = memory_per_gpu is None or w + kv <= memory_per_gpu
+            cands.append(
+                {
+                    "batch": batch,
+                    "tp": tp,
+                    "dp": replicas,
+                    "weight_bytes_per_gpu": w,
+                    "kv_bytes_per_gpu": kv,
+                    "comm_bytes_per_token": tp_comm_bytes_per_token(s, tp, hw.act_bytes, vocab_parallel),
+                    "fits": fits,
+                    **step,
+                    "tpot_s": step["step_s"],
+                    "tokens_per_s": batch / step["step_s"],
+                }
+            )
+        fitting = [c for c in cands if c["fits"]]
+        best = min(fitting, key=lambda c: (-c["tokens_per_s"], c["tpot_s"])) if fitting else None
+        for c in cands:
+            c["wins"] = c is best
+        rows += cands
+    return rows
+
+
+def winning_ranges(
+    s: Shapes, dtype: str, kv_dtype: str, gpus: int, tps: list[int], max_batch: int, context: int, hw: Hardware,
+    memory_per_gpu: float | None = None, vocab_parallel: bool = True,
+) -> list[dict]:  # fmt: skip
+    """Total batches 1 and every multiple of `gpus` up to max_batch (so every layout's replicas get equal
+    shares; in between, rounding up to whole sequences per replica makes the winner flicker), grouped into
+    runs won by the same layout: [{tp, from, to}] (tp None where no layout fits)."""
+    runs: list[dict] = []
+    for b in sorted({1, *range(gpus, max_batch + 1, gpus)}):
+        rows = tp_layouts(s, dtype, kv_dtype, gpus, tps, [b], context, hw, memory_per_gpu, vocab_parallel)
+        tp = next((r["tp"] for r in rows if r["wins"]), None)
+        if runs and runs[-1]["tp"] == tp:
+            runs[-1]["to"] = b
+        else:
+            runs.append({"tp": tp, "from": b, "to": b})
+    return runs
+
+
+def disaggregation(
+    s: Shapes,
+    dtype: str,
+    kv_dtype: str,
+    tp: int,
+    batches: list[int],
+    prompt: int,
+    output: int,
+    hw: Hardware,
+    slo_tpot: float | None = None,
+    vocab_parallel: bool = True,
+) -> list[dict]:
+    """Colocated vs prefill/decode-disaggregated serving on TP groups of `tp` GPUs, per decode batch b.
+
+    Prefill of one prompt takes T_p (compute-bound); a decode step of b sequences T_d(b). In steady state
+    b / output new requests enter per decode step. Colocated, their prefills run on the same GPUs between
+    decode steps: TPOT = T_d(b) + (b / output) T_p. Disaggregated, prefill GPUs (a fraction
+    b T_p / (output T_d(b)) of a decode group each) do it and ship the KV (prompt x KV bytes per token) over
+    the link: TPOT = T_d(b), TTFT = T_p + transfer. Tokens per second per GPU are b / (tp (T_d + b T_p /
+    output)) in both: disaggregation buys TPOT, not throughput, so it wins at the batches where the SLO
+    leaves colocated serving behind."""
+    t_prefill = prefill_flops(s, prompt) / tp / hw.flops
+    t_prefill += prompt * tp_comm_bytes_per_token(s, tp, hw.act_bytes, vocab_parallel) / hw.link_bandwidth
+    t_prefill += tp_collectives_per_forward(s, tp, vocab_parallel) * hw.link_latency
+    kv_transfer = prompt * kv_bytes_per_token(s, DTYPE_BYTES[kv_dtype]) / (tp * hw.link_bandwidth)
+
+    def tpot(b: int) -> dict:
+        t_decode = tp_decode_step(s, dtype, kv_dtype, tp, b, prompt + output, hw, vocab_parallel)["step_s"]
+        colocated = t_decode + b / output * t_prefill
+        return {"colocated": colocated, "disaggregated": t_decode, "per_gpu": b / (tp * colocated)}
+
+    rows = []
+    for b in batches:
+        t = tpot(b)
+        t_decode, colocated, per_gpu = t["disaggregated"], t["colocated"], t["per_gpu"]
+        row = {
+            "batch": b,
+            "prefill_s": t_prefill,
+            "decode_step_s": t_decode,
+            "kv_transfer_s": kv_transfer,
+            "colocated_tpot_s": colocated,
+            "disaggregated_tpot_s": t_decode,
+            "colocated_ttft_s": t_prefill,
+            "disaggregated_ttft_s": t_prefill + kv_transfer,
+            "prefill_gpus_per_decode_gpu": b * t_prefill / (output * t_decode),
+            "tokens_per_s_per_gpu": per_gpu,
+        }
+        rows.append(row)
+    if slo_tpot is not None:
+        for mode in ("colocated", "disaggregated"):
+            best = largest_batch(lambda b, m=mode: tpot(b)[m] <= slo_tpot)
+            for row in rows:
+                row[f"{mode}_meets_slo"] = tpot(row["batch"])[mode] <= slo_tpot
+                row[f"{mode}_max_batch"] = best
+                row[f"{mode}_max_batch_tokens_per_s_per_gpu"] = tpot(best)["per_gpu"] if best else 0.0
+    return rows
+
+
+def largest_batch(ok, limit: int = 1 << 20) -> int:
+    """The largest b >= 1 with ok(b) for a predicate that holds up to some b and fails after (0 if none)."""
+    if not ok(1):
+        return 0
+    lo, hi = 1, 2
+    while hi <= limit and ok(hi):
+        lo, hi = hi, hi * 2
+    if hi > limit:
+        return lo
+    while hi - lo > 1:  # ok(lo), not ok(hi)
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return lo
+
+
+def render_parallel(
+    layouts: list[dict], disagg: list[dict], gpus: int, slo_tpot: float | None, ranges: list[dict] | None = None
+) -> str:
+    lines = ["", f"tensor parallelism on {gpus} GPUs: TP=t x DP={gpus}/t replicas, total decode batch split evenly", ""]
+    lines.append("| batch | TP x DP | weights/GPU | KV/GPU | sent/token/GPU | TPOT ms | tok/s | fits | wins |")
+    lines.append("|---:|:---|---:|---:|---:|---:|---:|:---:|:---:|")
+    for r in layouts:
+        lines.append(
+            f"| {r['batch']} | {r['tp']} x {r['dp']} | {fmt_bytes(r['weight_bytes_per_gpu'])} | "
+            f"{fmt_bytes(r['kv_bytes_per_gpu'])} | {r['comm_bytes_per_token']:,.0f} B | {r['tpot_s'] * 1e3:,.2f} | "
+            f"{r['tokens_per_s']:,.0f} | {'yes' if r['fits'] else 'no'} | {'**yes**' if r['wins'] else ''} |"
+        )
+    winners: dict[int, list[int]] = {}
+    for r in layouts:
+        if r["wins"]:
+            winners.setdefault(r["tp"], []).append(r["batch"])
+    lines.append("")
+    lines += [f"TP={tp} wins at total batch {', '.join(map(str, bs))}" for tp, bs in sorted(winners.items())]
+    for run in ranges or []:
+        who = "no layout fits" if run["tp"] is None else f"TP={run['tp']} x DP={gpus // run['tp']} wins"
+        lines.append(f"total batch {run['from']:,}-{run['to']:,}: {who}")
+    if disagg:
+        lines += ["", "prefill/decode disaggregation (per decode batch; tokens/s per GPU are equal, TPOT is not)", ""]
+        lines.append(
+            "| batch | colocated TPOT ms | disagg TPOT ms | TTFT ms (+KV transfer) | prefill GPUs per decode GPU "
+            "| tok/s/GPU | SLO colocated / disagg |"
+        )
+        lines.append("|---:|---:|---:|---:|---:|---:|:---:|")
+        for r in disagg:
+            yes = {True: "yes", False: "no"}
+            slo = "-" if slo_tpot is None else f"{yes[r['colocated_meets_slo']]} / {yes[r['disaggregated_meets_slo']]}"
+            lines.append(
+                f"| {r['batch']} | {r['colocated_tpot_s'] * 1e3:,.2f} | {r['disaggregated_tpot_s'] * 1e3:,.2f} | "
+                f"{r['colocated_ttft_s'] * 1e3:,.1f} (+{r['kv_transfer_s'] * 1e3:,.2f}) | "
+                f"{r['prefill_gpus_per_decode_gpu']:,.3f} | {r['tokens_per_s_per_gpu']:,.0f} | {slo} |"
+            )
+        if slo_tpot is not None:
+            lines.append("")
+            for mode in ("colocated", "disaggregated"):
+                b = disagg[0][f"{mode}_max_batch"]
+                per_gpu = disagg[0][f"{mode}_max_batch_tokens_per_s_per_gpu"]
+                lines.append(
+                    f"{mode}: largest decode batch within TPOT {slo_tpot * 1e3:g} ms = {b}"
+                    + (f" ({per_gpu:,.0f} tok/s per GPU)" if b else "")
+                )
+    return "\n".join(lines)
+
+
 def fmt_bytes(n: float) -> str:
     """Both decimal and binary units, never mixed up: '1.07 GB (1.00 GiB)'."""
     for dec, binary, div_d, div_b in (("TB", "TiB", 1e12, 2**40), ("GB", "GiB", 1e9, 2**30), ("MB", "MiB", 1e6, 2**20)):
@@ -425,6 +691,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--contexts", default=None, help="worksheet contexts, e.g. 1k,4k,8k,32k")
     ap.add_argument("--concurrencies", default=None, help="worksheet concurrencies, e.g. 1,4,16,64")
     ap.add_argument("--json", action="store_true", help="print the report as JSON")
+    par = ap.add_argument_group("tensor parallelism and disaggregation (shown when --tp is given)")
+    par.add_argument("--tp", default=None, help="tensor-parallel sizes to compare, e.g. 1,2,4,8")
+    par.add_argument("--gpus", type=int, default=8, help="GPUs shared by TP x DP layouts (default 8)")
+    par.add_argument("--batches", default="1,4,16,64,256", help="total decode batches (default 1,4,16,64,256)")
+    par.add_argument("--max-batch", type=int, default=2048, help="scan batches 1..N for the winning layouts")
+    par.add_argument("--link-bandwidth", default="450GB/s", help="per-GPU interconnect, each way (NVLink ~450GB/s)")
+    par.add_argument("--link-latency-us", type=float, default=5.0, help="latency per collective (default 5 us)")
+    par.add_argument("--lm-head", choices=["vocab-parallel", "replicated"], default="vocab-parallel")
+    par.add_argument("--prompt-tokens", type=int, default=1024, help="disaggregation: prompt length")
+    par.add_argument("--output-tokens", type=int, default=256, help="disaggregation: output length")
+    par.add_argument("--disagg-tp", type=int, default=1, help="disaggregation: TP size of each instance")
+    par.add_argument("--slo-tpot-ms", type=float, default=None, help="disaggregation: TPOT SLO")
     args = ap.parse_args(argv)
     try:
         hf, name = read_config(args.config)
@@ -441,10 +719,56 @@ def main(argv: list[str] | None = None) -> None:
             concurrencies=int_list(args.concurrencies) if args.concurrencies else None,
             name=name,
         )
+        parallel = None
+        if args.tp:
+            parallel = parallel_report(hf, args, report.memory_budget_bytes)
     except (CalculatorError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
-    print(json.dumps(asdict(report), indent=2) if args.json else render(report))
+    if args.json:
+        print(json.dumps({**asdict(report), **(parallel or {})}, indent=2))
+        return
+    print(render(report))
+    if parallel:
+        print(
+            render_parallel(
+                parallel["tp_layouts"], parallel["disaggregation"], args.gpus, parallel["slo_tpot_s"],
+                parallel["tp_winning_ranges"],
+            )
+        )  # fmt: skip
+
+
+def parallel_report(hf: dict, args, memory_per_gpu: float | None) -> dict:
+    if hf.get("quantization_config"):
+        raise CalculatorError("the TP section counts unquantized weights; drop quantization_config")
+    for name in ("gpus", "prompt_tokens", "output_tokens", "disagg_tp", "max_batch"):
+        if getattr(args, name) < 1:
+            raise CalculatorError(f"--{name.replace('_', '-')} must be >= 1")
+    s = Shapes.from_hf(hf)
+    hw = Hardware(
+        bandwidth=parse_quantity(args.bandwidth, "B/s"),
+        flops=parse_quantity(args.flops, "FLOPS"),
+        link_bandwidth=parse_quantity(args.link_bandwidth, "B/s"),
+        link_latency=args.link_latency_us * 1e-6,
+        act_bytes=min(DTYPE_BYTES[args.dtype], 2.0),
+    )
+    kv_dtype = args.kv_dtype or args.dtype
+    vocab_parallel = args.lm_head == "vocab-parallel"
+    batches = int_list(args.batches)
+    slo = None if args.slo_tpot_ms is None else args.slo_tpot_ms / 1e3
+    layouts = tp_layouts(
+        s, args.dtype, kv_dtype, args.gpus, int_list(args.tp), batches, args.context, hw, memory_per_gpu, vocab_parallel
+    )
+    disagg = disaggregation(
+        s, args.dtype, kv_dtype, args.disagg_tp, batches, args.prompt_tokens, args.output_tokens, hw, slo,
+        vocab_parallel,
+    )  # fmt: skip
+    ranges = winning_ranges(
+        s, args.dtype, kv_dtype, args.gpus, int_list(args.tp), args.max_batch, args.context, hw, memory_per_gpu,
+        vocab_parallel,
+    )  # fmt: skip
+    return {"hardware": asdict(hw), "tp_layouts": layouts, "tp_winning_ranges": ranges, "disaggregation": disagg,
+            "slo_tpot_s": slo}  # fmt: skip
 
 
 if __name__ == "__main__":

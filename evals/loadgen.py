@@ -1,5 +1,11 @@
 """Load generator for OpenAI-compatible servers: ``python -m evals.loadgen --url http://127.0.0.1:8000``.
 
+Any OpenAI-compatible server works: qspec's own, vLLM (``vllm serve``), SGLang, llama.cpp's ``llama-server``,
+or the stub in evals.stub_server; the served model name is read from /v1/models unless given. Metrics follow
+``vllm bench serve`` (see evals.metrics): TTFT at the first chunk that carries output text, TPOT =
+(E2E - TTFT) / (output tokens - 1), ITL between chunks, output tokens from usage or, where a server sends
+none, from tokenizing the streamed text; goodput only with SLOs.
+
 A real HTTP client (aiohttp, streaming SSE). Arrivals: Poisson at --rate, fixed-interval at --rate, or a
 closed loop of --concurrency requests in flight. Prompts are Wikipedia extracts from the eval split (or
 fixed-length token windows of it), sent as token ids to /v1/completions (exact prompt lengths) or as text to
@@ -77,7 +83,20 @@ def arrival_offsets(n: int, mode: str, rate: float | None, seed: int) -> list[fl
     return out
 
 
-async def send(session, url: str, endpoint: str, item: WorkItem, tokenizer, extra: dict) -> RequestRecord:
+async def served_model(session, url: str) -> str | None:
+    """The first model id of GET /v1/models (vLLM and SGLang reject requests naming another), or None."""
+    try:
+        async with session.get(url.rstrip("/") + "/v1/models") as resp:
+            data = await resp.json(content_type=None) if resp.status == 200 else {}
+        return (data.get("data") or [{}])[0].get("id")
+    except Exception:  # a server without /v1/models: send no model name
+        return None
+
+
+async def send(
+    session, url: str, endpoint: str, item: WorkItem, tokenizer, extra: dict, prompt_as_text: bool = False
+) -> RequestRecord:
+    """One streamed request; extra holds more body fields; prompt_as_text sends completions prompts as text."""
     body = {"max_tokens": item.output_tokens, "stream": True, "stream_options": {"include_usage": True},
             "ignore_eos": True, "temperature": 0.0, **extra}  # fmt: skip
     if endpoint == "chat":
@@ -85,7 +104,7 @@ async def send(session, url: str, endpoint: str, item: WorkItem, tokenizer, extr
         body["messages"] = [{"role": "user", "content": tokenizer.decode(item.prompt_ids)}]
     else:
         path = "/v1/completions"
-        body["prompt"] = item.prompt_ids
+        body["prompt"] = tokenizer.decode(item.prompt_ids) if prompt_as_text else item.prompt_ids
     rec = RequestRecord(send_time=time.perf_counter(), prompt_tokens=len(item.prompt_ids))
     try:
         async with session.post(url.rstrip("/") + path, json=body) as resp:
@@ -107,6 +126,7 @@ async def send(session, url: str, endpoint: str, item: WorkItem, tokenizer, extr
                     text = choice.get("text") if endpoint != "chat" else choice.get("delta", {}).get("content")
                     if text:
                         rec.token_times.append(time.perf_counter())
+                        rec.generated_text += text
         rec.end_time = time.perf_counter()
         if rec.ok and not rec.token_times:
             rec.ok, rec.error = False, "no output tokens received"
@@ -126,14 +146,23 @@ async def run_load(
     seed: int = 0,
     extra: dict | None = None,
     timeout_s: float = 600.0,
+    model_name: str | None = None,
+    api_key: str | None = None,
+    prompt_as_text: bool = False,
 ) -> tuple[list[RequestRecord], float]:
+    """Send every item; model_name None asks the server's /v1/models ("" sends none)."""
     import aiohttp
 
-    extra = extra or {}
+    extra = dict(extra or {})
     offsets = arrival_offsets(len(items), mode, rate, seed)
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector, headers=headers) as session:
+        if model_name is None:
+            model_name = await served_model(session, url)
+        if model_name and "model" not in extra:
+            extra["model"] = model_name
         start = time.perf_counter()
         if offsets is None:
             queue = list(enumerate(items))
@@ -142,17 +171,20 @@ async def run_load(
             async def worker():
                 while queue:
                     i, item = queue.pop(0)
-                    records[i] = await send(session, url, endpoint, item, tokenizer, extra)
+                    records[i] = await send(session, url, endpoint, item, tokenizer, extra, prompt_as_text)
 
             await asyncio.gather(*(worker() for _ in range(min(concurrency, len(items)))))
         else:
 
             async def delayed(offset: float, item: WorkItem) -> RequestRecord:
                 await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
-                return await send(session, url, endpoint, item, tokenizer, extra)
+                return await send(session, url, endpoint, item, tokenizer, extra, prompt_as_text)
 
             records = await asyncio.gather(*(delayed(o, it) for o, it in zip(offsets, items)))
         duration = time.perf_counter() - start
+    for r in records:  # no usage from the server: count the streamed text's tokens (vllm bench serve does)
+        if r.ok and not r.output_tokens and r.generated_text and tokenizer is not None:
+            r.output_tokens = len(tokenizer(r.generated_text, add_special_tokens=False).input_ids)
     return list(records), duration
 
 
@@ -163,6 +195,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (loopback)")
     ap.add_argument("--model", default=DEFAULT_MODEL, help="model spec whose tokenizer builds the prompts")
     ap.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    ap.add_argument(
+        "--prompt-format", choices=["ids", "text"], default="ids",
+        help="completions prompts as token ids (exact lengths) or as decoded text (servers without id prompts)",
+    )  # fmt: skip
+    ap.add_argument("--served-model-name", default=None, help="the request's model field (default: /v1/models)")
+    ap.add_argument("--api-key", default=None, help="sent as a Bearer token (vllm serve --api-key)")
     ap.add_argument("--num-requests", type=int, default=32)
     ap.add_argument("--arrival", choices=["poisson", "fixed", "concurrency"], default="concurrency")
     ap.add_argument("--rate", type=float, default=None, help="requests/s for poisson or fixed arrivals")
@@ -200,7 +238,8 @@ def main(argv: list[str] | None = None) -> None:
     slo = SLO(*(None if v is None else v / 1e3 for v in (args.slo_ttft_ms, args.slo_tpot_ms, args.slo_e2e_ms)))
     records, duration = asyncio.run(
         run_load(args.url, items, tokenizer, args.endpoint, args.arrival, args.rate, args.concurrency, args.seed,
-                 timeout_s=args.timeout_s)
+                 timeout_s=args.timeout_s, model_name=args.served_model_name, api_key=args.api_key,
+                 prompt_as_text=args.prompt_format == "text")
     )  # fmt: skip
     summary = summarize(records, duration, slo)
     print(format_summary(summary))

@@ -3,8 +3,10 @@
 Every request is described by when it was sent, when each output token (or streamed chunk) arrived and
 when it ended. Definitions (as in vLLM's and SGLang's serving benchmarks):
 - TTFT: first token time - send time.
-- TPOT: (last token time - first token time) / (output tokens - 1): the first token is excluded, it is
-  prefill; requests with one output token have no TPOT.
+- TPOT: (end time - first token time) / (output tokens - 1), i.e. (E2E - TTFT) / (n - 1) as
+  ``vllm bench serve`` computes it: the first token is excluded, it is prefill; requests with one output
+  token have no TPOT. Output tokens come from the server's usage counts, or where a server sends none from
+  tokenizing the generated text (as vLLM's benchmark does).
 - ITL: gaps between consecutive token arrivals (one value per gap, pooled over requests).
 - E2E: end time - send time.
 - Goodput: completed requests per second that meet every given SLO.
@@ -48,6 +50,7 @@ class RequestRecord:
     output_tokens: int = 0  # from the server's usage when available (a chunk may carry several tokens)
     ok: bool = True
     error: str | None = None
+    generated_text: str = ""  # what was streamed (counts the tokens when the server sends no usage)
 
     @property
     def ttft(self) -> float | None:
@@ -57,7 +60,8 @@ class RequestRecord:
     def tpot(self) -> float | None:
         if not self.ok or self.output_tokens < 2 or not self.token_times:
             return None
-        return (self.token_times[-1] - self.token_times[0]) / (self.output_tokens - 1)
+        end = self.end_time if math.isfinite(self.end_time) else self.token_times[-1]
+        return (end - self.token_times[0]) / (self.output_tokens - 1)
 
     @property
     def itls(self) -> list[float]:

@@ -173,6 +173,8 @@ def render_sweep(cfg, records: list[dict], out_dir: Path) -> list[Path]:
     paths = [md, csv_path]
     if points:
         paths.append(PLOTTERS[cfg.kind](cfg, points, out_dir))
+        if cfg.kind == "concurrency":
+            paths.append(plot_concurrency_percentiles(cfg, points, out_dir))
     return paths
 
 
@@ -219,6 +221,32 @@ def plot_concurrency(cfg, points, out_dir: Path) -> Path:
     ax.legend()
     fig.tight_layout()
     path = out_dir / "concurrency.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_concurrency_percentiles(cfg, points, out_dir: Path) -> Path:
+    """TTFT, TPOT and ITL at P50 / P90 / P99 against concurrency, one colour per series."""
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    styles = {"p50": "-", "p90": "--", "p99": ":"}
+    for i, (name, pts) in enumerate(by_series(points).items()):
+        color = f"C{i}"
+        for ax, metric in zip(axes, ("ttft", "tpot", "itl")):
+            for p, style in styles.items():
+                key = f"{metric}_ms_{p}"
+                if all(key in q["results"] for q in pts):
+                    ys = [q["results"][key] for q in pts]
+                    ax.plot([q["x"] for q in pts], ys, style, marker="o", color=color, label=f"{name} {p.upper()}")
+    for ax, label in zip(axes, ("TTFT", "TPOT (first token excluded)", "ITL")):
+        ax.set_xlabel("concurrency (requests in flight)")
+        ax.set_ylabel(f"{label} (ms)")
+        ax.set_xscale("log", base=2)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"{cfg.name}: latency percentiles over concurrency")
+    fig.tight_layout()
+    path = out_dir / "concurrency_percentiles.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path

@@ -78,6 +78,9 @@ def load_context(cfg: ExperimentConfig) -> Context:
     from runtime.data import token_windows, wiki_split, wiki_text
     from runtime.loader import load_model, load_tokenizer
 
+    if cfg.kind == "concurrency" and cfg.sweep.series and all(s.get("url") for s in cfg.sweep.series):
+        # every series is an external server: the spec only supplies the tokenizer that builds the prompts
+        return Context(cfg, None, load_tokenizer(cfg.model.spec), None, [], [], [])
     if cfg.model.dtype not in DTYPES:
         raise ConfigError(f"model.dtype: {cfg.model.dtype!r} not in {sorted(DTYPES)}")
     model, _, path = load_model(cfg.model.spec, DTYPES[cfg.model.dtype])

@@ -71,16 +71,78 @@ def prompt_length_point(ctx, series: dict, length: int) -> dict:
     }
 
 
+def concurrency_workload(ctx, series: dict, concurrency: int) -> tuple[list[list[int]], list[int]]:
+    """Prompts of mixed lengths (64-160 tokens) and mixed output lengths (up to new_tokens): static batching
+    waits for the longest in each batch, continuous does not."""
+    sw = ctx.cfg.sweep
+    n_requests = int(series.get("requests_per_slot", 2)) * concurrency
+    lengths = [64 + 32 * (i % 4) for i in range(n_requests)]
+    prompts = [prompts_of_length(ctx, n, i + 1)[i] for i, n in enumerate(lengths)]
+    return prompts, [max(4, sw.new_tokens // (1 + i % 3)) for i in range(n_requests)]
+
+
+def latency_results(s: dict) -> dict:
+    """Percentiles (ms) of TTFT, TPOT, ITL and E2E and the throughputs of an evals.metrics summary."""
+    out = {"output_tokens_per_s": s["output_token_throughput"], "requests_per_s": s["request_throughput"]}
+    for key, name in (("ttft_s", "ttft"), ("tpot_s", "tpot"), ("itl_s", "itl"), ("e2e_s", "e2e")):
+        out.update({f"{name}_ms_{p}": 1e3 * s[key][p] for p in ("mean", "p50", "p90", "p99")})
+    return out
+
+
+SERVER_SERIES_KEYS = {
+    "name",
+    "url",
+    "endpoint",
+    "served_model_name",
+    "api_key_env",
+    "prompt_format",
+    "requests_per_slot",
+}
+
+
+def server_concurrency_point(ctx, series: dict, concurrency: int) -> dict:
+    """The same workload against any OpenAI-compatible server (series ``url``), through evals.loadgen: a
+    closed loop of `concurrency` streaming requests; metrics as ``vllm bench serve`` defines them."""
+    import asyncio
+    import os
+
+    from evals.loadgen import WorkItem, run_load
+
+    unknown = sorted(set(series) - SERVER_SERIES_KEYS)
+    if unknown:
+        raise ConfigError(f"sweep.series[{series['name']}]: unknown key(s) {unknown} for a server series")
+    endpoint = series.get("endpoint", "completions")
+    if endpoint not in ("completions", "chat"):
+        raise ConfigError(f"sweep.series[{series['name']}].endpoint: {endpoint!r} is not completions or chat")
+    if (endpoint == "chat" or series.get("prompt_format") == "text") and ctx.tokenizer is None:
+        raise ConfigError(f"sweep.series[{series['name']}]: text prompts need a model spec with a tokenizer")
+    prompts, outs = concurrency_workload(ctx, series, concurrency)
+    items = [WorkItem(p, n) for p, n in zip(prompts, outs)]
+    kwargs = dict(
+        endpoint=endpoint,
+        mode="concurrency",
+        concurrency=concurrency,
+        model_name=series.get("served_model_name"),
+        api_key=os.environ.get(series["api_key_env"]) if series.get("api_key_env") else None,
+        prompt_as_text=series.get("prompt_format", "ids") == "text",
+    )
+    asyncio.run(run_load(series["url"], [WorkItem(prompts[0], 2)], ctx.tokenizer, **kwargs))  # warm up
+    records, duration = asyncio.run(run_load(series["url"], items, ctx.tokenizer, **kwargs))
+    s = summarize(records, duration)
+    if s["completed"] == 0:
+        raise RowUnavailable(f"{series['url']}: no request completed ({records[0].error})")
+    return {"concurrency": concurrency, "requests": len(items), "failed": s["failed"], "url": series["url"],
+            **latency_results(s), "duration_s": duration}  # fmt: skip
+
+
 def concurrency_point(ctx, series: dict, concurrency: int) -> dict:
     from experiments.bench import bench_section
     from runtime.engine import EngineConfig, LLMEngine
 
-    sw = ctx.cfg.sweep
-    n_requests = int(series.get("requests_per_slot", 2)) * concurrency
-    lengths = [64 + 32 * (i % 4) for i in range(n_requests)]  # mixed prompt lengths
-    prompts = [prompts_of_length(ctx, n, i + 1)[i] for i, n in enumerate(lengths)]
-    # mixed output lengths: static batching waits for the longest in each batch, continuous does not
-    outs = [max(4, sw.new_tokens // (1 + i % 3)) for i in range(n_requests)]
+    if series.get("url"):
+        return server_concurrency_point(ctx, series, concurrency)
+    prompts, outs = concurrency_workload(ctx, series, concurrency)
+    n_requests = len(prompts)
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in outs]
     policy = series.get("policy", "continuous")
     engine = LLMEngine(ctx.model, ctx.tokenizer, EngineConfig(max_num_seqs=concurrency, policy=policy))
@@ -100,17 +162,8 @@ def concurrency_point(ctx, series: dict, concurrency: int) -> dict:
         for o in results
     ]
     s = summarize(records, duration)
-    return {
-        "concurrency": concurrency,
-        "requests": n_requests,
-        "policy": policy,
-        "output_tokens_per_s": s["output_token_throughput"],
-        "ttft_ms_p50": 1e3 * s["ttft_s"]["p50"],
-        "ttft_ms_p99": 1e3 * s["ttft_s"]["p99"],
-        "tpot_ms_p50": 1e3 * s["tpot_s"]["p50"],
-        "e2e_ms_p50": 1e3 * s["e2e_s"]["p50"],
-        "duration_s": duration,
-    }
+    return {"concurrency": concurrency, "requests": n_requests, "policy": policy, **latency_results(s),
+            "duration_s": duration}  # fmt: skip
 
 
 def spec_k_point(ctx, series: dict, k: int) -> dict:

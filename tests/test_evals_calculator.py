@@ -3,13 +3,30 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
-from evals.calculator import CalculatorError, Shapes, calculate, count_params, main, parse_quantity
+from evals.calculator import (
+    CalculatorError,
+    Hardware,
+    Shapes,
+    calculate,
+    count_params,
+    disaggregation,
+    main,
+    parse_quantity,
+    prefill_flops,
+    tp_comm_bytes_per_token,
+    tp_kv_bytes_per_token_per_gpu,
+    tp_layouts,
+    tp_shard,
+    tp_weight_bytes_per_gpu,
+    winning_ranges,
+)
 from runtime.config import ModelConfig
-from runtime.model import Transformer
+from runtime.model import Transformer, random_model
 
 QWEN3_06B = {  # public values of Qwen/Qwen3-0.6B's config.json
     "architectures": ["Qwen3ForCausalLM"],
@@ -172,3 +189,121 @@ def test_cli_prints_gb_and_gib_apart(tmp_path, capsys):
     main(["--config", str(path), "--context", "8192", "--memory", "80GB"])
     text = capsys.readouterr().out
     assert "1.07 GB (1.00 GiB)" in text and "80.00 GB (74.51 GiB)" in text
+
+
+# ---- tensor parallelism and disaggregation ----------------------------------------------------------
+
+LLAMA31_8B = json.loads((Path(__file__).resolve().parents[1] / "configs/models/llama-3.1-8b.json").read_text())
+
+
+def test_tp_per_gpu_weight_kv_and_comm_bytes_by_hand():
+    s = Shapes.from_hf(LLAMA31_8B)
+    assert tp_weight_bytes_per_gpu(s, 2, 1) == calculate(LLAMA31_8B, dtype="bf16").weight_bytes_stored
+    # TP=2: q/k/v/o and the MLP halve (per layer 4096*6144 + 4096*4096 + 3*4096*14336 = 218,103,808 weights),
+    # norms are replicated, embedding and lm_head are split by vocabulary rows (128256 / 2)
+    per_layer = (4096 * 6144 + 4096 * 4096 + 3 * 4096 * 14336) // 2
+    params = 32 * per_layer + (32 * 2 * 4096 + 4096) + 2 * 64128 * 4096
+    assert tp_weight_bytes_per_gpu(s, 2, 2) == 2 * params == 8_030_527_488
+    replicated_head = 32 * per_layer + (32 * 2 * 4096 + 4096) + 2 * 128256 * 4096
+    assert tp_weight_bytes_per_gpu(s, 2, 2, vocab_parallel=False) == 2 * replicated_head
+    # KV: 8 heads split 4 + 4; at TP=16 each KV head is replicated on 2 ranks (1 head per GPU)
+    assert tp_kv_bytes_per_token_per_gpu(s, 2, 2) == 2 * 32 * 4 * 128 * 2 == 65_536
+    assert tp_kv_bytes_per_token_per_gpu(s, 2, 16) == 2 * 32 * 1 * 128 * 2
+    # comm per token per GPU: 2 all-reduces per layer + the embedding's, ring sends 2 (t-1)/t of 4096 bf16
+    # values each; the vocab-parallel logits are all-gathered in fp32
+    assert tp_comm_bytes_per_token(s, 1) == 0
+    assert tp_comm_bytes_per_token(s, 2) == 65 * 2 * (1 / 2) * 4096 * 2 + (1 / 2) * 128256 * 4 == 788_992
+    assert tp_comm_bytes_per_token(s, 8) == 65 * 2 * (7 / 8) * 8192 + (7 / 8) * 128256 * 4 == 1_380_736
+    with pytest.raises(CalculatorError, match="cannot split 32 query / 8 KV heads over 12 ranks"):
+        tp_shard(s, 12)
+
+
+@pytest.mark.parametrize("name,world", [("llama", 2), ("llama-tied-mha", 2), ("qwen2", 2), ("llama", 4)])
+def test_tp_weight_bytes_equal_runtime_shards(name, world):
+    """The calculator's per-GPU bytes (replicated head, as runtime.tp does it) are the largest rank's real
+    parameter bytes in runtime.tp's shard modules."""
+    from runtime.tp import build_shard
+    from tests.conftest import TINY_CONFIGS
+
+    cfg = TINY_CONFIGS[name]
+    state = random_model(cfg).hf_state_dict()
+    real = max(
+        sum(p.numel() * p.element_size() for p in build_shard(cfg, state, r, world).parameters()) for r in range(world)
+    )
+    s = Shapes.from_hf(cfg.to_hf())
+    assert tp_weight_bytes_per_gpu(s, 4, world, vocab_parallel=False) == real
+    kv = max(2 * cfg.num_layers * build_shard(cfg, state, r, world).config.kv_size * 4 for r in range(world))
+    assert tp_kv_bytes_per_token_per_gpu(s, 4, world) == kv
+
+
+def test_tp_layouts_step_time_and_winners():
+    s = Shapes.from_hf(LLAMA31_8B)
+    hw = Hardware(bandwidth=4e12, flops=1e15, link_bandwidth=4e11, link_latency=1e-5)
+    rows = tp_layouts(s, "bf16", "bf16", 8, [1, 2, 8], [1, 8192], 128, hw)
+    by = {(r["batch"], r["tp"]): r for r in rows}
+    r = by[(1, 2)]  # one sequence on one of 4 TP=2 replicas, by hand
+    mem = (8_030_527_488 + 128 * 65_536) / 4e12
+    comm = 788_992 / 4e11 + 66 * 1e-5
+    assert r["memory_s"] == pytest.approx(mem, rel=1e-12) and r["comm_s"] == pytest.approx(comm, rel=1e-12)
+    assert r["compute_s"] < mem and r["tpot_s"] == pytest.approx(mem + comm, rel=1e-12)
+    assert r["tokens_per_s"] == pytest.approx(1 / (mem + comm), rel=1e-12)
+    # batch 1 is memory-bound: splitting the weights over 8 GPUs wins; at 8192 short sequences compute dominates
+    # and the layouts do the same FLOPs per GPU, so TP=1 (no communication) wins
+    assert [t for t in (1, 2, 8) if by[(1, t)]["wins"]] == [8]
+    assert [t for t in (1, 2, 8) if by[(8192, t)]["wins"]] == [1]
+    assert by[(8192, 1)]["compute_s"] > by[(8192, 1)]["memory_s"]
+    # a memory budget rules out layouts whose shard does not fit
+    tight = tp_layouts(s, "bf16", "bf16", 8, [1, 8], [1], 1024, hw, memory_per_gpu=10e9)
+    assert [(r["tp"], r["fits"], r["wins"]) for r in tight] == [(1, False, False), (8, True, True)]
+
+
+def test_disaggregation_buys_tpot_not_throughput():
+    s = Shapes.from_hf(LLAMA31_8B)
+    hw = Hardware(bandwidth=4e12, flops=1e15, link_bandwidth=4e11, link_latency=0.0)
+    rows = disaggregation(s, "bf16", "bf16", 1, [1, 32, 256], 1024, 128, hw, slo_tpot=0.02)
+    t_prefill = prefill_flops(s, 1024) / 1e15
+    for r in rows:
+        b = r["batch"]
+        assert r["prefill_s"] == t_prefill
+        assert r["colocated_tpot_s"] == pytest.approx(r["decode_step_s"] + b / 128 * t_prefill, rel=1e-12)
+        assert r["disaggregated_tpot_s"] == r["decode_step_s"] < r["colocated_tpot_s"]
+        # per GPU: decode group b / T_d tokens/s over 1 + (prefill GPUs) = b / (T_d + b T_p / output)
+        gpus = 1 + r["prefill_gpus_per_decode_gpu"]
+        assert r["tokens_per_s_per_gpu"] == pytest.approx(b / r["decode_step_s"] / gpus, rel=1e-12)
+        assert r["kv_transfer_s"] == 1024 * 131_072 / 4e11
+    for mode in ("colocated", "disaggregated"):  # the largest batch within the SLO, checked at b and b + 1
+        best = rows[0][f"{mode}_max_batch"]
+        at = {r["batch"]: r for r in disaggregation(s, "bf16", "bf16", 1, [best, best + 1], 1024, 128, hw, 0.02)}
+        assert at[best][f"{mode}_tpot_s"] <= 0.02 < at[best + 1][f"{mode}_tpot_s"]
+    assert rows[0]["disaggregated_max_batch"] > rows[0]["colocated_max_batch"] > 0
+
+
+def test_cli_parallel_section(capsys):
+    path = Path(__file__).resolve().parents[1] / "configs/models/llama-3.1-8b.json"
+    main(["--config", str(path), "--bandwidth", "4.8TB/s", "--flops", "990TFLOPS", "--memory", "141GB",
+          "--tp", "1,2,4,8", "--batches", "1,64,4096", "--slo-tpot-ms", "20"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert "TP=8 wins at total batch 1" in out
+    assert "| 1 | 2 x 4 | 8.03 GB" in out and "788,992 B" in out
+    assert "disaggregated: largest decode batch within TPOT 20 ms" in out
+    with pytest.raises(SystemExit):
+        main(["--config", str(path), "--tp", "1,3", "--gpus", "8"])
+    assert "TP=3 does not divide 8 GPUs" in capsys.readouterr().err
+
+
+def test_winning_ranges_partition_the_batches_and_follow_communication_cost():
+    s = Shapes.from_hf(LLAMA31_8B)
+    fast = Hardware(bandwidth=4.8e12, flops=9.9e14, link_bandwidth=4.5e11, link_latency=5e-6)
+    runs = winning_ranges(s, "bf16", "bf16", 8, [1, 2, 4, 8], 1024, 4096, fast, memory_per_gpu=141e9)
+    scanned = [1, *range(8, 1025, 8)]
+    assert runs[0]["from"] == 1 and runs[-1]["to"] == 1024
+    assert all(scanned.index(b["from"]) == scanned.index(a["to"]) + 1 for a, b in zip(runs, runs[1:]))
+    for run in runs:  # each run's layout is the winner tp_layouts names at both ends
+        for b in (run["from"], run["to"]):
+            rows = tp_layouts(s, "bf16", "bf16", 8, [1, 2, 4, 8], [b], 4096, fast, 141e9)
+            assert next(r["tp"] for r in rows if r["wins"]) == run["tp"]
+    assert runs[0]["tp"] == 8  # one sequence: splitting the weight reads wins
+    # a slow link (1 GB/s): communication dominates as soon as a few sequences share each all-reduce
+    slow = Hardware(bandwidth=4.8e12, flops=9.9e14, link_bandwidth=1e9, link_latency=5e-6)
+    runs = winning_ranges(s, "bf16", "bf16", 8, [1, 2, 4, 8], 256, 4096, slow)
+    assert runs[0]["tp"] != 1 and runs[-1]["tp"] == 1 and runs[-1]["from"] <= 16

@@ -27,7 +27,7 @@ def test_request_latencies_follow_the_definitions():
     r = RequestRecord(send_time=10.0, token_times=[10.5, 10.7, 11.0, 11.1], end_time=11.2, prompt_tokens=5,
                       output_tokens=4)  # fmt: skip
     assert math.isclose(r.ttft, 0.5)
-    assert math.isclose(r.tpot, (11.1 - 10.5) / 3)  # first token excluded
+    assert math.isclose(r.tpot, (11.2 - 10.5) / 3)  # (E2E - TTFT) / (n - 1): the first token excluded
     assert [round(x, 9) for x in r.itls] == [0.2, 0.3, 0.1]
     assert math.isclose(r.e2e, 1.2)
     single = RequestRecord(send_time=0.0, token_times=[0.3], end_time=0.3, output_tokens=1)
