@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from runtime.config import ModelConfig
-from runtime.generate import DTYPES, encode_prompt, generate
+from runtime.config import DTYPES, ModelConfig
+from runtime.decoding import encode_prompt, generate
 from runtime.loader import DEFAULT_MODEL, load_state_dict, load_tokenizer, resolve
 from runtime.sampling import SamplingParams
 from runtime.tp import TensorParallelError, build_shard

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from runtime.config import ModelConfig
-from runtime.generate import generate
+from runtime.decoding import generate
 from runtime.loader import load_model, resolve, save_checkpoint
 from runtime.model import random_model
 from runtime.sampling import SamplingParams
@@ -123,7 +123,7 @@ PROMPTS = [
 @pytest.mark.slow
 def test_tp2_greedy_equals_single_process_default_model(tmp_path):
     """SmolLM2-135M: 9 query / 3 KV heads split 6+3 / 2+1 over two ranks."""
-    from runtime.generate import encode_prompt
+    from runtime.decoding import encode_prompt
     from runtime.loader import load_tokenizer
 
     path = resolve("smollm2-135m")
