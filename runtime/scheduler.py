@@ -52,6 +52,7 @@ class Sequence:
     stop_checker: object | None = None
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)
+    last_hidden: torch.Tensor | None = None  # [H] the target's hidden state behind the last token (speculation)
 
     @property
     def output_ids(self) -> list[int]:

@@ -191,7 +191,9 @@ def test_sampled_two_token_continuations_match_plain_sampling(kind):
     cfg = SMALL
     target = random_model(cfg, seed=11, std=0.3)  # std 0.3: peaked enough that 2-token cells are populated
     prompt = [3, 17, 42, 5]
-    params = SamplingParams(temperature=1.0, max_tokens=2, ignore_eos=True, seed=123)
+    # max_tokens 4: the step after the first token may draft k = 2 (drafts never run past max_tokens); the
+    # first two tokens are compared. One seed per row: rows with one seed would draw identically.
+    params = [SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True, seed=123 + i) for i in range(4000)]
     with torch.no_grad():
         p1 = torch.softmax(target(torch.tensor([prompt]))[0, -1].double(), -1)  # [V]
         seqs = torch.tensor([prompt + [t] for t in range(cfg.vocab_size)])
