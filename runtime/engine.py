@@ -101,7 +101,10 @@ class LLMEngine:
         )
         self.cache = PagedKVCache(cfg, num_blocks, config.block_size, kv_dtype, self.device, config.decode_kernel)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler_config(cfg.max_position_embeddings), self.block_manager)
+        sched_config = config.scheduler_config(cfg.max_position_embeddings)
+        if speculator is not None:  # room for every speculative step's drafts, reserved with the decode slot
+            sched_config.num_lookahead_slots = speculator.max_tokens_per_step() - 1
+        self.scheduler = Scheduler(sched_config, self.block_manager)
         self.eos_ids = list(cfg.eos_token_ids)
         self.seqs: dict[str, Sequence] = {}
         self._streams: dict[str, deque[RequestOutput]] = {}
@@ -169,9 +172,11 @@ class LLMEngine:
         decodes = [w for w in sched.work if w.num_tokens == 1 and w.samples]
         prefills = [w for w in sched.work if not (w.num_tokens == 1 and w.samples)]
         outputs: list[RequestOutput | None] = []
-        if self.speculator is not None and decodes:
-            outputs += self._speculative_decode([w.seq for w in decodes])
-            decodes = []
+        if self.speculator is not None:  # a request's first token is drawn plainly, as in every loop
+            speculating = [w.seq for w in decodes if w.seq.output_ids]
+            decodes = [w for w in decodes if not w.seq.output_ids]
+            if speculating:
+                outputs += self._speculative_decode(speculating)
         sampling: list[tuple[Sequence, Tensor]] = []  # (sequence, hidden state its next token comes from)
         for group in (decodes, prefills):
             if not group:
@@ -180,9 +185,15 @@ class LLMEngine:
             for b, w in enumerate(group):
                 start = w.seq.num_computed_tokens
                 self.num_prompt_tokens_computed += max(0, min(w.seq.num_prompt_tokens, start + w.num_tokens) - start)
-                if w.samples:  # (before num_computed_tokens moves on)
+                computed = w.num_tokens
+                if w.samples and self.speculator is not None and w.seq.output_ids:
+                    # a preempted sequence recomputed: its last token stays the next speculative step's first
+                    # input, as if it had never been preempted (its draws do not depend on memory pressure)
+                    w.seq.last_hidden = hidden[b, w.num_tokens - 2].clone()
+                    computed -= 1
+                elif w.samples:  # (before num_computed_tokens moves on)
                     sampling.append((w.seq, hidden[b, w.num_tokens - 1]))
-                w.seq.num_computed_tokens += w.num_tokens
+                w.seq.num_computed_tokens += computed
                 self.block_manager.register_full_blocks(w.seq, w.seq.token_ids, w.seq.num_computed_tokens)
         if sampling:
             seqs = [s for s, _ in sampling]
