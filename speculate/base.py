@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 
-import torch
 from torch import Tensor
 
 from runtime.sampling import logits_to_probs
@@ -86,12 +85,3 @@ def check_k(k: int) -> int:
     if not isinstance(k, int) or k < 1:
         raise SpeculatorError(f"the number of speculative tokens k must be an integer >= 1, got {k!r}")
     return k
-
-
-def empty_proposal(state: SpecState) -> Proposal:
-    """No drafts for any row (a speculator with nothing to offer)."""
-    B = len(state.ids)
-    return Proposal(
-        tokens=torch.zeros(B, 0, dtype=torch.long, device=state.device),
-        num_drafted=torch.zeros(B, dtype=torch.long, device=state.device),
-    )
