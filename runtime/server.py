@@ -513,7 +513,8 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"[qspec] serving {args.model} on http://{args.host}:{args.port} ({args.dtype}, {args.device}); "
         f"KV pool {bm.num_usable_blocks} blocks x {bm.block_size} tokens = {engine.cache.nbytes() / 2**20:.0f} MiB, "
-        f"max context {engine.scheduler.config.max_model_len}, decode attention {engine.cache.decode_kernel}",
+        f"max context {engine.scheduler.config.max_model_len}, decode attention {engine.cache.decode_kernel}"
+        + (f", speculator {speculator.name} ({speculator.acceptance})" if speculator is not None else ""),
         flush=True,
     )
     web.run_app(server.app(), host=args.host, port=args.port, handler_cancellation=True, print=None)

@@ -1,5 +1,8 @@
-"""The speculative generation loop, batched: every step one target forward verifies each row's proposal
-(a chain of drafts or a candidate tree) and each row commits its own number of tokens.
+"""The speculative generation loop over a static batch: every step one target forward verifies each row's
+proposal (a chain of drafts or a candidate tree) and each row commits its own number of tokens. The step
+is the contract of ``runtime.speculation`` (propose -> cut to each row's budget -> one forward ->
+``speculator.verify``), the same one the serving engine runs, with each row's own SamplingParams and
+generator, so a request's sampled tokens are the same here, in the engine, alone or in any batch.
 
 KV-cache bookkeeping: a row with L committed tokens has target KV for positions 0..L-2; its last token is
 fed again as the first input of the next step. Chain drafts are written at slots L-1..L-1+k; the slots of

@@ -173,6 +173,28 @@ def test_engine_preemption_keeps_seeded_samples(name):
     assert engine.scheduler.num_preemptions > 0 and engine.block_manager.num_used_blocks == 0
 
 
+def test_engine_keeps_draft_state_per_request_and_frees_it():
+    """The draft model's KV lives per request id in the engine: built at the request's first speculative step,
+    freed when it finishes or is aborted (its blocks back in the draft's pool)."""
+    model = random_model(CFG, seed=0)
+    spec = speculators(model, 3)["draft"]
+    engine = LLMEngine(model, config=EngineConfig(kv_cache_bytes=1 << 22, block_size=4), speculator=spec)
+    prompts = repetitive_prompts(3, seed=9)
+    a = engine.add_request(prompts[0], SamplingParams(max_tokens=40, ignore_eos=True))
+    b = engine.add_request(prompts[1], SamplingParams(max_tokens=40, ignore_eos=True))
+    engine.step()  # prefill and first tokens: no draft state yet
+    assert not spec.seqs
+    engine.step()
+    assert set(spec.seqs) == {a, b} and spec.blocks.num_used_blocks > 0
+    engine.abort_request(a)
+    assert set(spec.seqs) == {b}
+    c = engine.add_request(prompts[2], SamplingParams(max_tokens=5, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    assert not spec.seqs and spec.blocks.num_used_blocks == 0
+    assert c not in engine.seqs
+
+
 def test_stats_are_consistent():
     model = random_model(CFG, seed=0)
     params = SamplingParams(max_tokens=30, ignore_eos=True)
