@@ -6,9 +6,14 @@ reading the KV through block tables, draws the next token for every row that rea
 row's own SamplingParams and generator (a request's tokens do not depend on its batch), and retires rows
 that hit a stop condition. ``add_request`` / ``abort_request`` may be called between steps.
 
-Speculative decoding plugs into the decode path (``Speculator``): propose k tokens per sequence, one
-forward over the last token plus the k drafts, verify against the target probabilities, keep the
-accepted tokens. The rejected positions' KV is simply overwritten later, as with the contiguous cache.
+Speculative decoding plugs into the decode path through the one contract of ``runtime.speculation``
+(every speculator in speculate/ implements it): the decoding sequences' SpecState (request ids, tokens,
+the target's last hidden state, each request's params and generator) -> a proposal (chain drafts or a
+candidate tree) -> one forward over each sequence's last token plus its drafts (a tree: nodes at
+consecutive slots, rope position by depth, an ancestor mask over the paged cache) -> the speculator's
+verify (the one verifier, per sequence) -> the accepted tokens. Rejected positions' KV is simply
+overwritten later; a tree's accepted path is first copied to consecutive slots. Finished and aborted
+requests are released from the speculator (its per-sequence state, e.g. a draft model's KV).
 """
 
 from __future__ import annotations
@@ -18,14 +23,13 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 from torch import Tensor
 
 from runtime.layout import device_of
 from runtime.model import Transformer
-from runtime.paged_cache import SCRATCH_BLOCK, BlockManager, PagedAttentionMetadata, PagedKVCache
+from runtime.paged_cache import BlockManager, PagedKVCache, paged_metadata
 from runtime.sampling import SamplingParams, logits_to_probs, make_generator, sample_rows
 from runtime.scheduler import (
     RequestRejectedError,
@@ -35,6 +39,7 @@ from runtime.scheduler import (
     Sequence,
     SequenceStatus,
 )
+from runtime.speculation import SpecState, Speculator, draft_budget
 from runtime.stopping import StopChecker
 
 __all__ = ["EngineConfig", "LLMEngine", "RequestOutput", "RequestRejectedError", "Speculator"]
@@ -51,7 +56,6 @@ class EngineConfig:
     chunked_prefill: bool = True
     policy: str = "continuous"  # "continuous" | "static"
     max_model_len: int | None = None  # default: the model's max_position_embeddings
-    num_speculative_tokens: int = 4  # k, when a speculator is attached
     # decode attention: "auto" = the Triton paged kernel on CUDA, gather + SDPA on CPU; "triton" | "torch" force one
     decode_kernel: str = "auto"
 
@@ -78,19 +82,6 @@ class RequestOutput:
     token_times: list[float] = field(default_factory=list)  # perf_counter time of each output token
 
 
-class Speculator(Protocol):
-    """What the engine needs from speculative decoding (implementations live in speculate/)."""
-
-    def propose(self, seqs: list[Sequence], k: int) -> list[list[int]]:
-        """Up to k draft tokens per sequence, continuing seq.token_ids."""
-        ...
-
-    def verify(self, seqs: list[Sequence], drafts: list[list[int]], target_probs: Tensor) -> list[list[int]]:
-        """target_probs [B, k+1, V] (row b's position j scores the token after drafts[b][:j]) -> the
-        tokens to append per sequence: the accepted drafts plus one corrected or bonus token."""
-        ...
-
-
 class LLMEngine:
     def __init__(
         self,
@@ -110,7 +101,10 @@ class LLMEngine:
         )
         self.cache = PagedKVCache(cfg, num_blocks, config.block_size, kv_dtype, self.device, config.decode_kernel)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler_config(cfg.max_position_embeddings), self.block_manager)
+        sched_config = config.scheduler_config(cfg.max_position_embeddings)
+        if speculator is not None:  # room for every speculative step's drafts, reserved with the decode slot
+            sched_config.num_lookahead_slots = speculator.max_tokens_per_step() - 1
+        self.scheduler = Scheduler(sched_config, self.block_manager)
         self.eos_ids = list(cfg.eos_token_ids)
         self.seqs: dict[str, Sequence] = {}
         self._streams: dict[str, deque[RequestOutput]] = {}
@@ -156,6 +150,7 @@ class LLMEngine:
         if seq is None:
             return False
         self.scheduler.finish(seq, "abort")
+        self._release(seq)
         self.num_aborted += 1
         stream = self._streams.get(request_id)
         if stream is not None:
@@ -177,9 +172,11 @@ class LLMEngine:
         decodes = [w for w in sched.work if w.num_tokens == 1 and w.samples]
         prefills = [w for w in sched.work if not (w.num_tokens == 1 and w.samples)]
         outputs: list[RequestOutput | None] = []
-        if self.speculator is not None and decodes:
-            outputs += self._speculative_decode([w.seq for w in decodes])
-            decodes = []
+        if self.speculator is not None:  # a request's first token is drawn plainly, as in every loop
+            speculating = [w.seq for w in decodes if w.seq.output_ids]
+            decodes = [w for w in decodes if not w.seq.output_ids]
+            if speculating:
+                outputs += self._speculative_decode(speculating)
         sampling: list[tuple[Sequence, Tensor]] = []  # (sequence, hidden state its next token comes from)
         for group in (decodes, prefills):
             if not group:
@@ -188,81 +185,104 @@ class LLMEngine:
             for b, w in enumerate(group):
                 start = w.seq.num_computed_tokens
                 self.num_prompt_tokens_computed += max(0, min(w.seq.num_prompt_tokens, start + w.num_tokens) - start)
-                if w.samples:  # (before num_computed_tokens moves on)
+                computed = w.num_tokens
+                if w.samples and self.speculator is not None and w.seq.output_ids:
+                    # a preempted sequence recomputed: its last token stays the next speculative step's first
+                    # input, as if it had never been preempted (its draws do not depend on memory pressure)
+                    w.seq.last_hidden = hidden[b, w.num_tokens - 2].clone()
+                    computed -= 1
+                elif w.samples:  # (before num_computed_tokens moves on)
                     sampling.append((w.seq, hidden[b, w.num_tokens - 1]))
-                w.seq.num_computed_tokens += w.num_tokens
+                w.seq.num_computed_tokens += computed
                 self.block_manager.register_full_blocks(w.seq, w.seq.token_ids, w.seq.num_computed_tokens)
         if sampling:
             seqs = [s for s, _ in sampling]
             logits = self.model.logits(torch.stack([h for _, h in sampling]))  # [N, V]
             probs = torch.stack([logits_to_probs(logits[i], s.params) for i, s in enumerate(seqs)])
             tokens = sample_rows(probs, [s.params for s in seqs], [s.generator for s in seqs]).tolist()
-            for seq, tok in zip(seqs, tokens):
+            for (seq, h), tok in zip(sampling, tokens):
+                if self.speculator is not None:  # Medusa reads it next step (a copy: not the whole batch's)
+                    seq.last_hidden = h.clone()
                 outputs.append(self._append_tokens(seq, [tok]))
         return [o for o in outputs if o is not None]
 
-    def _forward(self, group: list[ScheduledWork], extra: list[list[int]] | None = None) -> Tensor:
-        """One model forward over the group's scheduled tokens (plus optional draft tokens per row,
-        appended after them), right-padded to the longest row. Returns hidden states [B, T, H]."""
+    def _forward(self, group: list[ScheduledWork]) -> Tensor:
+        """One model forward over the group's scheduled tokens. Returns hidden states [B, T, H]."""
+        rows_tokens, rows_index = [], []
+        for w in group:
+            start = w.seq.num_computed_tokens
+            rows_tokens.append(w.seq.token_ids[start : start + w.num_tokens])
+            rows_index.append(list(range(start, start + w.num_tokens)))
+        return self._run([w.seq for w in group], rows_tokens, rows_index, rows_index)
+
+    def _run(self, seqs, rows_tokens, rows_pos, rows_index, local_masks=None) -> Tensor:
+        """One forward over per-row new tokens at the given rope positions and sequence indices (slots
+        through each row's block table), right-padded to the longest row. Returns hidden states [B, T, H]."""
         bs = self.block_manager.block_size
-        rows_tokens, rows_pos, rows_slots, tables = [], [], [], []
-        for b, w in enumerate(group):
-            seq, start = w.seq, w.seq.num_computed_tokens
-            toks = seq.token_ids[start : start + w.num_tokens] + (extra[b] if extra else [])
-            pos = list(range(start, start + len(toks)))
-            rows_tokens.append(toks)
-            rows_pos.append(pos)
-            rows_slots.append([seq.block_table[p // bs] * bs + p % bs for p in pos])
-            tables.append(seq.block_table)
-        T = max(len(t) for t in rows_tokens)
-        kv_len = max(p[-1] for p in rows_pos) + 1
-        nb = -(-kv_len // bs)
-        pad = SCRATCH_BLOCK * bs  # padding tokens write the scratch block, at position 0
-
-        def padded(rows: list[list[int]], width: int, value: int, dtype=torch.int64) -> Tensor:
-            rows = [r[:width] + [value] * (width - len(r[:width])) for r in rows]
-            return torch.tensor(rows, dtype=dtype, device=self.device)
-
-        tokens = padded(rows_tokens, T, 0)
-        positions = padded(rows_pos, T, 0)  # a pad query at position 0 sees key 0 only: finite, unused
-        slots = padded(rows_slots, T, pad)
-        block_tables = padded(tables, nb, SCRATCH_BLOCK, torch.int32)  # int32: what the decode kernel reads
-        key_pos = torch.arange(kv_len, device=self.device)
-        meta = PagedAttentionMetadata(
-            positions=positions,
-            slots=slots,
-            mask=key_pos[None, None, None, :] <= positions[:, None, :, None],  # [B, 1, T, kv_len]
-            kv_len=kv_len,
-            block_tables=block_tables,
-            context_lens=torch.tensor([p[-1] + 1 for p in rows_pos], dtype=torch.int32, device=self.device),
-        )
+        meta = paged_metadata(rows_pos, rows_index, [s.block_table for s in seqs], bs, self.device, local_masks)
+        T = meta.positions.shape[1]
+        tokens = torch.tensor([r + [0] * (T - len(r)) for r in rows_tokens], dtype=torch.int64, device=self.device)
         return self.model(tokens, meta, self.cache, hidden_only=True)
 
     def _speculative_decode(self, seqs: list[Sequence]) -> list[RequestOutput | None]:
-        """Propose k drafts per sequence, score last token + drafts in one forward, keep what verifies."""
-        k = self.config.num_speculative_tokens
-        drafts = [
-            list(d)[: max(0, min(k, s.max_total_tokens - s.num_tokens - 1))]
-            for s, d in zip(seqs, self.speculator.propose(seqs, k))
-        ]
-        for seq, d in zip(seqs, drafts):  # room for the drafts' KV, or no drafts for this row
-            if not self.block_manager.can_allocate(seq, seq.num_tokens + len(d)):
-                d.clear()
-            self.block_manager.allocate(seq, seq.num_tokens + len(d))
-        work = [ScheduledWork(s, 1) for s in seqs]
-        hidden = self._forward(work, extra=drafts)  # [B, 1 + max k, H]
-        probs = torch.stack(
-            [logits_to_probs(self.model.logits(hidden[b]), s.params) for b, s in enumerate(seqs)]
-        )  # [B, 1 + max k, V]
-        accepted = self.speculator.verify(seqs, drafts, probs)
+        """Propose (chain or tree) per sequence, score each sequence's last token + drafts in one forward,
+        keep what the speculator's verifier accepts."""
+        spec = self.speculator
+        hidden = [s.last_hidden for s in seqs]
+        state = SpecState(
+            ids=[s.request_id for s in seqs],
+            token_ids=[s.token_ids for s in seqs],
+            hidden=torch.stack(hidden) if all(h is not None for h in hidden) else None,
+            params=[s.params for s in seqs],
+            generators=[s.generator for s in seqs],
+            device=self.device,
+        )
+        budgets = [draft_budget(len(s.output_ids), s.params.max_tokens) for s in seqs]
+        proposal = spec.propose(state).within(budgets)
+        for b, (seq, fed) in enumerate(zip(seqs, proposal.fed())):  # KV room for the drafts, or none this step
+            if not self.block_manager.can_allocate(seq, seq.num_tokens - 1 + fed):
+                budgets[b], fed = 0, 1
+            self.block_manager.allocate(seq, seq.num_tokens - 1 + fed)
+        proposal = proposal.within(budgets)
+        tree, drafted = proposal.tree, proposal.drafted()
+        ancestors = None if tree is None else tree.ancestor_mask()
+        rows_tokens, rows_pos, rows_index, local = [], [], [], []
+        for b, (seq, fed) in enumerate(zip(seqs, proposal.fed())):
+            start = seq.num_computed_tokens  # the last committed token's index
+            index = list(range(start, start + fed))
+            if tree is not None and drafted[b] > 0:
+                rows_tokens.append(proposal.tokens[b].tolist())  # node 0 is the last committed token
+                rows_pos.append([start + d for d in tree.depth])
+                local.append(ancestors)
+            else:
+                rows_tokens.append(seq.token_ids[start:] + proposal.tokens[b, : fed - 1].tolist())
+                rows_pos.append(index)
+                local.append(None)
+            rows_index.append(index)
+        hidden = self._run(seqs, rows_tokens, rows_pos, rows_index, local)  # [B, T, H]
+        verdict = spec.verify(state, proposal, self.model.logits(hidden))
         outputs = []
-        for seq, d, toks in zip(seqs, drafts, accepted):
-            self.num_spec_proposed += len(d)
+        bs = self.block_manager.block_size
+        for b, seq in enumerate(seqs):
+            toks, path = verdict.tokens[b], verdict.paths[b]
+            start = seq.num_computed_tokens
+            if path != list(range(len(path))):  # a tree's accepted nodes: their KV to consecutive slots
+                slot = [seq.block_table[i // bs] * bs + i % bs for i in range(start, start + len(rows_index[b]))]
+                src = torch.tensor([slot[i] for i in path[1:]], device=self.device)
+                dst = torch.tensor(slot[1 : len(path)], device=self.device)
+                self.cache.copy_slots(src, dst)
+            seq.last_hidden = hidden[b, verdict.last[b]].clone()
+            self.num_spec_proposed += verdict.offered[b]
             self.num_spec_accepted += len(toks) - 1
             seq.num_computed_tokens += len(toks)  # the last token + accepted drafts now have valid KV
             self.block_manager.register_full_blocks(seq, seq.token_ids + toks, seq.num_computed_tokens)
             outputs.append(self._append_tokens(seq, toks))
         return outputs
+
+    def _release(self, seq: Sequence) -> None:
+        seq.last_hidden = None
+        if self.speculator is not None:
+            self.speculator.release([seq.request_id])
 
     def _append_tokens(self, seq: Sequence, tokens: list[int]) -> RequestOutput | None:
         if seq.status is not SequenceStatus.RUNNING:
@@ -283,6 +303,7 @@ class LLMEngine:
         self._token_events.append((now, len(new)))
         if reason is not None:
             self.scheduler.finish(seq, reason)
+            self._release(seq)
             self.seqs.pop(seq.request_id, None)
             self.num_finished += 1
         out = self._output(seq, new)

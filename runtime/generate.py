@@ -17,7 +17,7 @@ from runtime.kernels import cpu_decode
 from runtime.layout import device_of
 from runtime.loader import DEFAULT_MODEL, load_model, load_tokenizer
 from runtime.sampling import SamplingParams
-from speculate.cli import generate_speculative
+from speculate.cli import add_speculator_args, generate_speculative
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -33,18 +33,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     ap.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument(
-        "--speculator", default=None, choices=["ngram", "draft", "medusa", "quant-draft"], help="see speculate/"
-    )
-    ap.add_argument("--num-speculative-tokens", "-k", type=int, default=4)
-    ap.add_argument("--draft-model", default=None, help="draft model spec for --speculator draft")
-    ap.add_argument("--medusa-heads", default=None, help="trained Medusa heads for --speculator medusa")
-    ap.add_argument("--tree-size", type=int, default=None, help="Medusa candidate-tree nodes (default: top-1 chain)")
-    ap.add_argument("--typical-acceptance", action="store_true", help="Medusa typical acceptance (APPROXIMATE)")
-    ap.add_argument("--quant-bits", type=int, default=8, help="weight bits of the --speculator quant-draft copy")
-    ap.add_argument(
-        "--ngram-fixed", action="store_true", help="n-gram: always draft k tokens (default: up to 2**match length)"
-    )
+    add_speculator_args(ap)
     args = ap.parse_args(argv)
 
     try:

@@ -252,6 +252,49 @@ class PagedAttentionMetadata(AttentionMetadata):
     prefix_mask: bool = True
 
 
+def paged_metadata(
+    rows_pos: list[list[int]],
+    rows_index: list[list[int]],
+    tables: list[list[int]],
+    block_size: int,
+    device,
+    local_masks: list[Tensor | None] | None = None,
+) -> PagedAttentionMetadata:
+    """Metadata for one forward over B sequences' new tokens, right-padded to the longest row.
+
+    rows_pos: [B] rope positions of each row's new tokens; rows_index: [B] their indices in the sequence
+    (the slot through the block table; equal to the positions except in a tree, whose siblings share a
+    position). A query sees every key at an index up to its own (causal by index); local_masks[b] [T_b, T_b]
+    (a tree's ancestor mask) replaces that rule among row b's new tokens. Padding tokens write the scratch
+    block and, at index 0, see key 0 only: finite and unused."""
+    T = max(len(r) for r in rows_index)
+    kv_len = max(r[-1] for r in rows_index) + 1
+    nb = -(-kv_len // block_size)
+
+    def padded(rows: list[list[int]], width: int, value: int, dtype=torch.int64) -> Tensor:
+        rows = [r[:width] + [value] * (width - len(r[:width])) for r in rows]
+        return torch.tensor(rows, dtype=dtype, device=device)
+
+    bs = block_size
+    slots = [[table[i // bs] * bs + i % bs for i in idx] for idx, table in zip(rows_index, tables)]
+    index = padded(rows_index, T, 0)
+    key = torch.arange(kv_len, device=device)
+    mask = key[None, None, None, :] <= index[:, None, :, None]  # [B, 1, T, kv_len]
+    for b, local in enumerate(local_masks or []):
+        if local is not None:
+            n, start = local.shape[0], rows_index[b][0]
+            mask[b, 0, :n, start : start + n] = local.to(device)
+    return PagedAttentionMetadata(
+        positions=padded(rows_pos, T, 0),
+        slots=padded(slots, T, SCRATCH_BLOCK * block_size),
+        mask=mask,
+        kv_len=kv_len,
+        block_tables=padded(tables, nb, SCRATCH_BLOCK, torch.int32),  # int32: what the decode kernel reads
+        context_lens=torch.tensor([r[-1] + 1 for r in rows_index], dtype=torch.int32, device=device),
+        prefix_mask=not any(m is not None for m in local_masks or []),
+    )
+
+
 def resolve_decode_kernel(decode_kernel: str, device: torch.device, block_size: int) -> str:
     """Resolve "auto": "triton" on CUDA (when triton is installed and the block size is a power of two),
     else "torch". An explicit "triton" that cannot run is an error here, not a silent fallback later."""
@@ -325,6 +368,14 @@ class PagedKVCache:
         return gather_blocks(self.k[layer], meta.block_tables, meta.kv_len), gather_blocks(
             self.v[layer], meta.block_tables, meta.kv_len
         )
+
+    def copy_slots(self, src: Tensor, dst: Tensor) -> None:
+        """Copy the k/v at global slots src to slots dst in every layer (a tree's accepted path moves to
+        consecutive slots)."""
+        L, _, _, H, D = self.k.shape
+        for pool in (self.k, self.v):
+            flat = pool.view(L, -1, H, D)
+            flat[:, dst] = flat[:, src]
 
     def uses_decode_kernel(self, q: Tensor, meta: PagedAttentionMetadata) -> bool:
         """Pure decode (one query per row, prefix mask, context lengths given) with the Triton backend."""

@@ -52,6 +52,7 @@ class Sequence:
     stop_checker: object | None = None
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)
+    last_hidden: torch.Tensor | None = None  # [H] the target's hidden state behind the last token (speculation)
 
     @property
     def output_ids(self) -> list[int]:
@@ -77,6 +78,9 @@ class SchedulerConfig:
     chunked_prefill: bool = True
     policy: str = "continuous"  # "continuous" | "static"
     max_model_len: int = 2048
+    # KV slots reserved past a decoding sequence's next token: a speculative step writes its drafts (or tree)
+    # there, so drafts never lack room (which would make a request's draws depend on memory pressure)
+    num_lookahead_slots: int = 0
 
     def __post_init__(self):
         if self.policy not in ("continuous", "static"):
@@ -128,10 +132,12 @@ class Scheduler:
                 f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} exceeds the "
                 f"maximum context length of {self.config.max_model_len} tokens"
             )
-        if self.blocks.blocks_for(total) > self.blocks.num_usable_blocks:
+        lookahead = self.config.num_lookahead_slots
+        if self.blocks.blocks_for(total + lookahead) > self.blocks.num_usable_blocks:
+            extra = f" + {lookahead} speculative slots" if lookahead else ""
             raise RequestRejectedError(
-                f"prompt + max_tokens = {total} tokens needs {self.blocks.blocks_for(total)} KV blocks of "
-                f"{self.blocks.block_size} tokens; the pool has only {self.blocks.num_usable_blocks}"
+                f"prompt + max_tokens = {total} tokens{extra} needs {self.blocks.blocks_for(total + lookahead)} "
+                f"KV blocks of {self.blocks.block_size} tokens; the pool has only {self.blocks.num_usable_blocks}"
             )
 
     def add(self, seq: Sequence) -> None:
@@ -162,7 +168,8 @@ class Scheduler:
                 n = min(n, budget)
             elif n > budget:
                 continue
-            while not self.blocks.can_allocate(seq, seq.num_computed_tokens + n):
+            slots = self._slots(seq, seq.num_computed_tokens, n)
+            while not self.blocks.can_allocate(seq, slots):
                 victim = next(s for s in reversed(self.running) if id(s) not in scheduled)  # seq at the latest
                 self._preempt(victim)
                 preempted.append(victim)
@@ -170,7 +177,7 @@ class Scheduler:
                     break
             if seq.status is not SequenceStatus.RUNNING:  # it preempted itself
                 continue
-            self.blocks.allocate(seq, seq.num_computed_tokens + n)
+            self.blocks.allocate(seq, slots)
             work.append(ScheduledWork(seq, n))
             scheduled.add(id(seq))
             budget -= n
@@ -188,20 +195,26 @@ class Scheduler:
                     n = min(n, budget)
                 elif n > budget:
                     break
-                if not self.blocks.can_allocate(seq, cached + n, match):
+                if not self.blocks.can_allocate(seq, self._slots(seq, cached, n), match):
                     break
                 self.waiting.popleft()
                 first_admission = seq.num_preemptions == 0
                 seq.num_computed_tokens = self.blocks.take_prefix(seq, match, seq.num_tokens, count=first_admission)
                 if first_admission:
                     seq.num_cached_tokens = seq.num_computed_tokens
-                self.blocks.allocate(seq, cached + n)
+                self.blocks.allocate(seq, self._slots(seq, cached, n))
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
                 if n > 0:
                     work.append(ScheduledWork(seq, n))
                 budget -= n
         return SchedulerOutput(work, preempted)
+
+    def _slots(self, seq: Sequence, start: int, n: int) -> int:
+        """KV slots seq needs after computing n tokens from start: a decode step (its one last token) also
+        gets the lookahead slots its speculative step writes."""
+        decode = n == 1 and start + n == seq.num_tokens
+        return start + n + (self.config.num_lookahead_slots if decode else 0)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

@@ -454,6 +454,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from runtime.config import DTYPES
     from runtime.loader import DEFAULT_MODEL, load_model, load_tokenizer
+    from speculate.cli import add_speculator_args, speculator_from_args  # entry point: composes the layers
 
     ap = argparse.ArgumentParser(prog="python -m runtime.server", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=DEFAULT_MODEL, help="registry name, checkpoint dir, .gguf or hub id")
@@ -473,10 +474,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-chunked-prefill", action="store_true")
     ap.add_argument("--default-max-tokens", type=int, default=16, help="max_tokens when a request omits it")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    ap.add_argument(
-        "--speculator", choices=["ngram"], default=None, help="speculative decoding in the engine step (lossless)"
-    )
-    ap.add_argument("--num-speculative-tokens", type=int, default=4, help="k: drafts per sequence and step")
+    add_speculator_args(ap)  # --speculator {ngram,draft,medusa,quant-draft}: speculation in the engine step
     args = ap.parse_args(argv)
     names = (
         "port",
@@ -506,13 +504,8 @@ def main(argv: list[str] | None = None) -> None:
         policy=args.policy,
         max_model_len=args.max_model_len,
         decode_kernel=args.decode_kernel,
-        num_speculative_tokens=args.num_speculative_tokens,
     )
-    speculator = None
-    if args.speculator == "ngram":
-        from speculate.engine import EngineNgramSpeculator
-
-        speculator = EngineNgramSpeculator()
+    speculator = speculator_from_args(model, path, args) if args.speculator else None
     engine = LLMEngine(model, tokenizer, config, speculator=speculator)
     server = Server(engine, tokenizer, args.model)
     server.default_max_tokens = args.default_max_tokens
@@ -520,7 +513,8 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"[qspec] serving {args.model} on http://{args.host}:{args.port} ({args.dtype}, {args.device}); "
         f"KV pool {bm.num_usable_blocks} blocks x {bm.block_size} tokens = {engine.cache.nbytes() / 2**20:.0f} MiB, "
-        f"max context {engine.scheduler.config.max_model_len}, decode attention {engine.cache.decode_kernel}",
+        f"max context {engine.scheduler.config.max_model_len}, decode attention {engine.cache.decode_kernel}"
+        + (f", speculator {speculator.name} ({speculator.acceptance})" if speculator is not None else ""),
         flush=True,
     )
     web.run_app(server.app(), host=args.host, port=args.port, handler_cancellation=True, print=None)

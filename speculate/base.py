@@ -1,49 +1,28 @@
-"""The speculator interface: given the committed tokens, propose a chain of k drafts (with or without the
-draft's probabilities) or a tree of candidates. The loop in ``speculate.generate`` verifies every proposal
-with the one verifier (``speculate.verify``) in one target forward.
+"""The base of every speculator: the contract of ``runtime.speculation`` (propose a chain of k drafts, with or
+without the draft's probabilities, or a tree of candidates) plus the verification every loop calls, which
+runs the one verifier (``speculate.verify``) row by row with each row's own SamplingParams and generator.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Hashable
 
-import torch
 from torch import Tensor
 
-from runtime.sampling import SamplingParams
-from speculate.verify import CandidateTree
+from runtime.sampling import logits_to_probs
+from runtime.speculation import Proposal, SpecState, Verdict
+from speculate.verify import typical_accept_chain, typical_accept_tree, verify_chain, verify_tree
+
+__all__ = ["Proposal", "SpecState", "Speculator", "SpeculatorError", "Verdict", "check_k"]
 
 
 class SpeculatorError(ValueError):
     """A speculator that cannot run with this target or these settings."""
 
 
-@dataclass
-class SpecState:
-    """What a speculator sees at each step (owned by the generation loop; read-only for speculators)."""
-
-    tokens: Tensor  # [B, capacity] committed tokens per row (prompt + generated), right-padded
-    lengths: Tensor  # [B] committed tokens; the last one is not yet in the target's KV cache
-    hidden: Tensor  # [B, H] target's final-norm hidden state that produced each row's last token
-    active: Tensor  # [B] bool: rows still generating
-    params: SamplingParams
-    generator: torch.Generator
-
-
-@dataclass
-class Proposal:
-    """Chain: tokens [B, k] drafts following each row's last committed token, num_drafted [B] <= k valid
-    drafts per row (None: all k), draft_probs [B, k, V] the draft distributions q the drafts were sampled
-    from (None: deterministic drafts, q = one-hot).
-    Tree: tokens [B, N] one token per tree node, node 0 = each row's last committed token."""
-
-    tokens: Tensor
-    num_drafted: Tensor | None = None
-    draft_probs: Tensor | None = None
-    tree: CandidateTree | None = None
-
-
 class Speculator:
+    """Implements runtime.speculation.Speculator; subclasses define max_tokens_per_step and propose."""
+
     name = "speculator"
     # "rejection": the lossless verifier (greedy when temperature 0). "typical": Medusa typical acceptance,
     # APPROXIMATE (the output distribution is not the target's).
@@ -57,11 +36,46 @@ class Speculator:
         """Upper bound on tokens fed to the target per step (sizes the KV cache headroom)."""
         raise NotImplementedError
 
-    def start(self, state: SpecState) -> None:
-        """Called once after the target's prefill (state.lengths = prompt lengths + 1)."""
-
     def propose(self, state: SpecState) -> Proposal:
         raise NotImplementedError
+
+    def release(self, ids: list[Hashable]) -> None:
+        """Per-sequence state to forget (none here; the draft model keeps a KV cache per sequence)."""
+
+    def verify(self, state: SpecState, proposal: Proposal, target_logits: Tensor) -> Verdict:
+        """Each row on its own (so its draws come from its own generator, in the same order in every loop):
+        greedy / rejection sampling of its drafts or tree, or typical acceptance where configured."""
+        offered = proposal.drafted()
+        tree = proposal.tree
+        verdict = Verdict(tokens=[], last=[], paths=[], offered=[])
+        for b, (params, gen) in enumerate(zip(state.params, state.generators)):
+            typical = self.acceptance == "typical" and not params.greedy
+            if tree is not None and offered[b] > 0:
+                nodes = proposal.tokens[b : b + 1]  # [1, N]
+                logits = target_logits[b : b + 1, : len(tree)]
+                if typical:
+                    res = typical_accept_tree(tree, nodes, logits_to_probs(logits, params), generator=gen)
+                else:
+                    res = verify_tree(tree, nodes, logits, params, gen)
+                path = res.path[0]
+                accepted = nodes[0, path[1:]].tolist()
+                verdict.offered.append(tree.max_depth)
+            else:  # a chain, or a row that withdrew its tree (root only: a plain step)
+                n = offered[b] if tree is None else 0
+                drafts = proposal.tokens[b : b + 1, :n]  # [1, n]
+                logits = target_logits[b : b + 1, : n + 1]
+                q = None if proposal.draft_probs is None or n == 0 else proposal.draft_probs[b : b + 1, :n]
+                if typical:
+                    res = typical_accept_chain(drafts, logits_to_probs(logits, params), generator=gen)
+                else:
+                    res = verify_chain(drafts, logits, params, q, None, gen)
+                accepted = drafts[0, : int(res.num_accepted[0])].tolist()
+                path = list(range(len(accepted) + 1))
+                verdict.offered.append(n)
+            verdict.tokens.append(accepted + [int(res.next_token[0])])
+            verdict.paths.append(path)
+            verdict.last.append(path[-1])
+        return verdict
 
     def describe(self) -> dict:
         return {"name": self.name, "acceptance": self.acceptance, "lossless": self.lossless}

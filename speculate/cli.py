@@ -1,14 +1,16 @@
-"""Speculator construction by name, and ``python -m runtime.generate --speculator ...`` (the runtime CLI
-dispatches here).
+"""Speculator construction by name, the --speculator options, and ``python -m runtime.generate --speculator ...``
+(the runtime CLI dispatches here; ``python -m runtime.server --speculator ...`` builds through here too).
 
     python -m runtime.generate --speculator ngram -k 4 --prompt "..."
     python -m runtime.generate --speculator draft --draft-model layers:8 -k 3 --prompt "..."
     python -m runtime.generate --speculator medusa --medusa-heads DIR --tree-size 8 --prompt "..."
     python -m runtime.generate --speculator quant-draft --quant-bits 8 -k 3 --prompt "..."
+    python -m runtime.server --speculator draft --draft-model layers:8 -k 3
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -61,9 +63,9 @@ def build_speculator(
         return DraftModelSpeculator(
             model, quantized_draft(model, quant_bits, quant_group_size), k=k, name=f"quant-draft(int{quant_bits})"
         )
+    from runtime.speculation import CandidateTree
     from speculate.medusa.heads import load_medusa
     from speculate.medusa.speculator import MedusaSpeculator, build_tree
-    from speculate.verify import CandidateTree
 
     heads = load_medusa(medusa_heads or default_medusa_dir(model_path), model)
     if tree_size is None:  # a chain of the heads' top-1 candidates, k long
@@ -75,12 +77,24 @@ def build_speculator(
     return MedusaSpeculator(model, heads, tree, acceptance=acceptance)
 
 
-def generate_speculative(model, path, tokenizer, prompts: list[list[int]], params, args):
-    """Entry point of ``python -m runtime.generate --speculator NAME``: build, generate, print, return."""
-    from speculate.generate import speculative_generate
+def add_speculator_args(ap: argparse.ArgumentParser) -> None:
+    """The --speculator options, shared by ``python -m runtime.generate`` and ``python -m runtime.server``."""
+    ap.add_argument("--speculator", default=None, choices=SPECULATORS, help="speculative decoding (see speculate/)")
+    ap.add_argument("--num-speculative-tokens", "-k", type=int, default=4, help="k: drafts per sequence and step")
+    ap.add_argument("--draft-model", default=None, help="draft model spec for --speculator draft (default layers:N/4)")
+    ap.add_argument("--medusa-heads", default=None, help="trained Medusa heads for --speculator medusa")
+    ap.add_argument("--tree-size", type=int, default=None, help="Medusa candidate-tree nodes (default: top-1 chain)")
+    ap.add_argument("--typical-acceptance", action="store_true", help="Medusa typical acceptance (APPROXIMATE)")
+    ap.add_argument("--quant-bits", type=int, default=8, help="weight bits of the --speculator quant-draft copy")
+    ap.add_argument(
+        "--ngram-fixed", action="store_true", help="n-gram: always draft k tokens (default: up to 2**match length)"
+    )
 
+
+def speculator_from_args(model, path, args) -> Speculator:
+    """The speculator that add_speculator_args' options describe; a bad option exits with one clear line."""
     try:
-        spec = build_speculator(
+        return build_speculator(
             args.speculator,
             model,
             path,
@@ -95,6 +109,13 @@ def generate_speculative(model, path, tokenizer, prompts: list[list[int]], param
     except (SpeculatorError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def generate_speculative(model, path, tokenizer, prompts: list[list[int]], params, args):
+    """Entry point of ``python -m runtime.generate --speculator NAME``: build, generate, print, return."""
+    from speculate.generate import speculative_generate
+
+    spec = speculator_from_args(model, path, args)
     out = speculative_generate(model, prompts, params, spec, tokenizer=tokenizer)
     for i, toks in enumerate(out.tokens):
         text = tokenizer.decode(toks, skip_special_tokens=True)

@@ -1,5 +1,6 @@
 """Draft-model speculation: a smaller model with the target's tokenizer drafts k tokens autoregressively
-from its own KV cache; the target verifies them with the draft's probabilities (rejection sampling).
+from its own paged KV cache (one block table per sequence id, so sequences may come and go); the target
+verifies them with the draft's probabilities (rejection sampling).
 
 Drafts offline, without a second checkpoint:
 - ``layer_skip_draft``: the target's first N decoder layers + its final norm and lm_head (weights shared,
@@ -11,15 +12,16 @@ Any other model spec with the same vocabulary works too (``--draft-model``).
 from __future__ import annotations
 
 import copy
-from dataclasses import replace
+from collections.abc import Hashable
+from dataclasses import dataclass, field, replace
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
-from runtime.kv_cache import KVCache
 from runtime.layout import device_of
-from runtime.model import AttentionMetadata, Transformer, decode_meta
-from runtime.sampling import logits_to_probs, sample
+from runtime.model import Transformer
+from runtime.paged_cache import BlockManager, PagedKVCache, paged_metadata
+from runtime.sampling import logits_to_probs, sample_rows
 from speculate.base import Proposal, SpecState, Speculator, SpeculatorError, check_k
 
 
@@ -73,48 +75,94 @@ def check_same_vocab(target: Transformer, draft: Transformer) -> None:
         )
 
 
+@dataclass
+class _DraftSeq:
+    """One sequence's draft KV: its block table in the draft's pool and the tokens whose KV is written."""
+
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # BlockManager bookkeeping (prefix caching is off)
+    tokens: list[int] = field(default_factory=list)  # KV written for positions 0..len-1 (committed + drafts)
+    committed: int = 0  # of those, the tokens known committed (their KV never goes stale)
+
+
 class DraftModelSpeculator(Speculator):
+    """Drafts k tokens per sequence with its own paged KV cache, keyed by sequence id: built lazily (the first
+    proposal of a sequence prefills its tokens; later ones feed only what changed since the last, i.e. the
+    tokens after the longest prefix of the last drafts that was accepted), freed on release. Every
+    sequence's drafts are sampled with its own params and generator, so they do not depend on the batch."""
+
     name = "draft"
 
-    def __init__(self, target: Transformer, draft: Transformer, k: int = 4, name: str = "draft"):
+    def __init__(self, target: Transformer, draft: Transformer, k: int = 4, name: str = "draft", block_size: int = 16):
         check_same_vocab(target, draft)
         self.target, self.draft, self.k, self.name = target, draft, check_k(k), name
-        self.cache: KVCache | None = None
+        self.block_size = block_size
+        self.seqs: dict[Hashable, _DraftSeq] = {}
+        self.cache: PagedKVCache | None = None
+        self.blocks: BlockManager | None = None
 
     def max_tokens_per_step(self) -> int:
         return self.k + 1
 
-    def start(self, state: SpecState) -> None:
-        B, capacity = state.tokens.shape
-        self.cache = KVCache(self.draft.config, B, capacity, self.draft.compute_dtype, device_of(self.draft))
-        # Prefill every committed token but the last two (propose() re-feeds those each step). Padding
-        # positions of shorter rows are overwritten before anything reads them (attention is by position).
-        T = int(state.lengths.max()) - 2
-        if T > 0:
-            positions = torch.arange(T, device=device_of(self.draft)).expand(B, -1)
-            self.draft(state.tokens[:, :T], AttentionMetadata.causal(positions, kv_len=T), self.cache)
+    def release(self, ids: list[Hashable]) -> None:
+        for key in ids:
+            row = self.seqs.pop(key, None)
+            if row is not None and self.blocks is not None:
+                self.blocks.free(row)
+
+    def _reserve(self, rows: list[_DraftSeq], need: list[int]) -> None:
+        """KV blocks for need[b] positions of each row. A pool too small is replaced by one at least twice
+        the size; every sequence's draft KV is then rebuilt lazily from its tokens (rare, and always correct)."""
+        bm = self.blocks
+        if bm is not None and sum(bm.blocks_needed(r, n) for r, n in zip(rows, need)) <= bm.num_free_blocks:
+            for r, n in zip(rows, need):
+                bm.allocate(r, n)
+            return
+        wanted = sum(-(-n // self.block_size) for n in need) + 1
+        num_blocks = max(2 * wanted, 2 * bm.num_blocks if bm is not None else 0)
+        device = device_of(self.draft)
+        self.cache = PagedKVCache(self.draft.config, num_blocks, self.block_size, self.draft.compute_dtype, device)
+        self.blocks = BlockManager(num_blocks, self.block_size, enable_prefix_caching=False)
+        for r in self.seqs.values():
+            r.block_table, r.block_hashes, r.tokens, r.committed = [], [], [], 0
+        for r, n in zip(rows, need):
+            self.blocks.allocate(r, n)
+
+    def _forward(self, rows: list[_DraftSeq], feeds: list[list[int]], index: list[list[int]]) -> Tensor:
+        """Draft logits [B, V] after each row's last fed token (feeds at sequence positions index)."""
+        device = self.cache.k.device
+        meta = paged_metadata(index, index, [r.block_table for r in rows], self.block_size, device)
+        T = meta.positions.shape[1]
+        tokens = torch.tensor([f + [0] * (T - len(f)) for f in feeds], dtype=torch.long, device=device)
+        hidden = self.draft(tokens, meta, self.cache, hidden_only=True)  # [B, T, H]
+        last = torch.tensor([len(f) - 1 for f in feeds], device=device)
+        return self.draft.logits(hidden[torch.arange(len(feeds), device=device), last])
 
     def propose(self, state: SpecState) -> Proposal:
-        L = state.lengths
-        rows = torch.arange(L.shape[0], device=L.device)
-        # The last two committed tokens: the draft's cache is valid up to L-3 whatever was accepted last step.
-        feed = torch.stack([state.tokens[rows, L - 2], state.tokens[rows, L - 1]], 1)  # [B, 2]
-        positions = torch.stack([L - 2, L - 1], 1)
-        logits = self.draft(feed, AttentionMetadata.causal(positions, kv_len=int(L.max())), self.cache)[:, -1]
+        rows = [self.seqs.setdefault(key, _DraftSeq()) for key in state.ids]
+        self._reserve(rows, [len(seq) + self.k - 1 for seq in state.token_ids])
+        feeds, index = [], []
+        for row, seq in zip(rows, state.token_ids):
+            n, limit = row.committed, min(len(row.tokens), len(seq) - 1)
+            while n < limit and row.tokens[n] == seq[n]:  # drafts of the last step that were accepted
+                n += 1
+            n = min(n, len(seq) - 1)  # the last committed token is always fed: its logits start the drafts
+            feeds.append(seq[n:])
+            index.append(list(range(n, len(seq))))
+        logits = self._forward(rows, feeds, index)
         drafts, probs = [], []
         for j in range(self.k):
-            if state.params.greedy:
-                tok = logits.argmax(-1)
-            else:
-                q = logits_to_probs(logits, state.params)  # the one sampler, same params as the target
-                tok = sample(q, state.generator)
-                probs.append(q)
+            q = torch.stack([logits_to_probs(logits[b], p) for b, p in enumerate(state.params)])  # the one sampler
+            tok = sample_rows(q, state.params, state.generators)  # greedy rows: the argmax (q is its one-hot)
             drafts.append(tok)
+            probs.append(q)
             if j < self.k - 1:
-                logits = self.draft(tok[:, None], decode_meta(L + j), self.cache)[:, 0]
-        tokens = torch.stack(drafts, 1)
-        # Greedy drafts are deterministic (q = one-hot of the argmax), so no probabilities are needed.
-        return Proposal(tokens=tokens, draft_probs=torch.stack(probs, 1) if probs else None)
+                feeds = [[t] for t in tok.tolist()]
+                logits = self._forward(rows, feeds, [[len(seq) + j] for seq in state.token_ids])
+        tokens = torch.stack(drafts, 1)  # [B, k]
+        for row, seq, d in zip(rows, state.token_ids, tokens.tolist()):
+            row.tokens, row.committed = list(seq) + d[: self.k - 1], len(seq)
+        return Proposal(tokens=tokens.to(state.device), draft_probs=torch.stack(probs, 1).to(state.device))
 
     def describe(self) -> dict:
         cfg = self.draft.config

@@ -1,5 +1,8 @@
-"""The speculative generation loop, batched: every step one target forward verifies each row's proposal
-(a chain of drafts or a candidate tree) and each row commits its own number of tokens.
+"""The speculative generation loop over a static batch: every step one target forward verifies each row's
+proposal (a chain of drafts or a candidate tree) and each row commits its own number of tokens. The step
+is the contract of ``runtime.speculation`` (propose -> cut to each row's budget -> one forward ->
+``speculator.verify``), the same one the serving engine runs, with each row's own SamplingParams and
+generator, so a request's sampled tokens are the same here, in the engine, alone or in any batch.
 
 KV-cache bookkeeping: a row with L committed tokens has target KV for positions 0..L-2; its last token is
 fed again as the first input of the next step. Chain drafts are written at slots L-1..L-1+k; the slots of
@@ -11,6 +14,7 @@ slots L-1+i with rope position L-1+depth(i); the accepted path is then moved to 
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -20,18 +24,10 @@ from torch import Tensor
 from runtime.kv_cache import KVCache
 from runtime.layout import device_of
 from runtime.model import AttentionMetadata, Transformer, prefill_meta
-from runtime.sampling import SamplingParams, logits_to_probs, make_generator, sample
+from runtime.sampling import SamplingParams, logits_to_probs, make_generator, sample_rows
+from runtime.speculation import CandidateTree, Proposal, SpecState, draft_budget
 from runtime.stopping import StopChecker
-from speculate.base import Proposal, SpecState, Speculator
-from speculate.verify import (
-    CandidateTree,
-    ChainResult,
-    TreeResult,
-    typical_accept_chain,
-    typical_accept_tree,
-    verify_chain,
-    verify_tree,
-)
+from speculate.base import Speculator
 
 
 @dataclass
@@ -137,45 +133,42 @@ def chain_metadata(lengths: Tensor, T: int) -> AttentionMetadata:
 def speculative_generate(
     model: Transformer,
     prompts: list[list[int]],
-    params: SamplingParams,
+    params: SamplingParams | list[SamplingParams],
     speculator: Speculator,
     tokenizer=None,
 ) -> SpecOutput:
     """Generate for a batch of token-id prompts with ``speculator`` proposing and the one verifier deciding.
 
-    One SamplingParams for the batch; one seeded generator drives every draw of the batch (draft samples,
-    acceptance tests, residual and bonus samples)."""
+    params: one SamplingParams for every row, or one per row. Each row draws from its own generator seeded
+    with its own params' seed (draft samples, acceptance tests, residual and bonus samples), so a row's
+    tokens do not depend on its batch mates, and equal the serving engine's for the same request."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
     B = len(prompts)
+    row_params = params if isinstance(params, list) else [params] * B
+    if len(row_params) != B:
+        raise ValueError(f"{len(row_params)} SamplingParams for {B} prompts")
     device = device_of(model)
-    dtype = model.compute_dtype
     cfg = model.config
     lengths = torch.tensor([len(p) for p in prompts], device=device)
-    headroom = speculator.max_tokens_per_step() + 1
-    capacity = int(lengths.max()) + params.max_tokens + headroom
-    if int(lengths.max()) + params.max_tokens > cfg.max_position_embeddings:
-        raise ValueError(
-            f"prompt + max_tokens = {int(lengths.max()) + params.max_tokens} exceeds the model's "
-            f"{cfg.max_position_embeddings} positions"
-        )
-    generator = make_generator(params.seed, device)
-    stops = [StopChecker(params, cfg.eos_token_ids, tokenizer) for _ in range(B)]
-    tokens = torch.zeros(B, capacity, dtype=torch.long, device=device)
-    for b, p in enumerate(prompts):
-        tokens[b, : len(p)] = torch.tensor(p, device=device)
-    cache = KVCache(cfg, B, capacity, dtype, device)
+    longest = max(len(p) + sp.max_tokens for p, sp in zip(prompts, row_params))
+    if longest > cfg.max_position_embeddings:
+        raise ValueError(f"prompt + max_tokens = {longest} exceeds the model's {cfg.max_position_embeddings} positions")
+    capacity = longest + speculator.max_tokens_per_step() + 1
+    generators = [make_generator(sp.seed, device) for sp in row_params]
+    stops = [StopChecker(sp, cfg.eos_token_ids, tokenizer) for sp in row_params]
+    seqs = [list(p) for p in prompts]  # committed tokens per row
+    keys = [("speculative_generate", next(_RUNS), b) for b in range(B)]  # this call's rows, for the speculator
+    cache = KVCache(cfg, B, capacity, model.compute_dtype, device)
     out = SpecOutput(tokens=[[] for _ in range(B)], finish_reasons=[""] * B, stats=SpecStats(rows=B))
     stats = out.stats
-    active = torch.ones(B, dtype=torch.bool, device=device)
-    rows = torch.arange(B, device=device)
+    active = [True] * B
 
     def commit(b: int, new: list[int]) -> None:
         """Append tokens to row b up to its first stop condition."""
-        start = int(lengths[b])
-        for i, tok in enumerate(new):
+        for tok in new:
             out.tokens[b].append(tok)
-            tokens[b, start + i] = tok
+            seqs[b].append(tok)
             lengths[b] += 1
             stats.generated += 1
             reason = stops[b].check(out.tokens[b])
@@ -186,84 +179,66 @@ def speculative_generate(
 
     t0 = time.perf_counter()
     T = int(lengths.max())
-    hidden = model(tokens[:, :T], prefill_meta(B, T, device), cache, hidden_only=True)
-    last_hidden = hidden[rows, lengths - 1]  # [B, H]
-    probs = logits_to_probs(model.logits(last_hidden), params)
-    first = probs.argmax(-1) if params.greedy else sample(probs, generator)
-    for b in range(B):
-        commit(b, [int(first[b])])
+    tokens = torch.tensor([p + [0] * (T - len(p)) for p in prompts], device=device)
+    hidden = model(tokens, prefill_meta(B, T, device), cache, hidden_only=True)
+    last_hidden = hidden[torch.arange(B, device=device), lengths - 1]  # [B, H]
+    logits = model.logits(last_hidden)
+    probs = torch.stack([logits_to_probs(logits[b], sp) for b, sp in enumerate(row_params)])
+    for b, tok in enumerate(sample_rows(probs, row_params, generators).tolist()):
+        commit(b, [tok])
     out.ttft_s = time.perf_counter() - t0
-    state = SpecState(tokens, lengths, last_hidden, active, params, generator)
-    speculator.start(state)
 
     t1 = time.perf_counter()
-    while bool(active.any()):
-        proposal: Proposal = speculator.propose(state)
-        if proposal.tree is None:
-            accepted, next_token, last_hidden = _chain_step(model, cache, state, proposal, speculator.acceptance)
-            offered = proposal.num_drafted if proposal.num_drafted is not None else None
-            k = proposal.tokens.shape[1]
-            offered = [k] * B if offered is None else offered.tolist()
-            drafts = proposal.tokens.tolist()
-            new_rows = [drafts[b][: accepted[b]] for b in range(B)]
-        else:
-            result, last_hidden = _tree_step(model, cache, state, proposal, speculator.acceptance)
-            next_token = result.next_token
-            accepted = [len(p) - 1 for p in result.path]
-            offered = [proposal.tree.max_depth] * B
-            node_tokens = proposal.tokens.tolist()
-            new_rows = [[node_tokens[b][i] for i in result.path[b][1:]] for b in range(B)]
-        stats.steps += 1
-        next_list = next_token.tolist()
-        for b in range(B):
-            if not bool(active[b]):
-                continue
-            stats.row_steps += 1
-            _record(stats, max(offered), offered[b], accepted[b])
-            commit(b, new_rows[b] + [next_list[b]])
-        state.hidden = last_hidden
+    try:
+        while any(active):
+            rows = [b for b in range(B) if active[b]]
+            state = SpecState(
+                ids=[keys[b] for b in rows],
+                token_ids=[seqs[b] for b in rows],
+                hidden=last_hidden[rows],
+                params=[row_params[b] for b in rows],
+                generators=[generators[b] for b in rows],
+                device=device,
+            )
+            budgets = [draft_budget(len(out.tokens[b]), row_params[b].max_tokens) for b in rows]
+            proposal = speculator.propose(state).within(budgets)
+            hidden = _verify_forward(model, cache, proposal, rows, seqs, lengths)  # [B, T, H]
+            verdict = speculator.verify(state, proposal, model.logits(hidden[rows]))
+            stats.steps += 1
+            depth = max(verdict.offered)
+            for i, b in enumerate(rows):
+                path = verdict.paths[i]
+                if path != list(range(len(path))):  # a tree's accepted nodes' k/v to consecutive slots
+                    base = int(lengths[b]) - 1
+                    cache.move(b, torch.tensor(path[1:], device=cache.k.device) + base, base + 1)
+                last_hidden[b] = hidden[b, verdict.last[i]]
+                stats.row_steps += 1
+                _record(stats, depth, verdict.offered[i], len(verdict.tokens[i]) - 1)
+                commit(b, verdict.tokens[i])
+    finally:
+        speculator.release(keys)
     out.decode_s = time.perf_counter() - t1
     out.speculator = speculator.describe()
     return out
 
 
-def _chain_step(model, cache, state: SpecState, proposal: Proposal, acceptance: str):
-    B = state.tokens.shape[0]
-    rows = torch.arange(B, device=state.tokens.device)
-    num = proposal.num_drafted
-    k = proposal.tokens.shape[1]
-    width = k if num is None else int((num * state.active).max())
-    drafts = proposal.tokens[:, :width]
-    q = None if proposal.draft_probs is None else proposal.draft_probs[:, :width]
-    num = None if num is None else num.clamp(max=width) * state.active
-    feed = torch.cat([state.tokens[rows, state.lengths - 1][:, None], drafts], 1)  # [B, width + 1]
-    hidden = model(feed, chain_metadata(state.lengths, width + 1), cache, hidden_only=True)
-    logits = model.logits(hidden)  # [B, width + 1, V]
-    if acceptance == "typical" and not state.params.greedy:
-        res: ChainResult = typical_accept_chain(
-            drafts, logits_to_probs(logits, state.params), num_drafted=num, generator=state.generator
-        )
-    else:
-        res = verify_chain(drafts, logits, state.params, q, num, state.generator)
-    n = res.num_accepted
-    return n.tolist(), res.next_token, hidden[rows, n]
+_RUNS = itertools.count()
 
 
-def _tree_step(model, cache: KVCache, state: SpecState, proposal: Proposal, acceptance: str):
-    tree = proposal.tree
-    B = state.tokens.shape[0]
-    hidden = model(proposal.tokens, tree_metadata(tree, state.lengths), cache, hidden_only=True)  # [B, N, H]
-    logits = model.logits(hidden)
-    if acceptance == "typical" and not state.params.greedy:
-        res: TreeResult = typical_accept_tree(
-            tree, proposal.tokens, logits_to_probs(logits, state.params), generator=state.generator
-        )
+def _verify_forward(model, cache: KVCache, proposal: Proposal, rows: list[int], seqs, lengths: Tensor) -> Tensor:
+    """One target forward over every row of the static batch: the speculating rows feed their last committed
+    token + drafts (a chain) or their tree; finished rows feed padding (their outputs are unused)."""
+    B = lengths.shape[0]
+    device = lengths.device
+    fed = proposal.fed()
+    T = len(proposal.tree) if proposal.tree is not None else max(fed)
+    feed = torch.zeros(B, T, dtype=torch.long, device=device)
+    feed[:, 0] = torch.tensor([s[-1] for s in seqs], device=device)
+    row_index = torch.tensor(rows, device=device)
+    if proposal.tree is not None:
+        feed[row_index] = proposal.tokens
+        meta = tree_metadata(proposal.tree, lengths)
     else:
-        res = verify_tree(tree, proposal.tokens, logits, state.params, state.generator)
-    for b in range(B):
-        path = res.path[b]
-        if len(path) > 1:  # accepted nodes' k/v to consecutive slots after the root
-            base = int(state.lengths[b]) - 1
-            cache.move(b, torch.tensor(path[1:], device=cache.k.device) + base, base + 1)
-    last = torch.tensor([p[-1] for p in res.path], device=hidden.device)
-    return res, hidden[torch.arange(B, device=hidden.device), last]
+        feed[row_index, 1:] = proposal.tokens[:, : T - 1]  # drafts past a row's num_drafted: written, never read
+        meta = chain_metadata(lengths, T)
+    return model(feed, meta, cache, hidden_only=True)

@@ -43,18 +43,14 @@ class NgramSpeculator(Speculator):
         return self.k + 1
 
     def propose(self, state: SpecState) -> Proposal:
-        B = state.tokens.shape[0]
-        drafts = torch.zeros(B, self.k, dtype=torch.long, device=state.tokens.device)
-        num = torch.zeros(B, dtype=torch.long, device=state.tokens.device)
-        for b in range(B):
-            if not bool(state.active[b]):
-                continue
-            found = lookup(
-                state.tokens[b, : int(state.lengths[b])], self.k, self.max_ngram, self.min_ngram, self.scaled
-            )
+        B = len(state.ids)
+        drafts = torch.zeros(B, self.k, dtype=torch.long)
+        num = torch.zeros(B, dtype=torch.long)
+        for b, seq in enumerate(state.token_ids):
+            found = lookup(torch.tensor(seq), self.k, self.max_ngram, self.min_ngram, self.scaled)
             drafts[b, : found.numel()] = found
             num[b] = found.numel()
-        return Proposal(tokens=drafts, num_drafted=num)
+        return Proposal(tokens=drafts.to(state.device), num_drafted=num.to(state.device))
 
     def describe(self) -> dict:
         return {

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from runtime.sampling import SamplingParams, logits_to_probs, sample
+from runtime.speculation import CandidateTree  # the tree is part of the contract (runtime.speculation)
 
 
 @dataclass
@@ -127,72 +128,6 @@ def verify_chain(
 
 
 # ---- trees of deterministic candidates ----------------------------------------------------------------
-
-
-@dataclass
-class CandidateTree:
-    """A static tree of candidate slots, node 0 = root (the last committed token, not yet in the cache).
-
-    Nodes are in topological order (parents before children); siblings are tried in index order, so
-    put the most likely candidate first. ``choices[i]`` is the path of candidate ranks from the root
-    (Medusa's notation: node (0, 1) = head-1's top candidate, then head-2's second candidate).
-    """
-
-    parents: list[int]  # [N], parents[0] = -1
-    choices: list[tuple[int, ...]]  # [N], choices[0] = ()
-
-    def __post_init__(self):
-        if not self.parents or self.parents[0] != -1:
-            raise ValueError("a candidate tree needs a root (node 0) with parent -1")
-        for i, par in enumerate(self.parents[1:], 1):
-            if not 0 <= par < i:
-                raise ValueError(f"node {i}'s parent {par} must be an earlier node")
-        self.depth = [0] * len(self.parents)
-        for i in range(1, len(self.parents)):
-            self.depth[i] = self.depth[self.parents[i]] + 1
-        self.children = [[] for _ in self.parents]
-        for i, par in enumerate(self.parents[1:], 1):
-            self.children[par].append(i)
-
-    @classmethod
-    def from_choices(cls, choices: list[tuple[int, ...]] | list[list[int]]) -> CandidateTree:
-        """Build from rank paths (any order); missing prefixes are an error."""
-        paths = sorted({tuple(c) for c in choices if len(c) > 0}, key=lambda c: (len(c), c))
-        index = {(): 0}
-        parents = [-1]
-        for path in paths:
-            if path[:-1] not in index:
-                raise ValueError(f"tree choice {list(path)} has no parent {list(path[:-1])}")
-            index[path] = len(parents)
-            parents.append(index[path[:-1]])
-        return cls(parents=parents, choices=[(), *paths])
-
-    @classmethod
-    def chain(cls, k: int) -> CandidateTree:
-        return cls.from_choices([(0,) * d for d in range(1, k + 1)])
-
-    def __len__(self) -> int:
-        return len(self.parents)
-
-    @property
-    def max_depth(self) -> int:
-        return max(self.depth)
-
-    def ancestor_mask(self, device=None) -> Tensor:
-        """[N, N] bool: node i may attend to node j iff j is i or an ancestor of i."""
-        N = len(self)
-        mask = torch.eye(N, dtype=torch.bool, device=device)
-        for i in range(1, N):
-            mask[i] |= mask[self.parents[i]]
-        return mask
-
-    def padded_children(self, device=None) -> Tensor:
-        """[N, C] child indices per node, -1 padded (C = the widest node's child count, >= 1)."""
-        width = max(1, max(len(c) for c in self.children))
-        out = torch.full((len(self), width), -1, dtype=torch.long, device=device)
-        for i, ch in enumerate(self.children):
-            out[i, : len(ch)] = torch.tensor(ch, dtype=torch.long)
-        return out
 
 
 def tree_rejection_sample(

@@ -13,6 +13,8 @@ from runtime.model import AttentionMetadata
 from runtime.paged_cache import PagedAttentionMetadata, PagedKVCache
 from runtime.sampling import SamplingParams
 from runtime.scheduler import RequestRejectedError
+from runtime.speculation import Proposal
+from speculate.base import Speculator
 
 
 def mixed_requests(vocab: int, n: int = 16, seed: int = 0, max_prompt: int = 60, max_new: int = 40):
@@ -198,30 +200,32 @@ def test_admission_control_rejects_what_can_never_fit(model):
     assert len(engine.generate([[4, 5]], SamplingParams(max_tokens=3, ignore_eos=True))[0].output_ids) == 3
 
 
-class OracleDrafts:
-    """A test speculator: drafts from a known continuation with every third token wrong, verified greedily
-    (accept while the draft equals the target argmax, then take the target's token)."""
+class OracleDrafts(Speculator):
+    """A test speculator: drafts from a known continuation with every third token wrong (verified by the
+    base class, i.e. the one verifier, greedily here)."""
 
-    def __init__(self, continuations: dict[int, list[int]], vocab: int):
-        self.continuations, self.vocab = continuations, vocab
+    name = "oracle"
 
-    def propose(self, seqs, k):
-        drafts = []
-        for seq in seqs:
-            cont = self.continuations[seq.num_prompt_tokens]
-            done = len(seq.output_ids)
-            drafts.append([(t + 1) % self.vocab if (done + j) % 3 == 2 else t for j, t in enumerate(cont[done:][:k])])
-        return drafts
+    def __init__(self, continuations: dict[tuple[int, ...], list[int]], vocab: int, k: int):
+        self.continuations, self.vocab, self.k = continuations, vocab, k  # prompt -> its greedy output
+        self.released: list = []
 
-    def verify(self, seqs, drafts, target_probs):
-        out = []
-        for b, draft in enumerate(drafts):
-            best = target_probs[b].argmax(-1).tolist()
-            n = 0
-            while n < len(draft) and draft[n] == best[n]:
-                n += 1
-            out.append(draft[:n] + [best[n]])
-        return out
+    def max_tokens_per_step(self) -> int:
+        return self.k + 1
+
+    def propose(self, state):
+        tokens = torch.zeros(len(state.ids), self.k, dtype=torch.long)
+        num = torch.zeros(len(state.ids), dtype=torch.long)
+        for b, seq in enumerate(state.token_ids):
+            prompt, cont = next((p, c) for p, c in self.continuations.items() if tuple(seq[: len(p)]) == p)
+            done = len(seq) - len(prompt)
+            draft = [(t + 1) % self.vocab if (done + j) % 3 == 2 else t for j, t in enumerate(cont[done:][: self.k])]
+            tokens[b, : len(draft)] = torch.tensor(draft, dtype=torch.long)
+            num[b] = len(draft)
+        return Proposal(tokens=tokens, num_drafted=num)
+
+    def release(self, ids):
+        self.released += ids
 
 
 def test_speculative_hook_keeps_greedy_outputs(model, workload):
@@ -229,18 +233,19 @@ def test_speculative_hook_keeps_greedy_outputs(model, workload):
     lengths = [len(p) for p in prompts]
     keep = [i for i in range(len(prompts)) if lengths.count(lengths[i]) == 1][:8]
     prompts, params, ref = [prompts[i] for i in keep], [params[i] for i in keep], [ref[i] for i in keep]
-    spec = OracleDrafts({len(p): r for p, r in zip(prompts, ref)}, model.config.vocab_size)
-    engine = LLMEngine(model, config=small(block_size=4, num_speculative_tokens=3), speculator=spec)
+    spec = OracleDrafts({tuple(p): r for p, r in zip(prompts, ref)}, model.config.vocab_size, k=3)
+    engine = LLMEngine(model, config=small(block_size=4), speculator=spec)
     outs = [o.output_ids for o in engine.generate(prompts, params)]
     assert outs == ref
     assert engine.num_spec_accepted > 0 and engine.num_spec_accepted < engine.num_spec_proposed
     assert engine.block_manager.num_used_blocks == 0
+    assert sorted(spec.released) == sorted(f"req-{i}" for i in range(len(prompts)))  # every request released
 
 
 def test_ngram_speculation_in_the_engine_keeps_greedy_outputs(model):
-    """The engine step with the shared verifier (speculate.engine over speculate.verify): sequences of one
-    batch accept different numbers of drafts, and greedy outputs equal the plain reference."""
-    from speculate.engine import EngineNgramSpeculator
+    """The engine step with the shared contract and verifier: sequences of one batch accept different
+    numbers of drafts, and greedy outputs equal the plain reference."""
+    from speculate.ngram import NgramSpeculator
 
     gen = torch.Generator().manual_seed(3)
     prompts = []
@@ -249,7 +254,7 @@ def test_ngram_speculation_in_the_engine_keeps_greedy_outputs(model):
         prompts.append(span + span[: n // 2] + span)
     params = [SamplingParams(max_tokens=24, ignore_eos=True) for _ in prompts]
     ref = reference(model, prompts, params)
-    engine = LLMEngine(model, config=small(block_size=4, num_speculative_tokens=4), speculator=EngineNgramSpeculator())
+    engine = LLMEngine(model, config=small(block_size=4), speculator=NgramSpeculator(k=4))
     assert [o.output_ids for o in engine.generate(prompts, params)] == ref
     assert 0 < engine.num_spec_accepted < engine.num_spec_proposed
     assert engine.block_manager.num_used_blocks == 0

@@ -19,10 +19,8 @@ import torch
 
 aiohttp = pytest.importorskip("aiohttp")
 
-from runtime.config import ModelConfig  # noqa: E402
 from runtime.decoding import generate  # noqa: E402
-from runtime.loader import load_model, load_tokenizer, resolve, save_checkpoint  # noqa: E402
-from runtime.model import random_model  # noqa: E402
+from runtime.loader import load_model, load_tokenizer  # noqa: E402
 from runtime.sampling import SamplingParams  # noqa: E402
 from runtime.server import parse_metrics  # noqa: E402
 
@@ -35,45 +33,40 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def tiny_checkpoint(tmp_path_factory):
-    """A 2-layer random model with the real tokenizer's vocabulary, saved as a checkpoint directory."""
-    source = resolve("smollm2-135m")
-    real = ModelConfig.from_dir(source)
-    cfg = ModelConfig(
-        architecture="llama", vocab_size=real.vocab_size, hidden_size=64, intermediate_size=96, num_layers=2,
-        num_heads=4, num_kv_heads=2, head_dim=16, eos_token_ids=real.eos_token_ids, max_position_embeddings=256,
-        tie_word_embeddings=True,
-    )  # fmt: skip
-    return save_checkpoint(random_model(cfg, seed=3), tmp_path_factory.mktemp("tiny"), tokenizer_from=source)
-
-
-@pytest.fixture(scope="module")
-def server(tiny_checkpoint):
+def start_server(checkpoint, *extra: str) -> tuple[subprocess.Popen, str]:
+    """`python -m runtime.server` on the checkpoint (tiny KV pool, 4-token blocks) with extra arguments, once it
+    accepts connections: (process, base url)."""
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "runtime.server", "--model", str(tiny_checkpoint), "--port", str(port),
-           "--kv-cache-gb", "0.002", "--block-size", "4", "--max-num-batched-tokens", "32"]  # fmt: skip
+    cmd = [sys.executable, "-m", "runtime.server", "--model", str(checkpoint), "--port", str(port),
+           "--kv-cache-gb", "0.002", "--block-size", "4", "--max-num-batched-tokens", "32", *extra]  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 120
     while time.time() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"server exited: {proc.stdout.read()}")
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                break
+                return proc, f"http://127.0.0.1:{port}"
         except OSError:
             time.sleep(0.3)
-    else:
-        proc.kill()
-        raise RuntimeError("server did not start")
-    yield url
+    proc.kill()
+    raise RuntimeError("server did not start")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
     proc.terminate()
     try:
         proc.wait(timeout=20)
     except subprocess.TimeoutExpired:
         proc.kill()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_checkpoint):
+    proc, url = start_server(tiny_checkpoint)
+    yield url
+    stop_server(proc)
 
 
 @pytest.fixture(scope="module")

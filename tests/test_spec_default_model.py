@@ -1,6 +1,6 @@
 """Greedy exactness on the default model (fp32): every lossless speculator reproduces plain greedy decoding
-token for token, at batch 1 and batch 4. The full bar (20 prompts x 128 tokens) is a slow test; the
-default suite runs a small slice of it."""
+token for token, at batch 1 and batch 4, in both speculative loops (speculate.generate and the serving
+engine). The full bar (20 prompts x 128 tokens) is a slow test; the default suite runs a small slice of it."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from runtime.decoding import encode_prompt, generate
+from runtime.engine import EngineConfig, LLMEngine
 from runtime.sampling import SamplingParams
 from speculate.draft import DraftModelSpeculator, layer_skip_draft, quantized_draft
 from speculate.generate import speculative_generate
@@ -58,7 +59,7 @@ def make(name: str, model):
 PLAIN_OUTPUTS: dict[tuple[int, int], list[list[int]]] = {}  # the oracle, computed once per size for all cases
 
 
-def check_exact(default_model, names, n_prompts: int, max_tokens: int, batch: int) -> None:
+def check_exact(default_model, names, n_prompts: int, max_tokens: int, batch: int, loop: str = "generate") -> None:
     model, tokenizer, _ = default_model
     prompts = wiki_prompts(tokenizer, n_prompts)
     params = SamplingParams(max_tokens=max_tokens)
@@ -70,19 +71,25 @@ def check_exact(default_model, names, n_prompts: int, max_tokens: int, batch: in
     for name in names:
         spec = make(name, model)
         for i in range(0, len(prompts), batch):
-            out = speculative_generate(model, prompts[i : i + batch], params, spec)
-            for j, toks in enumerate(out.tokens):
-                assert toks == plain[i + j], f"{name} batch {batch}: prompt {i + j} diverges from plain greedy"
+            if loop == "generate":
+                tokens = speculative_generate(model, prompts[i : i + batch], params, spec).tokens
+            else:
+                engine = LLMEngine(model, config=EngineConfig(kv_cache_bytes=1 << 26), speculator=spec)
+                tokens = [o.output_ids for o in engine.generate(prompts[i : i + batch], params)]
+            for j, toks in enumerate(tokens):
+                assert toks == plain[i + j], f"{name} {loop} batch {batch}: prompt {i + j} diverges from plain greedy"
 
 
-def test_default_model_greedy_exact_small(default_model):
+@pytest.mark.parametrize("loop", ["generate", "engine"])
+def test_default_model_greedy_exact_small(default_model, loop):
     """A batch of 2 prompts of different lengths (a chat prompt and a raw continuation), 10 tokens each;
     batch 1 is covered by the tiny-model tests and the slow full-size test."""
-    check_exact(default_model, ["ngram", "draft", "medusa"], n_prompts=2, max_tokens=10, batch=2)
+    check_exact(default_model, ["ngram", "draft", "medusa"], n_prompts=2, max_tokens=10, batch=2, loop=loop)
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("loop", ["generate", "engine"])
 @pytest.mark.parametrize("name", ["ngram", "draft", "medusa", "quant-draft"])
 @pytest.mark.parametrize("batch", [1, 4])
-def test_default_model_greedy_exact_full(default_model, name, batch):
-    check_exact(default_model, [name], n_prompts=20, max_tokens=128, batch=batch)
+def test_default_model_greedy_exact_full(default_model, name, batch, loop):
+    check_exact(default_model, [name], n_prompts=20, max_tokens=128, batch=batch, loop=loop)

@@ -1,6 +1,8 @@
-"""Speculative generation end to end on tiny random models: greedy output identical to plain greedy decoding
-for every lossless speculator (batch 1 and a batch of mixed prompt lengths), KV bookkeeping of trees, and
-sampled output distributed as plain sampling from the target (chi-square)."""
+"""Speculative generation end to end on tiny random models, in both loops that speculate through the one
+contract (``speculate.generate``'s static batch and the serving engine's continuous batch): greedy output
+identical to plain greedy decoding for every lossless speculator (batch 1 and a batch of mixed prompt
+lengths), KV bookkeeping of trees, and sampled output distributed as plain sampling from the target
+(chi-square)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import torch
 from scipy.stats import chisquare
 
 from runtime.decoding import generate
+from runtime.engine import EngineConfig, LLMEngine
 from runtime.model import random_model
 from runtime.sampling import SamplingParams
 from speculate.base import SpeculatorError
@@ -21,6 +24,25 @@ from speculate.verify import CandidateTree
 from tests.conftest import TINY_CONFIGS
 
 CFG = TINY_CONFIGS["llama"]
+LOOPS = ["generate", "engine"]
+
+
+def run_loop(loop: str, model, prompts, params, spec, **engine_config) -> tuple[list[list[int]], list[str], float]:
+    """(tokens, finish reasons, acceptance rate of the drafted tokens) of one speculative run through `loop`: the static
+    batch of speculate.generate, or the serving engine (small blocks and step budget, so requests join and
+    leave while others decode). The engine run also checks that every KV block and every per-sequence
+    speculator state was released."""
+    if loop == "generate":
+        out = speculative_generate(model, prompts, params, spec)
+        return out.tokens, out.finish_reasons, out.stats.acceptance_rate
+    settings = {"kv_cache_bytes": 1 << 22, "block_size": 4, "max_num_batched_tokens": 24, **engine_config}
+    engine = LLMEngine(model, config=EngineConfig(**settings), speculator=spec)
+    outs = engine.generate(prompts, params)
+    assert engine.block_manager.num_used_blocks == 0, "target KV blocks leaked"
+    if isinstance(spec, DraftModelSpeculator):
+        assert not spec.seqs and spec.blocks.num_used_blocks == 0, "draft KV state leaked"
+    rate = engine.num_spec_accepted / max(engine.num_spec_proposed, 1)
+    return [o.output_ids for o in outs], [o.finish_reason for o in outs], rate
 
 
 def repetitive_prompts(n: int, seed: int) -> list[list[int]]:
@@ -55,42 +77,122 @@ def speculators(model, k: int):
     }
 
 
+@pytest.mark.parametrize("loop", LOOPS)
 @pytest.mark.parametrize("name", ["ngram", "ngram-fixed", "draft", "layer-skip", "medusa", "medusa-chain"])
-def test_greedy_output_equals_plain_greedy(name):
+def test_greedy_output_equals_plain_greedy(name, loop):
     model = random_model(CFG, seed=0)
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     prompts = repetitive_prompts(4, seed=1)
     plain = generate(model, prompts, params).tokens
     for k in (1, 3):
         spec = speculators(model, k)[name]
-        batched = speculative_generate(model, prompts, params, spec)
-        assert batched.tokens == plain, (name, k)
-        single = speculative_generate(model, prompts[2:3], params, spec)
-        assert single.tokens[0] == plain[2]
-        assert batched.stats.generated == 4 * 40
-    assert batched.stats.accepted > 0 or name in ("draft", "medusa", "medusa-chain")
+        batched, _, accepted = run_loop(loop, model, prompts, params, spec)
+        assert batched == plain, (name, k)
+        single, _, _ = run_loop(loop, model, prompts[2:3], params, spec)
+        assert single[0] == plain[2]
+        assert sum(len(t) for t in batched) == 4 * 40
+    assert accepted > 0 or name in ("draft", "medusa", "medusa-chain")
 
 
-def test_greedy_stops_like_plain_decoding():
+@pytest.mark.parametrize("loop", LOOPS)
+def test_greedy_stops_like_plain_decoding(loop):
     """EOS (token 1 here) and max_tokens end each row at the same token as plain decoding, mid-acceptance."""
     model = random_model(CFG, seed=3)
     prompts = repetitive_prompts(4, seed=2)
     for params in (SamplingParams(max_tokens=60), SamplingParams(max_tokens=60, stop_token_ids=[7, 9, 11])):
         plain = generate(model, prompts, params)
         for spec in speculators(model, 3).values():
-            out = speculative_generate(model, prompts, params, spec)
-            assert out.tokens == plain.tokens and out.finish_reasons == plain.finish_reasons
+            tokens, reasons, _ = run_loop(loop, model, prompts, params, spec)
+            assert tokens == plain.tokens and reasons == plain.finish_reasons
 
 
-def test_quant_draft_greedy_and_acceptance():
+@pytest.mark.parametrize("loop", LOOPS)
+def test_quant_draft_greedy_and_acceptance(loop):
     model = random_model(CFG, seed=0)
     params = SamplingParams(max_tokens=32, ignore_eos=True)
     prompts = repetitive_prompts(3, seed=4)
     plain = generate(model, prompts, params).tokens
     spec = DraftModelSpeculator(model, quantized_draft(model, bits=8, group_size=32), k=3, name="quant-draft")
-    out = speculative_generate(model, prompts, params, spec)
-    assert out.tokens == plain
-    assert out.stats.acceptance_rate > 0.8  # an int8 copy of the target agrees with it almost always
+    tokens, _, acceptance = run_loop(loop, model, prompts, params, spec)
+    assert tokens == plain
+    assert acceptance > 0.8  # an int8 copy of the target agrees with it almost always
+
+
+def seeded_run(loop: str, name: str | None, model, prompts, params) -> list[list[int]]:
+    """Sampled tokens per prompt: plain decoding (name None: runtime.generate or the engine without a
+    speculator) or speculative decoding with a fresh speculator `name` in `loop`."""
+    if name is None and loop == "generate":
+        return generate(model, prompts, params).tokens
+    if name is None:
+        return [
+            o.output_ids
+            for o in LLMEngine(model, config=EngineConfig(kv_cache_bytes=1 << 22)).generate(prompts, params)
+        ]
+    if name == "medusa-typical":
+        tree = build_tree([[0.5, 0.2, 0.1], [0.4, 0.2, 0.1], [0.3, 0.1, 0.05]], size=8)
+        spec = MedusaSpeculator(model, random_heads(model), tree, acceptance="typical")
+    else:
+        spec = speculators(model, 3)[name]
+    return run_loop(loop, model, prompts, params, spec)[0]
+
+
+@pytest.mark.parametrize("name", [None, "ngram", "draft", "medusa", "medusa-chain", "medusa-typical"])
+def test_seeded_request_gives_the_same_sample_alone_in_any_batch_and_in_every_loop(name):
+    """One request (prompt, params, seed) among batch mates with other seeds, other params (a greedy one) and
+    other lengths, in two orders, and alone: the same sampled tokens in each, and the same in both loops."""
+    model = random_model(CFG, seed=0, std=0.3)  # peaked enough that drafts get accepted
+    prompts = repetitive_prompts(5, seed=7)
+    mine = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, seed=1234, max_tokens=24, ignore_eos=True)
+    mates = [SamplingParams(temperature=1.0, seed=i, max_tokens=10 + 5 * i, ignore_eos=True) for i in range(5)]
+    mates[1] = SamplingParams(max_tokens=30, ignore_eos=True)  # a greedy mate
+    batch = mates[:3] + [mine] + mates[4:]
+    got = {}
+    for loop in LOOPS:
+        alone = seeded_run(loop, name, model, [prompts[3]], [mine])[0]
+        together = seeded_run(loop, name, model, prompts, batch)[3]
+        reordered = seeded_run(loop, name, model, prompts[::-1], batch[::-1])[1]
+        assert together == alone and reordered == alone, loop
+        got[loop] = alone
+    assert got["generate"] == got["engine"]
+    assert len(set(got["generate"])) > 3  # really sampled
+    if name is not None:  # and speculation ran: the sample differs from the plain loop's, whose draws differ
+        assert got["generate"] != seeded_run("generate", None, model, [prompts[3]], [mine])[0]
+
+
+@pytest.mark.parametrize("name", ["draft", "medusa"])
+def test_engine_preemption_keeps_seeded_samples(name):
+    """A KV pool so small that the engine preempts and recomputes sequences: each request's sampled tokens
+    equal those of the static loop (the recomputed last token is fed to the next speculative step, nothing
+    is drawn twice)."""
+    model = random_model(CFG, seed=0, std=0.3)
+    prompts = repetitive_prompts(6, seed=8)
+    params = [SamplingParams(temperature=1.0, seed=50 + i, max_tokens=30, ignore_eos=True) for i in range(6)]
+    expected = speculative_generate(model, prompts, params, speculators(model, 3)[name]).tokens
+    engine = LLMEngine(model, config=EngineConfig(num_blocks=24, block_size=4), speculator=speculators(model, 3)[name])
+    assert [o.output_ids for o in engine.generate(prompts, params)] == expected
+    assert engine.scheduler.num_preemptions > 0 and engine.block_manager.num_used_blocks == 0
+
+
+def test_engine_keeps_draft_state_per_request_and_frees_it():
+    """The draft model's KV lives per request id in the engine: built at the request's first speculative step,
+    freed when it finishes or is aborted (its blocks back in the draft's pool)."""
+    model = random_model(CFG, seed=0)
+    spec = speculators(model, 3)["draft"]
+    engine = LLMEngine(model, config=EngineConfig(kv_cache_bytes=1 << 22, block_size=4), speculator=spec)
+    prompts = repetitive_prompts(3, seed=9)
+    a = engine.add_request(prompts[0], SamplingParams(max_tokens=40, ignore_eos=True))
+    b = engine.add_request(prompts[1], SamplingParams(max_tokens=40, ignore_eos=True))
+    engine.step()  # prefill and first tokens: no draft state yet
+    assert not spec.seqs
+    engine.step()
+    assert set(spec.seqs) == {a, b} and spec.blocks.num_used_blocks > 0
+    engine.abort_request(a)
+    assert set(spec.seqs) == {b}
+    c = engine.add_request(prompts[2], SamplingParams(max_tokens=5, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    assert not spec.seqs and spec.blocks.num_used_blocks == 0
+    assert c not in engine.seqs
 
 
 def test_stats_are_consistent():
@@ -180,18 +282,21 @@ def test_build_tree_is_best_first_and_prefix_closed():
 SMALL = TINY_CONFIGS["llama"]
 
 
+@pytest.mark.parametrize("loop", LOOPS)
 @pytest.mark.parametrize("kind", ["draft", "medusa"])
-def test_sampled_two_token_continuations_match_plain_sampling(kind):
+def test_sampled_two_token_continuations_match_plain_sampling(kind, loop):
     """Temperature 1, a tiny random target and a different tiny draft (or random Medusa heads). The target's
     exact two-token distribution is computed by enumeration (V + 1 forwards); 4000 speculative runs in one
-    batch are compared by chi-square (cells with expected count < 5 pooled). alpha = 1e-3 per test, two
-    tests: false-failure rate <= 0.2% per fresh seed (the seeds are fixed)."""
+    batch (the engine: 4000 requests) are compared by chi-square (cells with expected count < 5 pooled).
+    alpha = 1e-3 per test, four tests: false-failure rate <= 0.4% per fresh seed (the seeds are fixed)."""
     from runtime.model import Transformer
 
     cfg = SMALL
     target = random_model(cfg, seed=11, std=0.3)  # std 0.3: peaked enough that 2-token cells are populated
     prompt = [3, 17, 42, 5]
-    params = SamplingParams(temperature=1.0, max_tokens=2, ignore_eos=True, seed=123)
+    # max_tokens 4: the step after the first token may draft k = 2 (drafts never run past max_tokens); the
+    # first two tokens are compared. One seed per row: rows with one seed would draw identically.
+    params = [SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True, seed=123 + i) for i in range(4000)]
     with torch.no_grad():
         p1 = torch.softmax(target(torch.tensor([prompt]))[0, -1].double(), -1)  # [V]
         seqs = torch.tensor([prompt + [t] for t in range(cfg.vocab_size)])
@@ -204,14 +309,15 @@ def test_sampled_two_token_continuations_match_plain_sampling(kind):
             target, random_heads(target, num_heads=2, seed=3), build_tree([[0.5, 0.3], [0.5, 0.3]], 4)
         )
     n = 4000
-    out = speculative_generate(target, [prompt] * n, params, spec)
-    pairs = torch.tensor([t[0] * cfg.vocab_size + t[1] for t in out.tokens])
+    engine = {"max_num_seqs": n, "max_num_batched_tokens": 8 * n, "num_blocks": 2 * n + 1, "block_size": 8}
+    tokens, _, acceptance = run_loop(loop, target, [prompt] * n, params, spec, **engine)
+    pairs = torch.tensor([t[0] * cfg.vocab_size + t[1] for t in tokens])
     counts = torch.bincount(pairs, minlength=joint.numel()).double()
     expected = joint * n
     big = expected >= 5
     obs = torch.cat([counts[big], counts[~big].sum()[None]])
     exp = torch.cat([expected[big], expected[~big].sum()[None]])
-    assert out.stats.accepted > 0  # speculation actually happened
+    assert acceptance > 0  # speculation actually happened
     assert chisquare(obs.numpy(), (exp * obs.sum() / exp.sum()).numpy()).pvalue > 1e-3
     assert isinstance(target, Transformer)
 

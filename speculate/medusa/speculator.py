@@ -14,9 +14,9 @@ import heapq
 
 import torch
 
+from runtime.speculation import CandidateTree
 from speculate.base import Proposal, SpecState, Speculator, SpeculatorError
 from speculate.medusa.heads import MedusaHeads
-from speculate.verify import CandidateTree
 
 
 def build_tree(accuracy: list[list[float]], size: int, max_depth: int | None = None) -> CandidateTree:
@@ -59,13 +59,13 @@ class MedusaSpeculator(Speculator):
 
     @torch.no_grad()
     def propose(self, state: SpecState) -> Proposal:
-        B = state.tokens.shape[0]
-        rows = torch.arange(B, device=state.tokens.device)
+        if state.hidden is None:
+            raise SpeculatorError("Medusa needs the target's last hidden state per sequence (SpecState.hidden)")
         logits = self.heads(state.hidden, self.target.lm_head)  # [K, B, V]
         width = max(self.ranks)
         top = logits[: len(self.ranks)].topk(width, -1).indices  # [D, B, width]
         nodes = top[self.node_depth - 1, :, self.node_rank].T  # [B, N-1]
-        root = state.tokens[rows, state.lengths - 1][:, None]
+        root = torch.tensor([seq[-1] for seq in state.token_ids], device=nodes.device)[:, None]
         return Proposal(tokens=torch.cat([root, nodes], 1), tree=self.tree)
 
     def describe(self) -> dict:
