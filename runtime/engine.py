@@ -9,11 +9,16 @@ that hit a stop condition. ``add_request`` / ``abort_request`` may be called bet
 Speculative decoding plugs into the decode path (``Speculator``): propose k tokens per sequence, one
 forward over the last token plus the k drafts, verify against the target probabilities, keep the
 accepted tokens. The rejected positions' KV is simply overwritten later, as with the contiguous cache.
+
+An exception raised for one request (its logit processing, sampling, stop check, or a forward that fails
+only with it in the batch) finishes that request alone with finish_reason "error" and the message in
+RequestOutput.error; the engine keeps serving the others.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -26,7 +31,15 @@ from torch import Tensor
 from runtime.generate import StopChecker
 from runtime.model import Transformer
 from runtime.paged_cache import SCRATCH_BLOCK, BlockManager, PagedAttentionMetadata, PagedKVCache
-from runtime.sampling import SamplingParams, logits_to_probs, make_generator, sample_rows
+from runtime.sampling import (
+    SamplingParams,
+    TokenLogprob,
+    logits_to_probs,
+    make_generator,
+    process_logits,
+    sample_rows,
+    token_logprobs,
+)
 from runtime.scheduler import (
     RequestRejectedError,
     ScheduledWork,
@@ -37,6 +50,8 @@ from runtime.scheduler import (
 )
 
 __all__ = ["EngineConfig", "LLMEngine", "RequestOutput", "RequestRejectedError", "Speculator"]
+
+log = logging.getLogger("qspec.engine")
 
 
 @dataclass
@@ -70,11 +85,18 @@ class RequestOutput:
     new_token_ids: list[int]  # tokens produced by this step
     output_ids: list[int]  # all tokens produced so far
     finished: bool
-    finish_reason: str | None  # "eos" | "stop" | "length" | "abort"
+    finish_reason: str | None  # "eos" | "stop" | "length" | "abort" | "error"
     num_prompt_tokens: int
     num_cached_tokens: int  # prompt tokens served by the prefix cache
     arrival_time: float = 0.0
     token_times: list[float] = field(default_factory=list)  # perf_counter time of each output token
+    logprobs: list[TokenLogprob] | None = None  # per output token, when params.logprobs is set
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # per prompt token (the first is None)
+    error: str | None = None  # what failed, when finish_reason == "error"
+
+    @property
+    def cumulative_logprob(self) -> float:
+        return sum(t.logprob for t in self.logprobs or [])
 
 
 class Speculator(Protocol):
@@ -123,6 +145,7 @@ class LLMEngine:
         self.num_spec_accepted = 0
         self.num_finished = 0
         self.num_aborted = 0
+        self.num_failed = 0
         self._token_events: deque[tuple[float, int]] = deque()  # (time, tokens) for a sliding tokens/s
 
     # ---- requests ----------------------------------------------------------------------------------
@@ -146,6 +169,9 @@ class LLMEngine:
         seq = Sequence(request_id, list(prompt), len(prompt), params)
         seq.generator = make_generator(params.seed, self.device)
         seq.stop_checker = StopChecker(params, self.eos_ids, self.tokenizer)
+        self.scheduler.check_admissible(len(prompt), params.max_tokens)  # before any work for it
+        if params.prompt_logprobs is not None:
+            seq.prompt_logprobs = self._prompt_logprobs(prompt, params.prompt_logprobs)
         self.scheduler.add(seq)  # admission control raises here
         self.seqs[request_id] = seq
         return request_id
@@ -178,28 +204,85 @@ class LLMEngine:
         prefills = [w for w in sched.work if not (w.num_tokens == 1 and w.samples)]
         outputs: list[RequestOutput | None] = []
         if self.speculator is not None and decodes:
-            outputs += self._speculative_decode([w.seq for w in decodes])
+            outputs += self._isolated(self._speculative_decode, [w.seq for w in decodes], outputs)
             decodes = []
         sampling: list[tuple[Sequence, Tensor]] = []  # (sequence, hidden state its next token comes from)
         for group in (decodes, prefills):
             if not group:
                 continue
-            hidden = self._forward(group)  # [B, T, H]
-            for b, w in enumerate(group):
-                start = w.seq.num_computed_tokens
-                self.num_prompt_tokens_computed += max(0, min(w.seq.num_prompt_tokens, start + w.num_tokens) - start)
-                if w.samples:  # (before num_computed_tokens moves on)
-                    sampling.append((w.seq, hidden[b, w.num_tokens - 1]))
-                w.seq.num_computed_tokens += w.num_tokens
-                self.block_manager.register_full_blocks(w.seq, w.seq.token_ids, w.seq.num_computed_tokens)
+            for part, hidden in self._isolated(lambda g: [(g, self._forward(g))], group, outputs):  # [B, T, H]
+                for b, w in enumerate(part):
+                    start = w.seq.num_computed_tokens
+                    self.num_prompt_tokens_computed += max(
+                        0, min(w.seq.num_prompt_tokens, start + w.num_tokens) - start
+                    )
+                    if w.samples:  # (before num_computed_tokens moves on)
+                        sampling.append((w.seq, hidden[b, w.num_tokens - 1]))
+                    w.seq.num_computed_tokens += w.num_tokens
+                    self.block_manager.register_full_blocks(w.seq, w.seq.token_ids, w.seq.num_computed_tokens)
         if sampling:
-            seqs = [s for s, _ in sampling]
             logits = self.model.logits(torch.stack([h for _, h in sampling]))  # [N, V]
-            probs = torch.stack([logits_to_probs(logits[i], s.params) for i, s in enumerate(seqs)])
-            tokens = sample_rows(probs, [s.params for s in seqs], [s.generator for s in seqs]).tolist()
-            for seq, tok in zip(seqs, tokens):
-                outputs.append(self._append_tokens(seq, [tok]))
+            for i, (seq, _) in enumerate(sampling):
+                outputs.append(self._guarded(seq, self._sample_and_append, seq, logits[i]))
         return [o for o in outputs if o is not None]
+
+    def _sample_and_append(self, seq: Sequence, logits: Tensor) -> RequestOutput | None:
+        """[V] raw logits of seq's next token -> the drawn token appended (with its log-prob if asked)."""
+        p = seq.params
+        prompt = seq.token_ids[: seq.num_prompt_tokens]
+        adjusted = process_logits(logits, p, prompt, seq.output_ids, self._stop_ids(seq))
+        tok = int(sample_rows(logits_to_probs(adjusted, p)[None], [p], [seq.generator])[0])
+        lps = token_logprobs(logits[None], [tok], p.logprobs) if p.logprobs is not None else None
+        return self._append_tokens(seq, [tok], lps)
+
+    @staticmethod
+    def _stop_ids(seq: Sequence) -> list[int]:
+        return sorted(seq.stop_checker.stop_ids) if seq.params.min_tokens else []
+
+    # ---- per-request isolation ---------------------------------------------------------------------
+
+    def _isolated(self, fn, rows: list, outputs: list) -> list:
+        """fn(rows) -> list; when it raises, run each row alone so only the rows that fail by themselves
+        fail (fn must leave no per-row state changed when it raises: it runs again)."""
+        try:
+            return fn(rows)
+        except Exception as err:
+            if len(rows) == 1:
+                seq = rows[0].seq if isinstance(rows[0], ScheduledWork) else rows[0]
+                outputs.append(self._fail(seq, err))
+                return []
+        return [r for row in rows for r in self._isolated(fn, [row], outputs)]
+
+    def _guarded(self, seq: Sequence, fn, *args) -> RequestOutput | None:
+        try:
+            return fn(*args)
+        except Exception as err:
+            return self._fail(seq, err)
+
+    def _fail(self, seq: Sequence, err: Exception) -> RequestOutput | None:
+        """Finish seq alone with reason "error" (its blocks go back to the pool); the engine serves on."""
+        log.error("request %s failed: %s: %s", seq.request_id, type(err).__name__, err, exc_info=err)
+        if seq.status is SequenceStatus.FINISHED:
+            return None
+        seq.error = f"{type(err).__name__}: {err}"
+        self.scheduler.finish(seq, "error")
+        self.seqs.pop(seq.request_id, None)
+        self.num_failed += 1
+        out = self._output(seq, [])
+        stream = self._streams.get(seq.request_id)
+        if stream is not None:
+            stream.append(out)
+        return out
+
+    def _prompt_logprobs(self, prompt: list[int], top_n: int, chunk: int = 256) -> list[TokenLogprob | None]:
+        """Each prompt token's log-prob given the tokens before it (one cache-free forward: the prefix
+        cache would skip positions), logits in chunks so [T, V] never materializes at once."""
+        hidden = self.model(torch.tensor([prompt], device=self.device), hidden_only=True)[0]  # [T, H]
+        out: list[TokenLogprob | None] = [None]
+        for i in range(0, len(prompt) - 1, chunk):
+            j = min(i + chunk, len(prompt) - 1)
+            out += token_logprobs(self.model.logits(hidden[i:j]), prompt[i + 1 : j + 1], top_n)
+        return out
 
     def _forward(self, group: list[ScheduledWork], extra: list[list[int]] | None = None) -> Tensor:
         """One model forward over the group's scheduled tokens (plus optional draft tokens per row,
@@ -251,28 +334,42 @@ class LLMEngine:
             self.block_manager.allocate(seq, seq.num_tokens + len(d))
         work = [ScheduledWork(s, 1) for s in seqs]
         hidden = self._forward(work, extra=drafts)  # [B, 1 + max k, H]
-        probs = torch.stack(
-            [logits_to_probs(self.model.logits(hidden[b]), s.params) for b, s in enumerate(seqs)]
-        )  # [B, 1 + max k, V]
-        accepted = self.speculator.verify(seqs, drafts, probs)
-        outputs = []
-        for seq, d, toks in zip(seqs, drafts, accepted):
-            self.num_spec_proposed += len(d)
-            self.num_spec_accepted += len(toks) - 1
-            seq.num_computed_tokens += len(toks)  # the last token + accepted drafts now have valid KV
-            self.block_manager.register_full_blocks(seq, seq.token_ids + toks, seq.num_computed_tokens)
-            outputs.append(self._append_tokens(seq, toks))
-        return outputs
+        # from here on per row: an exception fails its own request only
+        rows = zip(seqs, drafts, hidden)
+        return [self._guarded(s, self._verify_and_append, s, d, h) for s, d, h in rows]
 
-    def _append_tokens(self, seq: Sequence, tokens: list[int]) -> RequestOutput | None:
+    def _verify_and_append(self, seq: Sequence, draft: list[int], hidden: Tensor) -> RequestOutput | None:
+        """hidden [1 + max k, H] over seq's last token + its drafts -> the verified tokens appended. Position
+        j's probabilities see the drafts before it as generated tokens, so penalties stay exact."""
+        p, k = seq.params, len(draft)
+        logits = self.model.logits(hidden[: k + 1])  # [k+1, V]
+        prompt = seq.token_ids[: seq.num_prompt_tokens]
+        stop_ids = self._stop_ids(seq)
+        probs = torch.stack(
+            [logits_to_probs(process_logits(logits[j], p, prompt, seq.output_ids + draft[:j], stop_ids), p)
+             for j in range(k + 1)]
+        )  # fmt: skip
+        toks = self.speculator.verify([seq], [draft], probs[None])[0]
+        self.num_spec_proposed += k
+        self.num_spec_accepted += len(toks) - 1
+        seq.num_computed_tokens += len(toks)  # the last token + accepted drafts now have valid KV
+        self.block_manager.register_full_blocks(seq, seq.token_ids + toks, seq.num_computed_tokens)
+        lps = token_logprobs(logits[: len(toks)], toks, p.logprobs) if p.logprobs is not None else None
+        return self._append_tokens(seq, toks, lps)
+
+    def _append_tokens(
+        self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob] | None = None
+    ) -> RequestOutput | None:
         if seq.status is not SequenceStatus.RUNNING:
             return None
         now = time.perf_counter()
         new = []
         reason = None
-        for tok in tokens:
+        for i, tok in enumerate(tokens):
             seq.token_ids.append(tok)
             seq.token_times.append(now)
+            if logprobs is not None:
+                seq.logprobs.append(logprobs[i])
             new.append(tok)
             reason = seq.stop_checker.check(seq.output_ids)
             if reason is not None:
@@ -302,6 +399,9 @@ class LLMEngine:
             num_cached_tokens=seq.num_cached_tokens,
             arrival_time=seq.arrival_time,
             token_times=list(seq.token_times),
+            logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
+            prompt_logprobs=seq.prompt_logprobs,
+            error=seq.error,
         )
 
     # ---- conveniences ------------------------------------------------------------------------------
@@ -360,6 +460,7 @@ class LLMEngine:
             "prefix_cache_hit_rate": bm.prefix_hit_rate,
             "requests_finished_total": self.num_finished,
             "requests_aborted_total": self.num_aborted,
+            "requests_failed_total": self.num_failed,
             "preemptions_total": self.scheduler.num_preemptions,
             "steps_total": self.num_steps,
             "generation_tokens_total": self.num_generated_tokens,

@@ -52,6 +52,9 @@ class Sequence:
     stop_checker: object | None = None
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)  # runtime.sampling.TokenLogprob per output token, if asked
+    prompt_logprobs: list | None = None
+    error: str | None = None  # why it finished with reason "error"
 
     @property
     def output_ids(self) -> list[int]:
