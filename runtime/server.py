@@ -611,7 +611,8 @@ class Server:
             else:
                 lp = None
                 if req.logprobs is not None:
-                    lp = self._completion_logprobs((out.prompt_logprobs or []) if req.echo else [], prompt_ids, lps)
+                    echoed = prompt_ids if req.echo else []
+                    lp = self._completion_logprobs(out.prompt_logprobs if req.echo else [], echoed, lps)
                 choice.update(text=(prompt_text if req.echo else "") + text, logprobs=lp)
             choices.append(choice)
         obj = "chat.completion" if chat else "text_completion"
