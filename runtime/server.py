@@ -518,6 +518,9 @@ class Server:
             response = error_response(400, str(err), "prompt", code="context_length_exceeded")
         except web.HTTPException as err:
             response = error_response(err.status, err.reason or "error")
+        except Exception as err:  # a bug in request handling: still a JSON error, and the server serves on
+            log.error("internal error handling %s %s", request.method, request.path, exc_info=err)
+            response = error_response(500, f"internal error: {type(err).__name__}: {str(err)[:300]}")
         self.http_counts[response.status] = self.http_counts.get(response.status, 0) + 1
         return response
 
@@ -574,7 +577,12 @@ class Server:
             return error_response(503, f"engine failed: {self.engine_thread.error!r}")
         cid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         rids = [f"{cid}-{i}" for i in range(req.best_of)]
-        mailbox = await self.engine_thread.add(rids, prompt_ids, choice_params(req.params, req.best_of))
+        try:
+            mailbox = await self.engine_thread.add(rids, prompt_ids, choice_params(req.params, req.best_of))
+        except RequestRejectedError:
+            raise
+        except ValueError as err:  # the engine refused the request's values
+            raise BadRequest(str(err)) from None
         final: dict[int, RequestOutput] = {}
         try:
             meta = {"id": cid, "created": int(time.time()), "model": self.model_name,

@@ -12,6 +12,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -64,11 +65,14 @@ def running_server(checkpoint: Path, *args: str, env: dict | None = None):
     cmd = [sys.executable, "-c", LAUNCH, "--model", str(checkpoint), "--port", str(port), "--served-model-name",
            MODEL_NAME, "--kv-cache-gb", "0.002", "--block-size", "4", "--max-num-batched-tokens", "32",
            *args]  # fmt: skip
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # its log goes to a file: a pipe nobody reads fills up and blocks the server's next log line
+    log = tempfile.TemporaryFile(mode="w+")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 120
     while time.time() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"server exited: {proc.stdout.read()}")
+            log.seek(0)
+            raise RuntimeError(f"server exited: {log.read()[-5000:]}")
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=0.5):
                 break
@@ -85,6 +89,7 @@ def running_server(checkpoint: Path, *args: str, env: dict | None = None):
             proc.wait(timeout=20)
         except subprocess.TimeoutExpired:
             proc.kill()
+        log.close()
 
 
 async def metrics(session, url) -> dict[str, float]:
