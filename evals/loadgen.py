@@ -235,7 +235,9 @@ def main(argv: list[str] | None = None) -> None:
         tokenizer, args.num_requests, args.seed, args.prompt_tokens, args.max_prompt_tokens,
         args.output_tokens, args.min_output_tokens, args.max_output_tokens,
     )  # fmt: skip
-    slo = SLO(*(None if v is None else v / 1e3 for v in (args.slo_ttft_ms, args.slo_tpot_ms, args.slo_e2e_ms)))
+    limits = (args.slo_ttft_ms, args.slo_tpot_ms, args.slo_e2e_ms)
+    # no SLO given: no goodput line (every request would count as "good")
+    slo = SLO(*(None if v is None else v / 1e3 for v in limits)) if any(v is not None for v in limits) else None
     records, duration = asyncio.run(
         run_load(args.url, items, tokenizer, args.endpoint, args.arrival, args.rate, args.concurrency, args.seed,
                  timeout_s=args.timeout_s, model_name=args.served_model_name, api_key=args.api_key,

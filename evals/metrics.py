@@ -107,7 +107,7 @@ def summarize(records: list[RequestRecord], duration_s: float, slo: SLO | None =
         "prompt_tokens": in_tokens,
         "output_tokens": out_tokens,
     }
-    if slo is not None:
+    if slo is not None and any(v is not None for v in (slo.ttft_s, slo.tpot_s, slo.e2e_s)):
         good = sum(slo.met_by(r) for r in records)
         summary["slo"] = asdict(slo)
         summary["goodput"] = good / duration_s

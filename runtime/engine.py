@@ -14,11 +14,16 @@ consecutive slots, rope position by depth, an ancestor mask over the paged cache
 verify (the one verifier, per sequence) -> the accepted tokens. Rejected positions' KV is simply
 overwritten later; a tree's accepted path is first copied to consecutive slots. Finished and aborted
 requests are released from the speculator (its per-sequence state, e.g. a draft model's KV).
+
+An exception raised for one request (its logit processing, sampling, stop check, or a forward that fails
+only with it in the batch) finishes that request alone with finish_reason "error" and the message in
+RequestOutput.error; the engine keeps serving the others.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -30,7 +35,15 @@ from torch import Tensor
 from runtime.layout import device_of
 from runtime.model import Transformer
 from runtime.paged_cache import BlockManager, PagedKVCache, paged_metadata
-from runtime.sampling import SamplingParams, logits_to_probs, make_generator, sample_rows
+from runtime.sampling import (
+    SamplingParams,
+    TokenLogprob,
+    logits_to_probs,
+    make_generator,
+    process_logits,
+    sample_rows,
+    token_logprobs,
+)
 from runtime.scheduler import (
     RequestRejectedError,
     ScheduledWork,
@@ -43,6 +56,8 @@ from runtime.speculation import SpecState, Speculator, draft_budget
 from runtime.stopping import StopChecker
 
 __all__ = ["EngineConfig", "LLMEngine", "RequestOutput", "RequestRejectedError", "Speculator"]
+
+log = logging.getLogger("qspec.engine")
 
 
 @dataclass
@@ -75,11 +90,18 @@ class RequestOutput:
     new_token_ids: list[int]  # tokens produced by this step
     output_ids: list[int]  # all tokens produced so far
     finished: bool
-    finish_reason: str | None  # "eos" | "stop" | "length" | "abort"
+    finish_reason: str | None  # "eos" | "stop" | "length" | "abort" | "error"
     num_prompt_tokens: int
     num_cached_tokens: int  # prompt tokens served by the prefix cache
     arrival_time: float = 0.0
     token_times: list[float] = field(default_factory=list)  # perf_counter time of each output token
+    logprobs: list[TokenLogprob] | None = None  # per output token, when params.logprobs is set
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # per prompt token (the first is None)
+    error: str | None = None  # what failed, when finish_reason == "error"
+
+    @property
+    def cumulative_logprob(self) -> float:
+        return sum(t.logprob for t in self.logprobs or [])
 
 
 class LLMEngine:
@@ -117,6 +139,7 @@ class LLMEngine:
         self.num_spec_accepted = 0
         self.num_finished = 0
         self.num_aborted = 0
+        self.num_failed = 0
         self._token_events: deque[tuple[float, int]] = deque()  # (time, tokens) for a sliding tokens/s
 
     # ---- requests ----------------------------------------------------------------------------------
@@ -140,6 +163,9 @@ class LLMEngine:
         seq = Sequence(request_id, list(prompt), len(prompt), params)
         seq.generator = make_generator(params.seed, self.device)
         seq.stop_checker = StopChecker(params, self.eos_ids, self.tokenizer)
+        self.scheduler.check_admissible(len(prompt), params.max_tokens)  # before any work for it
+        if params.prompt_logprobs is not None:
+            seq.prompt_logprobs = self._prompt_logprobs(prompt, params.prompt_logprobs)
         self.scheduler.add(seq)  # admission control raises here
         self.seqs[request_id] = seq
         return request_id
@@ -181,29 +207,28 @@ class LLMEngine:
         for group in (decodes, prefills):
             if not group:
                 continue
-            hidden = self._forward(group)  # [B, T, H]
-            for b, w in enumerate(group):
-                start = w.seq.num_computed_tokens
-                self.num_prompt_tokens_computed += max(0, min(w.seq.num_prompt_tokens, start + w.num_tokens) - start)
-                computed = w.num_tokens
-                if w.samples and self.speculator is not None and w.seq.output_ids:
-                    # a preempted sequence recomputed: its last token stays the next speculative step's first
-                    # input, as if it had never been preempted (its draws do not depend on memory pressure)
-                    w.seq.last_hidden = hidden[b, w.num_tokens - 2].clone()
-                    computed -= 1
-                elif w.samples:  # (before num_computed_tokens moves on)
-                    sampling.append((w.seq, hidden[b, w.num_tokens - 1]))
-                w.seq.num_computed_tokens += computed
-                self.block_manager.register_full_blocks(w.seq, w.seq.token_ids, w.seq.num_computed_tokens)
+            for part, hidden in self._isolated(lambda g: [(g, self._forward(g))], group, outputs):  # [B, T, H]
+                for b, w in enumerate(part):
+                    start = w.seq.num_computed_tokens
+                    self.num_prompt_tokens_computed += max(
+                        0, min(w.seq.num_prompt_tokens, start + w.num_tokens) - start
+                    )
+                    computed = w.num_tokens
+                    if w.samples and self.speculator is not None and w.seq.output_ids:
+                        # a preempted sequence recomputed: its last token stays the next speculative step's
+                        # first input, as if it had never been preempted (its draws do not depend on memory)
+                        w.seq.last_hidden = hidden[b, w.num_tokens - 2].clone()
+                        computed -= 1
+                    elif w.samples:  # (before num_computed_tokens moves on)
+                        sampling.append((w.seq, hidden[b, w.num_tokens - 1]))
+                    w.seq.num_computed_tokens += computed
+                    self.block_manager.register_full_blocks(w.seq, w.seq.token_ids, w.seq.num_computed_tokens)
         if sampling:
-            seqs = [s for s, _ in sampling]
             logits = self.model.logits(torch.stack([h for _, h in sampling]))  # [N, V]
-            probs = torch.stack([logits_to_probs(logits[i], s.params) for i, s in enumerate(seqs)])
-            tokens = sample_rows(probs, [s.params for s in seqs], [s.generator for s in seqs]).tolist()
-            for (seq, h), tok in zip(sampling, tokens):
+            for i, (seq, h) in enumerate(sampling):
                 if self.speculator is not None:  # Medusa reads it next step (a copy: not the whole batch's)
                     seq.last_hidden = h.clone()
-                outputs.append(self._append_tokens(seq, [tok]))
+                outputs.append(self._guarded(seq, self._sample_and_append, seq, logits[i]))
         return [o for o in outputs if o is not None]
 
     def _forward(self, group: list[ScheduledWork]) -> Tensor:
@@ -224,9 +249,78 @@ class LLMEngine:
         tokens = torch.tensor([r + [0] * (T - len(r)) for r in rows_tokens], dtype=torch.int64, device=self.device)
         return self.model(tokens, meta, self.cache, hidden_only=True)
 
+    def _sample_and_append(self, seq: Sequence, logits: Tensor) -> RequestOutput | None:
+        """[V] raw logits of seq's next token -> the drawn token appended (with its log-prob if asked)."""
+        p = seq.params
+        adjusted = process_logits(logits, p, seq.token_ids[: seq.num_prompt_tokens], seq.output_ids, self._stop_ids(seq))
+        tok = int(sample_rows(logits_to_probs(adjusted, p)[None], [p], [seq.generator])[0])
+        lps = token_logprobs(logits[None], [tok], p.logprobs) if p.logprobs is not None else None
+        return self._append_tokens(seq, [tok], lps)
+
+    @staticmethod
+    def _stop_ids(seq: Sequence) -> list[int]:
+        return sorted(seq.stop_checker.stop_ids) if seq.params.min_tokens else []
+
+    # ---- per-request isolation ---------------------------------------------------------------------
+
+    def _isolated(self, fn, rows: list, outputs: list) -> list:
+        """fn(rows) -> list; when it raises, run each row alone so only the rows that fail by themselves
+        fail (fn must leave no per-row state changed when it raises: it runs again)."""
+        try:
+            return fn(rows)
+        except Exception as err:
+            if len(rows) == 1:
+                seq = rows[0].seq if isinstance(rows[0], ScheduledWork) else rows[0]
+                outputs.append(self._fail(seq, err))
+                return []
+        return [r for row in rows for r in self._isolated(fn, [row], outputs)]
+
+    def _guarded(self, seq: Sequence, fn, *args) -> RequestOutput | None:
+        try:
+            return fn(*args)
+        except Exception as err:
+            return self._fail(seq, err)
+
+    def _fail(self, seq: Sequence, err: Exception) -> RequestOutput | None:
+        """Finish seq alone with reason "error" (its blocks go back to the pool); the engine serves on."""
+        log.error("request %s failed: %s: %s", seq.request_id, type(err).__name__, err, exc_info=err)
+        if seq.status is SequenceStatus.FINISHED:
+            return None
+        seq.error = f"{type(err).__name__}: {err}"
+        self.scheduler.finish(seq, "error")
+        self._release(seq)
+        self.seqs.pop(seq.request_id, None)
+        self.num_failed += 1
+        out = self._output(seq, [])
+        stream = self._streams.get(seq.request_id)
+        if stream is not None:
+            stream.append(out)
+        return out
+
+    def _prompt_logprobs(self, prompt: list[int], top_n: int, chunk: int = 256) -> list[TokenLogprob | None]:
+        """Each prompt token's log-prob given the tokens before it (one cache-free forward: the prefix
+        cache would skip positions), logits in chunks so [T, V] never materializes at once."""
+        hidden = self.model(torch.tensor([prompt], device=self.device), hidden_only=True)[0]  # [T, H]
+        out: list[TokenLogprob | None] = [None]
+        for i in range(0, len(prompt) - 1, chunk):
+            j = min(i + chunk, len(prompt) - 1)
+            out += token_logprobs(self.model.logits(hidden[i:j]), prompt[i + 1 : j + 1], top_n)
+        return out
+
+    # ---- speculative decoding ----------------------------------------------------------------------
+
     def _speculative_decode(self, seqs: list[Sequence]) -> list[RequestOutput | None]:
         """Propose (chain or tree) per sequence, score each sequence's last token + drafts in one forward,
-        keep what the speculator's verifier accepts."""
+        keep what the speculator's verifier accepts. Up to the forward a failure is retried row by row;
+        after it each row is verified on its own, so an exception fails only its own request."""
+        outputs: list[RequestOutput | None] = []
+        for part, state, proposal, hidden in self._isolated(self._propose_and_score, seqs, outputs):
+            for b, seq in enumerate(part):
+                outputs.append(self._guarded(seq, self._verify_and_append, seq, state, proposal, hidden, b))
+        return outputs
+
+    def _propose_and_score(self, seqs: list[Sequence]) -> list[tuple]:
+        """-> [(seqs, SpecState, Proposal, hidden [B, T, H] of the verification forward)]."""
         spec = self.speculator
         hidden = [s.last_hidden for s in seqs]
         state = SpecState(
@@ -259,40 +353,65 @@ class LLMEngine:
                 rows_pos.append(index)
                 local.append(None)
             rows_index.append(index)
-        hidden = self._run(seqs, rows_tokens, rows_pos, rows_index, local)  # [B, T, H]
-        verdict = spec.verify(state, proposal, self.model.logits(hidden))
-        outputs = []
-        bs = self.block_manager.block_size
-        for b, seq in enumerate(seqs):
-            toks, path = verdict.tokens[b], verdict.paths[b]
-            start = seq.num_computed_tokens
-            if path != list(range(len(path))):  # a tree's accepted nodes: their KV to consecutive slots
-                slot = [seq.block_table[i // bs] * bs + i % bs for i in range(start, start + len(rows_index[b]))]
-                src = torch.tensor([slot[i] for i in path[1:]], device=self.device)
-                dst = torch.tensor(slot[1 : len(path)], device=self.device)
-                self.cache.copy_slots(src, dst)
-            seq.last_hidden = hidden[b, verdict.last[b]].clone()
-            self.num_spec_proposed += verdict.offered[b]
-            self.num_spec_accepted += len(toks) - 1
-            seq.num_computed_tokens += len(toks)  # the last token + accepted drafts now have valid KV
-            self.block_manager.register_full_blocks(seq, seq.token_ids + toks, seq.num_computed_tokens)
-            outputs.append(self._append_tokens(seq, toks))
-        return outputs
+        return [(seqs, state, proposal, self._run(seqs, rows_tokens, rows_pos, rows_index, local))]
+
+    def _verify_and_append(
+        self, seq: Sequence, state: SpecState, proposal: Proposal, hidden: Tensor, b: int
+    ) -> RequestOutput | None:
+        """Row b of a speculative step: its logits (with the request's adjustments at each fed position,
+        seeing the drafts before it as generated tokens, so penalties stay exact) -> the speculator's
+        verify on this row alone -> the accepted tokens appended, and a tree's accepted KV made consecutive."""
+        p = seq.params
+        fed = proposal.fed()[b]
+        logits = self.model.logits(hidden[b, :fed])  # [fed, V]
+        row_tokens = proposal.tokens[b].tolist()
+        if proposal.tree is not None and proposal.drafted()[b] > 0:
+            tree = proposal.tree
+            paths = [[] for _ in range(fed)]  # the drafted tokens from the root to each node (root excluded)
+            for i in range(1, fed):
+                paths[i] = paths[tree.parents[i]] + [row_tokens[i]]
+        else:
+            paths = [row_tokens[:j] for j in range(fed)]
+        prompt, stop_ids = seq.token_ids[: seq.num_prompt_tokens], self._stop_ids(seq)
+        logits = torch.stack(
+            [process_logits(logits[j], p, prompt, seq.output_ids + paths[j], stop_ids) for j in range(fed)]
+        )
+        verdict = self.speculator.verify(state.row(b), proposal.row(b), logits[None])
+        toks, path = verdict.tokens[0], verdict.paths[0]
+        start = seq.num_computed_tokens
+        if path != list(range(len(path))):  # a tree's accepted nodes: their KV to consecutive slots
+            bs = self.block_manager.block_size
+            slot = [seq.block_table[i // bs] * bs + i % bs for i in range(start, start + fed)]
+            src = torch.tensor([slot[i] for i in path[1:]], device=self.device)
+            dst = torch.tensor(slot[1 : len(path)], device=self.device)
+            self.cache.copy_slots(src, dst)
+        seq.last_hidden = hidden[b, verdict.last[0]].clone()
+        self.num_spec_proposed += verdict.offered[0]
+        self.num_spec_accepted += len(toks) - 1
+        seq.num_computed_tokens += len(toks)  # the last token + accepted drafts now have valid KV
+        self.block_manager.register_full_blocks(seq, seq.token_ids + toks, seq.num_computed_tokens)
+        raw = self.model.logits(hidden[b, path]) if p.logprobs is not None else None
+        lps = token_logprobs(raw, toks, p.logprobs) if raw is not None else None
+        return self._append_tokens(seq, toks, lps)
 
     def _release(self, seq: Sequence) -> None:
         seq.last_hidden = None
         if self.speculator is not None:
             self.speculator.release([seq.request_id])
 
-    def _append_tokens(self, seq: Sequence, tokens: list[int]) -> RequestOutput | None:
+    def _append_tokens(
+        self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob] | None = None
+    ) -> RequestOutput | None:
         if seq.status is not SequenceStatus.RUNNING:
             return None
         now = time.perf_counter()
         new = []
         reason = None
-        for tok in tokens:
+        for i, tok in enumerate(tokens):
             seq.token_ids.append(tok)
             seq.token_times.append(now)
+            if logprobs is not None:
+                seq.logprobs.append(logprobs[i])
             new.append(tok)
             reason = seq.stop_checker.check(seq.output_ids)
             if reason is not None:
@@ -323,6 +442,9 @@ class LLMEngine:
             num_cached_tokens=seq.num_cached_tokens,
             arrival_time=seq.arrival_time,
             token_times=list(seq.token_times),
+            logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
+            prompt_logprobs=seq.prompt_logprobs,
+            error=seq.error,
         )
 
     # ---- conveniences ------------------------------------------------------------------------------
@@ -381,6 +503,7 @@ class LLMEngine:
             "prefix_cache_hit_rate": bm.prefix_hit_rate,
             "requests_finished_total": self.num_finished,
             "requests_aborted_total": self.num_aborted,
+            "requests_failed_total": self.num_failed,
             "preemptions_total": self.scheduler.num_preemptions,
             "steps_total": self.num_steps,
             "generation_tokens_total": self.num_generated_tokens,

@@ -2,10 +2,13 @@
 
 Plain decoding, the draft model and the speculative verifier all call ``logits_to_probs`` so that "the
 target distribution" means one thing. Greedy (temperature 0) is the one-hot distribution on the argmax.
+``process_logits`` applies the request-level adjustments that depend on the sequence so far (logit_bias,
+min_tokens, repetition / presence / frequency penalties) before ``logits_to_probs``.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -22,6 +25,14 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)  # stop strings (checked on decoded text)
     stop_token_ids: list[int] = field(default_factory=list)  # extra stop ids besides the model's EOS
     ignore_eos: bool = False
+    # sequence-dependent logit adjustments (process_logits), vLLM's meanings
+    min_tokens: int = 0  # EOS and stop_token_ids are banned until this many tokens were generated
+    presence_penalty: float = 0.0  # subtracted once from every token already generated
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the generated tokens
+    repetition_penalty: float = 1.0  # CTRL-style: divides positive / multiplies negative logits of seen tokens
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    logprobs: int | None = None  # report the sampled token's log-prob and this many top alternatives
+    prompt_logprobs: int | None = None  # the same for every prompt token (echo)
 
     def __post_init__(self):
         if not (self.temperature >= 0 and self.temperature < float("inf")):
@@ -32,10 +43,64 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens}")
+        if self.seed is not None and not (-(2**63) <= self.seed < 2**64):
+            raise ValueError(f"seed must be in [-2**63, 2**64), got {self.seed}")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0.01 <= self.repetition_penalty <= 100:  # bounded so logits stay finite
+            raise ValueError(f"repetition_penalty must be in [0.01, 100], got {self.repetition_penalty}")
+        if any(not math.isfinite(b) or abs(b) > 100 for b in self.logit_bias.values()):
+            raise ValueError("logit_bias values must be in [-100, 100]")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 0):
+                raise ValueError(f"{name} must be an integer >= 0, got {value}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        # below this, logits / temperature can overflow fp32 (inf - inf = NaN in softmax) while the
+        # distribution is already one-hot up to ties closer than 1e-5 * a logit difference: its limit
+        return self.temperature < GREEDY_BELOW
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """True when process_logits changes anything for this request."""
+        return bool(
+            self.min_tokens or self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
+            or self.logit_bias
+        )  # fmt: skip
+
+
+GREEDY_BELOW = 1e-5  # temperatures below this sample greedily (vLLM uses the same epsilon)
+
+
+def process_logits(
+    logits: Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int], stop_ids: list[int]
+) -> Tensor:
+    """[V] logits of the next token after prompt_ids + output_ids -> adjusted fp32 logits: min_tokens bans
+    stop_ids (EOS and stop_token_ids) while fewer than min_tokens were generated, then logit_bias is added,
+    then the repetition penalty (tokens seen in prompt or output) and presence / frequency penalties
+    (tokens in the output). Returns the input unchanged when the request adjusts nothing."""
+    if not params.adjusts_logits:
+        return logits
+    logits = logits.float().clone()
+    V = logits.shape[-1]
+    if len(output_ids) < params.min_tokens and stop_ids:
+        logits[torch.tensor(stop_ids, device=logits.device)] = float("-inf")
+    if params.logit_bias:
+        ids = torch.tensor(list(params.logit_bias), device=logits.device)
+        logits.index_add_(0, ids, torch.tensor(list(params.logit_bias.values()), device=logits.device))
+    if params.repetition_penalty != 1 and (prompt_ids or output_ids):
+        seen = torch.tensor(prompt_ids + output_ids, device=logits.device).unique()
+        vals = logits[seen]
+        logits[seen] = torch.where(vals > 0, vals / params.repetition_penalty, vals * params.repetition_penalty)
+    if (params.presence_penalty or params.frequency_penalty) and output_ids:
+        counts = torch.bincount(torch.tensor(output_ids, device=logits.device), minlength=V)[:V].float()
+        logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).float()
+    return logits
 
 
 def logits_to_probs(logits: Tensor, params: SamplingParams) -> Tensor:
@@ -85,3 +150,26 @@ def sample_rows(probs: Tensor, params: list[SamplingParams], generators: list[to
         if not p.greedy:
             out[b] = torch.multinomial(probs[b], 1, generator=gen)[0]
     return out
+
+
+@dataclass
+class TokenLogprob:
+    """One generated (or prompt) token's log-probability under the model, and the top alternatives."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, log-prob), most likely first
+
+
+def token_logprobs(logits: Tensor, tokens: list[int], top_n: int) -> list[TokenLogprob]:
+    """[N, V] raw model logits and the N tokens chosen after them -> each token's log-softmax value and
+    the top_n alternatives: the model's own distribution (before temperature, penalties or bias), as
+    vLLM reports by default, so speculative and plain decoding report the same numbers."""
+    logp = logits.float().log_softmax(-1)
+    chosen = logp.gather(-1, torch.tensor(tokens, device=logp.device)[:, None])[:, 0].tolist()
+    if top_n:
+        vals, ids = logp.topk(min(top_n, logp.shape[-1]), dim=-1)
+        tops = [list(zip(i, v)) for i, v in zip(ids.tolist(), vals.tolist())]
+    else:
+        tops = [[] for _ in tokens]
+    return [TokenLogprob(t, lp, top) for t, lp, top in zip(tokens, chosen, tops)]

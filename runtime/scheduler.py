@@ -53,6 +53,9 @@ class Sequence:
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)
     last_hidden: torch.Tensor | None = None  # [H] the target's hidden state behind the last token (speculation)
+    logprobs: list = field(default_factory=list)  # runtime.sampling.TokenLogprob per output token, if asked
+    prompt_logprobs: list | None = None
+    error: str | None = None  # why it finished with reason "error"
 
     @property
     def output_ids(self) -> list[int]:

@@ -114,6 +114,11 @@ class SpecState:
         if not (len(self.token_ids) == len(self.params) == len(self.generators) == B):
             raise ValueError("SpecState needs one token list, SamplingParams and generator per sequence id")
 
+    def row(self, b: int) -> SpecState:
+        """Sequence b alone (a batch of one)."""
+        hidden = None if self.hidden is None else self.hidden[b : b + 1]
+        return SpecState([self.ids[b]], [self.token_ids[b]], hidden, [self.params[b]], [self.generators[b]], self.device)
+
 
 @dataclass
 class Proposal:
@@ -127,6 +132,14 @@ class Proposal:
     num_drafted: Tensor | None = None
     draft_probs: Tensor | None = None
     tree: CandidateTree | None = None
+
+    def row(self, b: int) -> Proposal:
+        """Row b alone (a batch of one)."""
+
+        def one(t: Tensor | None) -> Tensor | None:
+            return None if t is None else t[b : b + 1]
+
+        return replace(self, tokens=one(self.tokens), num_drafted=one(self.num_drafted), draft_probs=one(self.draft_probs))
 
     def drafted(self) -> list[int]:
         """Drafts (chain) or non-root nodes (tree) each row offers."""

@@ -14,14 +14,27 @@ class StopChecker:
         if params.stop and tokenizer is None:
             raise ValueError("stop strings need a tokenizer to decode the output")
         self.tokenizer = tokenizer
+        self.longest_stop = max((len(s) for s in params.stop), default=0)
 
     def check(self, new_tokens: list[int]) -> str | None:
+        if len(new_tokens) < self.params.min_tokens:  # (min_tokens <= max_tokens)
+            return None
         if new_tokens and new_tokens[-1] in self.stop_ids:
             return "eos" if new_tokens[-1] not in self.params.stop_token_ids else "stop"
-        if self.params.stop:
-            text = self.tokenizer.decode(new_tokens[-16:])  # a stop string ends in the last few tokens
-            if any(s in text for s in self.params.stop):
-                return "stop"
+        if self.params.stop and any(s in self.tail_text(new_tokens) for s in self.params.stop):
+            return "stop"
         if len(new_tokens) >= self.params.max_tokens:
             return "length"
         return None
+
+    def tail_text(self, tokens: list[int]) -> str:
+        """Decoded text of the last tokens, long enough to hold any stop string that ends in the newest
+        token: the window doubles from 16 tokens until its text outgrows the longest stop string (plus the
+        newest token's text and a partial leading character), so a check costs O(stop length), not O(n)."""
+        need = self.longest_stop + len(self.tokenizer.decode(tokens[-1:])) + 1
+        n = 16
+        while True:
+            text = self.tokenizer.decode(tokens[-n:])
+            if n >= len(tokens) or len(text) >= need:
+                return text
+            n *= 2

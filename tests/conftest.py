@@ -7,6 +7,7 @@ import torch
 
 from runtime.config import ModelConfig
 from runtime.model import random_model
+from tests.serve_helpers import save_tiny_checkpoint
 
 torch.set_num_threads(max(1, torch.get_num_threads()))
 
@@ -155,13 +156,4 @@ def hf_default_model(default_model):
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory):
     """A 2-layer random model with the real tokenizer's vocabulary, saved as a checkpoint directory."""
-    from runtime.loader import resolve, save_checkpoint
-
-    source = resolve("smollm2-135m")
-    real = ModelConfig.from_dir(source)
-    cfg = ModelConfig(
-        architecture="llama", vocab_size=real.vocab_size, hidden_size=64, intermediate_size=96, num_layers=2,
-        num_heads=4, num_kv_heads=2, head_dim=16, eos_token_ids=real.eos_token_ids, max_position_embeddings=256,
-        tie_word_embeddings=True,
-    )  # fmt: skip
-    return save_checkpoint(random_model(cfg, seed=3), tmp_path_factory.mktemp("tiny"), tokenizer_from=source)
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))

@@ -9,7 +9,7 @@ import random
 import numpy as np
 import pytest
 
-from evals.metrics import SLO, RequestRecord, distribution, percentile, summarize
+from evals.metrics import SLO, RequestRecord, distribution, format_summary, percentile, summarize
 
 
 def test_percentile_matches_numpy_linear():
@@ -43,6 +43,10 @@ def test_summary_throughput_and_goodput():
     assert math.isclose(s["output_token_throughput"], 6 / 4) and math.isclose(s["total_token_throughput"], 26 / 4)
     assert math.isclose(s["goodput"], 1 / 4) and math.isclose(s["slo_attainment"], 1 / 3)
     assert s["ttft_s"] == distribution([0.1, 2.0])
+    for no_slo in (None, SLO()):  # no limit given: no goodput, and no goodput line
+        plain = summarize([fast, slow, failed], duration_s=4.0, slo=no_slo)
+        assert "goodput" not in plain and "goodput" not in format_summary(plain)
+    assert "goodput 0.25 req/s" in format_summary(s)
     assert math.isclose(s["tpot_s"]["mean"], (0.1 + 0.5) / 2)
 
 

@@ -18,7 +18,7 @@ from runtime.loader import load_model, load_tokenizer  # noqa: E402
 from runtime.sampling import SamplingParams  # noqa: E402
 from runtime.server import main as server_main  # noqa: E402
 from speculate.medusa.heads import MedusaConfig, MedusaHeads, model_fingerprint  # noqa: E402
-from tests.test_serve_server import start_server, stop_server, wait_idle  # noqa: E402
+from tests.serve_helpers import running_server, wait_idle  # noqa: E402
 
 PROMPTS = [
     "one two three four one two three four one two three",
@@ -67,7 +67,6 @@ def test_server_speculator_greedy_equals_generate(name, tiny_checkpoint, medusa_
     extra = ["--speculator", name, *SPECULATORS[name]]
     if name == "medusa":
         extra += ["--medusa-heads", str(medusa_dir)]
-    proc, url = start_server(tiny_checkpoint, *extra)
 
     async def complete(session, prompt: str) -> str:
         body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
@@ -81,10 +80,8 @@ def test_server_speculator_greedy_equals_generate(name, tiny_checkpoint, medusa_
             m = await wait_idle(s, url)
             return texts, m
 
-    try:
+    with running_server(tiny_checkpoint, *extra) as url:
         texts, m = asyncio.run(run())
-    finally:
-        stop_server(proc)
     assert texts == expected
     assert m["qspec_spec_tokens_proposed_total"] > 0 and m["qspec_spec_tokens_accepted_total"] > 0
     assert m["qspec_kv_blocks_used"] == 0
