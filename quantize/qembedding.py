@@ -38,7 +38,7 @@ class QuantEmbedding(nn.Module):
             raise IndexError(
                 f"token ids must lie in [0, {self.num_embeddings}), got [{int(flat.min())}, {int(flat.max())}]"
             )
-        return self.head.dequantize_rows(flat).view(*tokens.shape, self.embedding_dim)
+        return self.head.dequantize_rows(flat).reshape(*tokens.shape, self.embedding_dim)
 
     @property
     def weight(self) -> Tensor:

@@ -185,8 +185,9 @@ class Attention(nn.Module):
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata, cache) -> Tensor:
         B, T, _ = x.shape
         qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-        qk = qk.view(B, T, self.num_heads + self.num_kv_heads, self.head_dim)
-        v = v.view(B, T, self.num_kv_heads, self.head_dim)
+        # reshape, not view: a stand-in linear (QuantLinear, a CUDA kernel) may return any layout
+        qk = qk.reshape(B, T, self.num_heads + self.num_kv_heads, self.head_dim)
+        v = v.reshape(B, T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=2)
             qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=2)
@@ -203,7 +204,8 @@ class Attention(nn.Module):
                 # which SDPA runs ~1.7x faster than its enable_gqa path (same products per row)
                 g = self.num_heads // self.num_kv_heads
                 out = F.scaled_dot_product_attention(q.reshape(B, self.num_kv_heads, g, self.head_dim), k, v)
-                out = out.view(B, self.num_heads, 1, self.head_dim)
+                # reshape, not view: CUDA's SDPA returns [B, Hkv, g, D] laid out as [B, g, Hkv, D]
+                out = out.reshape(B, self.num_heads, 1, self.head_dim)
             else:
                 out = F.scaled_dot_product_attention(
                     q, k, v, attn_mask=meta.mask, is_causal=meta.is_causal, enable_gqa=True
