@@ -90,7 +90,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            if x.is_cpu and x.numel() > cpu_decode.MAX_TOKENS * x.shape[-1] and not torch.is_grad_enabled():
+            long_cpu = x.is_cpu and x.numel() > cpu_decode.MAX_TOKENS * x.shape[-1]
+            if long_cpu and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
                 fused = cpu_decode.rms_norm(x, self.weight, self.eps)  # prefill: one pass instead of ~10 ops
                 if fused is not None:
                     return fused
@@ -284,7 +285,9 @@ class Transformer(nn.Module):
             meta = AttentionMetadata.contiguous(tokens.shape[0], 0, tokens.shape[1], tokens.device, cache is not None)
         x = self.embed_tokens(tokens).to(self.residual_dtype or self.compute_dtype)
         short = tokens.shape[1] <= cpu_decode.MAX_TOKENS
-        fast = cpu_decode.decode(self, x, meta, cache) if short and x.is_cpu else None
+        # (a compiled step, runtime.compiled, traces the Python layers: the C++ step is its own compiled path)
+        eligible = short and x.is_cpu and not torch.compiler.is_compiling()
+        fast = cpu_decode.decode(self, x, meta, cache) if eligible else None
         if fast is not None:  # the compiled decode step: the same layers, no per-op dispatch
             x = fast
         else:

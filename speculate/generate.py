@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import Tensor
 
+from runtime.compiled import CompiledDecoder, bucket, compiled_decoder, resolve_compile
 from runtime.generate import StopChecker, prefill_meta
 from runtime.kv_cache import KVCache
 from runtime.model import AttentionMetadata, Transformer
@@ -94,6 +95,7 @@ class SpecOutput:
     stats: SpecStats
     ttft_s: float = 0.0
     decode_s: float = 0.0  # wall time of the speculative loop (after the first token)
+    compile: str = "off"  # what ran the chain verifications: off (eager) | inductor | cudagraphs (runtime.compiled)
     speculator: dict = field(default_factory=dict)
 
 
@@ -139,11 +141,13 @@ def speculative_generate(
     params: SamplingParams,
     speculator: Speculator,
     tokenizer=None,
+    compile: str = "auto",
 ) -> SpecOutput:
     """Generate for a batch of token-id prompts with ``speculator`` proposing and the one verifier deciding.
 
     One SamplingParams for the batch; one seeded generator drives every draw of the batch (draft samples,
-    acceptance tests, residual and bonus samples)."""
+    acceptance tests, residual and bonus samples). compile: "off" | "auto" | "on" (runtime.compiled): chain
+    verifications of up to 32 tokens through the compiled step; trees and longer chains run eager."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
     B = len(prompts)
@@ -163,8 +167,10 @@ def speculative_generate(
     tokens = torch.zeros(B, capacity, dtype=torch.long, device=device)
     for b, p in enumerate(prompts):
         tokens[b, : len(p)] = torch.tensor(p, device=device)
-    cache = KVCache(cfg, B, capacity, dtype, device)
-    out = SpecOutput(tokens=[[] for _ in range(B)], finish_reasons=[""] * B, stats=SpecStats(rows=B))
+    backend = resolve_compile(compile, device)
+    decoder = compiled_decoder(model, B, capacity, backend) if backend != "off" else None
+    cache = decoder.cache if decoder is not None else KVCache(cfg, B, capacity, dtype, device)
+    out = SpecOutput(tokens=[[] for _ in range(B)], finish_reasons=[""] * B, stats=SpecStats(rows=B), compile=backend)
     stats = out.stats
     active = torch.ones(B, dtype=torch.bool, device=device)
     rows = torch.arange(B, device=device)
@@ -199,7 +205,9 @@ def speculative_generate(
     while bool(active.any()):
         proposal: Proposal = speculator.propose(state)
         if proposal.tree is None:
-            accepted, next_token, last_hidden = _chain_step(model, cache, state, proposal, speculator.acceptance)
+            accepted, next_token, last_hidden = _chain_step(
+                model, cache, state, proposal, speculator.acceptance, decoder
+            )
             offered = proposal.num_drafted if proposal.num_drafted is not None else None
             k = proposal.tokens.shape[1]
             offered = [k] * B if offered is None else offered.tolist()
@@ -226,7 +234,9 @@ def speculative_generate(
     return out
 
 
-def _chain_step(model, cache, state: SpecState, proposal: Proposal, acceptance: str):
+def _chain_step(
+    model, cache, state: SpecState, proposal: Proposal, acceptance: str, decoder: CompiledDecoder | None = None
+):
     B = state.tokens.shape[0]
     rows = torch.arange(B, device=state.tokens.device)
     num = proposal.num_drafted
@@ -236,7 +246,11 @@ def _chain_step(model, cache, state: SpecState, proposal: Proposal, acceptance: 
     q = None if proposal.draft_probs is None else proposal.draft_probs[:, :width]
     num = None if num is None else num.clamp(max=width) * state.active
     feed = torch.cat([state.tokens[rows, state.lengths - 1][:, None], drafts], 1)  # [B, width + 1]
-    hidden = model(feed, chain_metadata(state.lengths, width + 1), cache, hidden_only=True)
+    if decoder is not None and bucket(width + 1) is not None:
+        positions = (state.lengths - 1)[:, None] + torch.arange(width + 1, device=feed.device)[None]
+        hidden = decoder(feed, positions)
+    else:
+        hidden = model(feed, chain_metadata(state.lengths, width + 1), cache, hidden_only=True)
     logits = model.logits(hidden)  # [B, width + 1, V]
     if acceptance == "typical" and not state.params.greedy:
         res: ChainResult = typical_accept_chain(
