@@ -29,6 +29,7 @@ class QuantEmbedding(nn.Module):
         head.row_codes(torch.zeros(1, dtype=torch.long, device=head.scales.device))  # fails now if it cannot serve
         # a plain attribute, not a submodule: the model owns the head once (state_dict, .to(), named_modules)
         object.__setattr__(self, "head", head)
+        head.serves_rows = True  # its automatic path must keep a layout single rows can be read from
         self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
 
     def forward(self, tokens: Tensor) -> Tensor:
