@@ -108,10 +108,11 @@ class CompiledDecoder:
     def capacity(self) -> int:
         return self.cache.max_seq_len
 
-    def __call__(self, tokens: Tensor, positions: Tensor) -> Tensor:
-        """tokens [B, T], positions [B, T] (each row consecutive) -> hidden [B, T, hidden]."""
+    def __call__(self, tokens: Tensor, positions: Tensor, min_tokens: int = 1) -> Tensor:
+        """tokens [B, T], positions [B, T] (each row consecutive) -> hidden [B, T, hidden]. min_tokens pads short
+        steps up to a longer bucket (a speculator's steps then share one graph instead of compiling each)."""
         T = tokens.shape[1]
-        size = bucket(T)
+        size = bucket(max(T, min_tokens))
         if size is None:
             raise ValueError(f"{T} tokens is longer than the largest compiled bucket ({BUCKETS[-1]})")
         if size > T:  # pad with token 0 at the following positions (slots hidden by the mask, overwritten later)

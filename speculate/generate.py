@@ -246,9 +246,10 @@ def _chain_step(
     q = None if proposal.draft_probs is None else proposal.draft_probs[:, :width]
     num = None if num is None else num.clamp(max=width) * state.active
     feed = torch.cat([state.tokens[rows, state.lengths - 1][:, None], drafts], 1)  # [B, width + 1]
-    if decoder is not None and bucket(width + 1) is not None:
+    if decoder is not None and bucket(k + 1) is not None:
         positions = (state.lengths - 1)[:, None] + torch.arange(width + 1, device=feed.device)[None]
-        hidden = decoder(feed, positions)
+        # every step padded to the bucket of the longest one: one captured graph per speculator
+        hidden = decoder(feed, positions, min_tokens=k + 1)
     else:
         hidden = model(feed, chain_metadata(state.lengths, width + 1), cache, hidden_only=True)
     logits = model.logits(hidden)  # [B, width + 1, V]
