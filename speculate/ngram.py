@@ -44,17 +44,19 @@ class NgramSpeculator(Speculator):
 
     def propose(self, state: SpecState) -> Proposal:
         B = state.tokens.shape[0]
-        drafts = torch.zeros(B, self.k, dtype=torch.long, device=state.tokens.device)
-        num = torch.zeros(B, dtype=torch.long, device=state.tokens.device)
+        # lookups on a CPU copy: on a GPU each lookup op would be a launch and a sync, per row, per n
+        tokens = state.tokens.cpu()
+        lengths, active = state.lengths.tolist(), state.active.tolist()
+        drafts = torch.zeros(B, self.k, dtype=torch.long)
+        num = torch.zeros(B, dtype=torch.long)
         for b in range(B):
-            if not bool(state.active[b]):
+            if not active[b]:
                 continue
-            found = lookup(
-                state.tokens[b, : int(state.lengths[b])], self.k, self.max_ngram, self.min_ngram, self.scaled
-            )
+            found = lookup(tokens[b, : lengths[b]], self.k, self.max_ngram, self.min_ngram, self.scaled)
             drafts[b, : found.numel()] = found
             num[b] = found.numel()
-        return Proposal(tokens=drafts, num_drafted=num)
+        device = state.tokens.device
+        return Proposal(tokens=drafts.to(device), num_drafted=num.to(device))
 
     def describe(self) -> dict:
         return {
