@@ -30,7 +30,8 @@ COMPILE_MODES = ("off", "auto", "on")
 BACKENDS = ("eager", "inductor", "cudagraphs")  # also accepted as a mode: "eager" traces without compiling (tests)
 BUCKETS = (1, 2, 4, 8, 16, 32)  # verification lengths captured; longer chunks (prefills) run eager
 CAPACITY_STEP = 256
-_DECODERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {(B, S, backend): decoder}
+# model -> {(B, S, backend, dtype): decoder}. A decoder references its model, so an entry lives until clear().
+_DECODERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def resolve_compile(mode: str, device: torch.device | str) -> str:
@@ -141,3 +142,11 @@ def compiled_decoder(model: Transformer, batch_size: int, max_len: int, backend:
     if key not in per_model:
         per_model[key] = CompiledDecoder(model, batch_size, capacity, backend)
     return per_model[key]
+
+
+def clear(model: Transformer | None = None) -> None:
+    """Drop the cached compiled decoders (and their static caches) of one model, or of all."""
+    if model is None:
+        _DECODERS.clear()
+    else:
+        _DECODERS.pop(model, None)
