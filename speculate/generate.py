@@ -175,19 +175,25 @@ def speculative_generate(
     active = torch.ones(B, dtype=torch.bool, device=device)
     rows = torch.arange(B, device=device)
 
+    # host copies of lengths and active: per-row reads of the device tensors would sync a GPU every time
+    host_lengths, host_active = [len(p) for p in prompts], [True] * B
+
     def commit(b: int, new: list[int]) -> None:
-        """Append tokens to row b up to its first stop condition."""
-        start = int(lengths[b])
-        for i, tok in enumerate(new):
+        """Append tokens to row b up to its first stop condition (one device write per row and step)."""
+        kept = 0
+        for tok in new:
             out.tokens[b].append(tok)
-            tokens[b, start + i] = tok
-            lengths[b] += 1
+            kept += 1
             stats.generated += 1
             reason = stops[b].check(out.tokens[b])
             if reason is not None:
                 out.finish_reasons[b] = reason
-                active[b] = False
-                return
+                active[b] = host_active[b] = False
+                break
+        start = host_lengths[b]
+        tokens[b, start : start + kept] = torch.tensor(new[:kept], device=device)
+        lengths[b] += kept
+        host_lengths[b] += kept
 
     t0 = time.perf_counter()
     T = int(lengths.max())
@@ -202,7 +208,7 @@ def speculative_generate(
     speculator.start(state)
 
     t1 = time.perf_counter()
-    while bool(active.any()):
+    while any(host_active):
         proposal: Proposal = speculator.propose(state)
         if proposal.tree is None:
             accepted, next_token, last_hidden = _chain_step(
@@ -223,7 +229,7 @@ def speculative_generate(
         stats.steps += 1
         next_list = next_token.tolist()
         for b in range(B):
-            if not bool(active[b]):
+            if not host_active[b]:
                 continue
             stats.row_steps += 1
             _record(stats, max(offered), offered[b], accepted[b])
