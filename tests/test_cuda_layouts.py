@@ -86,3 +86,28 @@ def test_engine_in_cuda_layouts(cuda_layouts):
     engine = LLMEngine(model, config=EngineConfig(kv_cache_bytes=1 << 21))
     got = [o.output_ids for o in engine.generate(batch, [params] * len(batch))]
     assert got == [generate(model, [p], params).tokens[0] for p in batch]
+
+
+def test_paged_auto_rule_picks_per_dtype(monkeypatch):
+    """decode_kernel="auto" on CUDA follows triton_decode_wins per step: bf16 decode goes to gather + SDPA, fp32
+    to the kernel (checked on CPU with a cache built for the kernel and switched to the per-shape rule)."""
+    pytest.importorskip("triton")
+    from runtime.kernels import paged_attention
+    from runtime.paged_cache import PagedAttentionMetadata, PagedKVCache, triton_decode_wins
+
+    calls = []
+    monkeypatch.setattr(paged_attention, "paged_decode_attention", lambda q, *a, **k: calls.append(q.dtype) or q)
+    cfg = TINY_CONFIGS["llama"]
+    for dtype in (torch.bfloat16, torch.float32):
+        cache = PagedKVCache(cfg, 8, 4, dtype=dtype, decode_kernel="triton")
+        cache.per_shape = True  # what "auto" sets on CUDA
+        tables = torch.tensor([[1, 2]])
+        meta = PagedAttentionMetadata(
+            positions=torch.tensor([[5]]), slots=torch.tensor([[9]]), mask=None, kv_len=6,
+            block_tables=tables, context_lens=torch.tensor([6], dtype=torch.int32),
+        )  # fmt: skip
+        q = torch.randn(1, cfg.num_heads, 1, cfg.head_dim, dtype=dtype)
+        kv = torch.randn(1, cfg.num_kv_heads, 1, cfg.head_dim, dtype=dtype)
+        assert cache.uses_decode_kernel(q, meta) == triton_decode_wins(dtype, 1, 6)
+        cache.attend(0, q, kv, kv, meta)
+    assert calls == [torch.float32]  # bf16 went through gather + SDPA
