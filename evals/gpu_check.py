@@ -30,7 +30,7 @@ from evals.record import provenance
 from quantize.config import QuantConfig
 from quantize.qlinear import QuantLinear
 from quantize.rtn import quantize_weight
-from runtime.compiled import BUCKETS, compiled_decoder, resolve_compile
+from runtime.compiled import BUCKETS, compiled_decoder, coordinate_descent, resolve_compile
 from runtime.config import ModelConfig
 from runtime.engine import EngineConfig, LLMEngine
 from runtime.generate import generate
@@ -600,6 +600,7 @@ def main(argv: list[str] | None = None) -> int:
         provenance(seed=args.seed),
         smoke=args.smoke,
         compile=c.compile,
+        coordinate_descent_tuning=coordinate_descent() if c.cuda else None,
         budget_s=args.budget_s,
         shapes={k: v.to_dict() for k, v in c.shapes.items()},
     )

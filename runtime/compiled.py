@@ -17,6 +17,7 @@ CAPACITY_STEP so a new prompt length reuses the graphs instead of compiling new 
 
 from __future__ import annotations
 
+import os
 import weakref
 
 import torch
@@ -32,6 +33,11 @@ BUCKETS = (1, 2, 4, 8, 16, 32)  # verification lengths captured; longer chunks (
 CAPACITY_STEP = 256
 # model -> {(B, S, backend, dtype): decoder}. A decoder references its model, so an entry lives until clear().
 _DECODERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def coordinate_descent() -> bool:
+    """QSPEC_COORDINATE_DESCENT=0 keeps inductor's default tuning on CUDA (faster compiles, slower batch-1 GEMVs)."""
+    return os.environ.get("QSPEC_COORDINATE_DESCENT", "1") != "0"
 
 
 def resolve_compile(mode: str, device: torch.device | str) -> str:
@@ -103,6 +109,10 @@ class CompiledDecoder:
         if backend == "eager":
             self.compiled = torch.compile(self.step, backend="eager", dynamic=False, fullgraph=True)
         elif backend == "cudagraphs":
+            if coordinate_descent():
+                # gpt-fast's setting: inductor then lowers one-row matmuls (batch-1 decode) to fused reductions that
+                # reach full bandwidth and absorb a dequantizing cast (int8 weights); compiles take longer
+                torch._inductor.config.coordinate_descent_tuning = True
             self.compiled = torch.compile(self.step, mode="reduce-overhead", dynamic=False)
         else:
             self.compiled = torch.compile(self.step, dynamic=False)
