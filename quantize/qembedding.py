@@ -29,6 +29,7 @@ class QuantEmbedding(nn.Module):
         head.row_codes(torch.zeros(1, dtype=torch.long, device=head.scales.device))  # fails now if it cannot serve
         # a plain attribute, not a submodule: the model owns the head once (state_dict, .to(), named_modules)
         object.__setattr__(self, "head", head)
+        head.serves_rows = True  # its automatic path must keep a layout single rows can be read from
         self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
 
     def forward(self, tokens: Tensor) -> Tensor:
@@ -38,7 +39,7 @@ class QuantEmbedding(nn.Module):
             raise IndexError(
                 f"token ids must lie in [0, {self.num_embeddings}), got [{int(flat.min())}, {int(flat.max())}]"
             )
-        return self.head.dequantize_rows(flat).view(*tokens.shape, self.embedding_dim)
+        return self.head.dequantize_rows(flat).reshape(*tokens.shape, self.embedding_dim)
 
     @property
     def weight(self) -> Tensor:

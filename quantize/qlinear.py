@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from quantize.grid import quantize_activations_per_token
+from quantize.kernels import cuda
 
 SUPPORTED_BITS = (2, 3, 4, 8)  # every path: the reference and Triton
 FAST_CPU_BITS = (4, 8)  # bit widths with a packed torch CPU kernel (quantize.kernels.cpu)
@@ -71,7 +72,7 @@ class QuantizedWeight:
         return self.codes.numel() * self.bits // 8 + 2 * 2 * self.scales.numel()
 
 
-PATHS = ("reference", "dense", "cpu_int4", "cpu_int8", "cpu_w8a8", "triton")
+PATHS = ("reference", "dense", "cpu_int4", "cpu_int8", "cpu_w8a8", "cuda_int4", "cuda_int8", "triton")
 
 
 class QuantLinear(nn.Module):
@@ -89,7 +90,15 @@ class QuantLinear(nn.Module):
       cpu_int4   torch's int4 packed matmul (2/3/4-bit codes, group size a multiple of 32; bf16 activations)
       cpu_int8   torch's int8 weight-only matmul (8-bit codes)
       cpu_w8a8   torch._int_mm on int8 activations and weights (act_quant=True)
+      cuda_int4  torch's CUDA int4 kernel, tinygemm (2/3/4-bit codes in nibbles, group size a multiple of 32,
+                 out_features % 16 == 0; bf16 activations)
+      cuda_int8  per-channel int8 weight-only in plain torch ops (fused by torch.compile; runs on any device)
       triton     fused dequantize + matmul Triton kernels (CUDA; CPU only under TRITON_INTERPRET=1)
+
+    The automatic rule on CUDA: W8A8 and act-order (g_idx) layers run Triton; <= 4-bit codes run cuda_int4 when
+    its layout fits and the compute dtype is 16-bit (Triton otherwise, for fp32 models, which keep fp32 math, and
+    for a head whose rows a QuantEmbedding reads); per-channel 8-bit runs
+    cuda_int8; other 8-bit layouts (groups) run Triton. On CPU: cpu_w8a8 / cpu_int8 / cpu_int4 as supported.
     Each path keeps only its own weight layout (so resident bytes are the packed size); ``qweight()``
     recovers the exact codes, scales and zeros from any of them.
     """
@@ -111,6 +120,7 @@ class QuantLinear(nn.Module):
         self.compute_dtype = compute_dtype  # activation dtype the fast paths prepare their scales in
         self.auto = path == "auto"  # re-pick the path whenever the input's device type changes
         self.auto_device: str | None = None
+        self.serves_rows = False  # set by QuantEmbedding: keep a layout that single rows can be read from
         self.register_buffer("scales", qweight.scales.float().contiguous())  # [out, n_groups]
         self.register_buffer("zeros", qweight.zeros.float().contiguous())  # [out, n_groups]
         self.register_buffer("g_idx", None if qweight.g_idx is None else qweight.g_idx.to(torch.int32))
@@ -127,6 +137,7 @@ class QuantLinear(nn.Module):
         from quantize.kernels import cpu
 
         layouts = ("packed_codes", "dense_weight", "int4_weight", "int4_scales_zeros", "int8_weight", "in_perm")
+        layouts += ("int4_cuda_weight", "int8_cuda_weight")
         for name in layouts + ("zero_shift",):
             self._buffers.pop(name, None)
         self.path = path
@@ -144,7 +155,19 @@ class QuantLinear(nn.Module):
             return
         perm = cpu.contiguous_group_order(self.g_idx, self.group_size, self.in_features)
         self.register_buffer("in_perm", perm)
-        if path == "cpu_int4":
+        if path == "cuda_int4":  # converted once, here; forward only calls the kernel
+            perm_dev = None if perm is None else perm.to(codes.device)
+            weight, scales_zeros, self.int4_group = cuda.int4_pack(
+                codes, self.scales, self.zeros, self.group_size, perm
+            )
+            self.register_buffer("int4_cuda_weight", weight)
+            self.register_buffer("int4_scales_zeros", scales_zeros)
+            self.register_buffer("in_perm", perm_dev)
+        elif path == "cuda_int8":
+            self.register_buffer("int8_cuda_weight", cuda.int8_pack(codes))
+            shift = self.zeros - 128
+            self.register_buffer("zero_shift", None if bool((shift == 0).all()) else shift.to(self.compute_dtype))
+        elif path == "cpu_int4":
             weight, scales_zeros, self.int4_group = cpu.int4_pack(codes, self.scales, self.zeros, self.group_size, perm)
             self.register_buffer("int4_weight", weight)
             self.register_buffer("int4_scales_zeros", scales_zeros)
@@ -177,6 +200,11 @@ class QuantLinear(nn.Module):
             return cpu.int4_unpack(
                 self.int4_weight, self.int4_group, n_sub, self.out_features, self.in_features, self.in_perm
             )
+        if "int4_cuda_weight" in self._buffers:
+            n, k = self.out_features, self.in_features
+            return cuda.int4_unpack(self.int4_cuda_weight, self.int4_scales_zeros, self.int4_group, n, k, self.in_perm)
+        if "int8_cuda_weight" in self._buffers:
+            return (self.int8_cuda_weight.cpu().to(torch.int16) + 128).to(torch.uint8)
         n, k = self.out_features, self.in_features
         return cpu.int8_unpack(self.int8_weight.cpu(), n, k, self.group_size, self.in_perm)
 
@@ -196,6 +224,10 @@ class QuantLinear(nn.Module):
         if "int4_weight" in self._buffers:
             k_pad = self.int4_scales_zeros.shape[0] * self.int4_group
             codes = cpu.int4_gather_rows(self.int4_weight, self.out_features, k_pad, rows)[:, : self.in_features]
+        elif "int8_cuda_weight" in self._buffers:
+            return (
+                self.int8_cuda_weight.index_select(0, rows.to(self.int8_cuda_weight.device)).to(torch.int16) + 128
+            ).to(torch.uint8)
         elif "int8_weight" in self._buffers:
             flat = self.int8_weight
             codes = cpu.int8_gather_rows(
@@ -246,6 +278,15 @@ class QuantLinear(nn.Module):
 
         if path in ("reference", "dense", "triton"):
             return None
+        if path == "cuda_int4":
+            if self.act_quant:
+                return "cuda_int4 is weight-only; W8A8 layers run on triton"
+            if not cuda.int4_supported(self.bits, self.group_size, self.out_features):
+                return "cuda_int4 needs <= 4 bits, a group size that is a multiple of 32 and out_features % 16 == 0"
+        if path == "cuda_int8":
+            if self.act_quant or self.bits != 8 or self.g_idx is not None or self.group_size < self.in_features:
+                return "cuda_int8 needs weight-only 8-bit codes with one group per output channel"
+            return None
         if path == "cpu_w8a8" and not self.act_quant:
             return "cpu_w8a8 quantizes activations; build the layer with act_quant=True"
         if path != "cpu_w8a8" and self.act_quant:
@@ -261,7 +302,14 @@ class QuantLinear(nn.Module):
         return None
 
     def auto_path(self, device: torch.device) -> str:
-        if device.type == "cuda":
+        if device.type == "cuda":  # the rule in the class docstring
+            if self.act_quant or self.g_idx is not None:
+                return "triton"
+            fits = self.unsupported_reason("cuda_int4") is None and not self.serves_rows
+            if self.bits <= 4 and fits and self.compute_dtype != torch.float32:  # tinygemm rounds x to bf16
+                return "cuda_int4"
+            if self.bits == 8 and self.unsupported_reason("cuda_int8") is None:
+                return "cuda_int8"
             return "triton"
         preferred = "cpu_w8a8" if self.act_quant else ("cpu_int8" if self.bits == 8 else "cpu_int4")
         if preferred == "cpu_int4" and self.compute_dtype == torch.float32:
@@ -309,7 +357,11 @@ class QuantLinear(nn.Module):
         else:
             from quantize.kernels import cpu
 
-            if self.path == "cpu_int4":
+            if self.path == "cuda_int4":
+                y = cuda.int4_mm(x2, self.int4_cuda_weight, self.int4_scales_zeros, self.int4_group, self.in_perm)
+            elif self.path == "cuda_int8":
+                y = cuda.int8_mm(x2, self.int8_cuda_weight, self.scales, self.zero_shift)
+            elif self.path == "cpu_int4":
                 y = cpu.int4_mm(x2, self.int4_weight, self.int4_scales_zeros, self.int4_group, self.in_perm)
             else:
                 mm = cpu.w8a8_mm if self.path == "cpu_w8a8" else cpu.int8_mm

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from runtime.compiled import compiled_decoder, resolve_compile
 from runtime.kv_cache import KVCache
 from runtime.layout import device_of
 from runtime.model import AttentionMetadata, Transformer, decode_meta, prefill_meta
@@ -27,6 +28,7 @@ class GenerationOutput:
     finish_reasons: list[str]  # "eos" | "stop" | "length"
     ttft_s: float = 0.0  # time to first token (prefill + first sample)
     step_times_s: list[float] = field(default_factory=list)  # wall time of each decode step
+    compile: str = "off"  # what ran the decode steps: off (eager) | inductor | cudagraphs (runtime.compiled)
 
     @property
     def tpot_s(self) -> float:
@@ -41,8 +43,11 @@ def generate(
     tokenizer=None,
     use_cache: bool = True,
     on_token: Callable[[int, int], None] | None = None,
+    compile: str = "auto",
 ) -> GenerationOutput:
-    """Generate for a batch of token-id prompts; on_token(row, token) streams each new token."""
+    """Generate for a batch of token-id prompts; on_token(row, token) streams each new token.
+
+    compile: "off" | "auto" | "on" (runtime.compiled): decode steps through a compiled step over a static cache."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
     B = len(prompts)
@@ -61,9 +66,15 @@ def generate(
     tokens = torch.zeros(B, total, dtype=torch.long, device=device)
     for b, p in enumerate(prompts):
         tokens[b, : len(p)] = torch.tensor(p, device=device)
-    cache = KVCache(cfg, B, total, dtype, device) if use_cache else None
+    backend = resolve_compile(compile, device) if use_cache else "off"
+    decoder = compiled_decoder(model, B, total, backend) if backend != "off" else None
+    if decoder is not None:
+        cache = decoder.cache  # the same storage the compiled step reads; the prefill writes it eagerly
+    else:
+        cache = KVCache(cfg, B, total, dtype, device) if use_cache else None
+    all_greedy = all(p.greedy for p in row_params)
 
-    out = GenerationOutput(tokens=[[] for _ in range(B)], finish_reasons=[""] * B)
+    out = GenerationOutput(tokens=[[] for _ in range(B)], finish_reasons=[""] * B, compile=backend)
     done = [False] * B
     t0 = time.perf_counter()
     T = int(lengths.max())
@@ -76,14 +87,18 @@ def generate(
     step = 0
     while True:
         logits = model.logits(last)
-        probs = torch.stack([logits_to_probs(logits[b], row_params[b]) for b in range(B)])
-        next_tokens = sample_rows(probs, row_params, generators)
+        if all_greedy:  # the argmax sample_rows takes of one-hot rows, without B small ops per step
+            next_tokens = logits.argmax(-1)
+        else:
+            probs = torch.stack([logits_to_probs(logits[b], row_params[b]) for b in range(B)])
+            next_tokens = sample_rows(probs, row_params, generators)
         if step == 0:
             out.ttft_s = time.perf_counter() - t0
+        next_list = next_tokens.tolist()  # one device sync per step, not one per row
         for b in range(B):
             if done[b]:
                 continue
-            tok = int(next_tokens[b])
+            tok = next_list[b]
             out.tokens[b].append(tok)
             if on_token is not None:
                 on_token(b, tok)
@@ -94,7 +109,9 @@ def generate(
             break
         tokens[torch.arange(B, device=device), positions] = next_tokens
         t_step = time.perf_counter()
-        if use_cache:
+        if decoder is not None:
+            last = decoder(next_tokens[:, None], positions[:, None])[:, 0]
+        elif use_cache:
             hidden = model(next_tokens[:, None], decode_meta(positions), cache, hidden_only=True)
             last = hidden[:, 0]
         else:  # full recompute: the reference the cache is tested against

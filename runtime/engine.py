@@ -52,7 +52,7 @@ from runtime.scheduler import (
     Sequence,
     SequenceStatus,
 )
-from runtime.speculation import SpecState, Speculator, draft_budget
+from runtime.speculation import Proposal, SpecState, Speculator, draft_budget
 from runtime.stopping import StopChecker
 
 __all__ = ["EngineConfig", "LLMEngine", "RequestOutput", "RequestRejectedError", "Speculator"]
@@ -252,7 +252,9 @@ class LLMEngine:
     def _sample_and_append(self, seq: Sequence, logits: Tensor) -> RequestOutput | None:
         """[V] raw logits of seq's next token -> the drawn token appended (with its log-prob if asked)."""
         p = seq.params
-        adjusted = process_logits(logits, p, seq.token_ids[: seq.num_prompt_tokens], seq.output_ids, self._stop_ids(seq))
+        adjusted = process_logits(
+            logits, p, seq.token_ids[: seq.num_prompt_tokens], seq.output_ids, self._stop_ids(seq)
+        )
         tok = int(sample_rows(logits_to_probs(adjusted, p)[None], [p], [seq.generator])[0])
         lps = token_logprobs(logits[None], [tok], p.logprobs) if p.logprobs is not None else None
         return self._append_tokens(seq, [tok], lps)

@@ -11,6 +11,7 @@ import sys
 
 import torch
 
+from runtime.compiled import COMPILE_MODES
 from runtime.config import DTYPES
 from runtime.decoding import encode_prompt, generate
 from runtime.kernels import cpu_decode
@@ -33,6 +34,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     ap.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument(
+        "--compile", default="auto", choices=COMPILE_MODES, help="compiled decode step (auto: on CUDA only)"
+    )
     add_speculator_args(ap)
     args = ap.parse_args(argv)
 
@@ -69,7 +73,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.stdout.flush()
         printed[row] = len(text)
 
-    result = generate(model, prompts, params, tokenizer=tokenizer, on_token=on_token)
+    result = generate(model, prompts, params, tokenizer=tokenizer, on_token=on_token, compile=args.compile)
     if len(prompts) > 1:
         for i, toks in enumerate(result.tokens):
             print(f"--- [{i}] {tokenizer.decode(toks, skip_special_tokens=True)}")
@@ -78,7 +82,8 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"\n[qspec] {n_new} tokens, TTFT {result.ttft_s * 1e3:.1f} ms, TPOT {result.tpot_s * 1e3:.1f} ms, "
         f"decode {len(result.step_times_s) * len(prompts) / max(decode_time, 1e-9):.1f} tok/s "
-        f"({args.dtype}, {args.device}, batch {len(prompts)}, finish: {','.join(result.finish_reasons)})",
+        f"({args.dtype}, {args.device}, compile {result.compile}, batch {len(prompts)}, "
+        f"finish: {','.join(result.finish_reasons)})",
         file=sys.stderr,
     )
 

@@ -105,7 +105,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            if x.is_cpu and x.numel() > cpu_decode.MAX_TOKENS * x.shape[-1] and not torch.is_grad_enabled():
+            long_cpu = x.is_cpu and x.numel() > cpu_decode.MAX_TOKENS * x.shape[-1]
+            if long_cpu and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
                 fused = cpu_decode.rms_norm(x, self.weight, self.eps)  # prefill: one pass instead of ~10 ops
                 if fused is not None:
                     return fused
@@ -200,8 +201,9 @@ class Attention(nn.Module):
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata, cache) -> Tensor:
         B, T, _ = x.shape
         qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-        qk = qk.view(B, T, self.num_heads + self.num_kv_heads, self.head_dim)
-        v = v.view(B, T, self.num_kv_heads, self.head_dim)
+        # reshape, not view: a stand-in linear (QuantLinear, a CUDA kernel) may return any layout
+        qk = qk.reshape(B, T, self.num_heads + self.num_kv_heads, self.head_dim)
+        v = v.reshape(B, T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=2)
             qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=2)
@@ -218,7 +220,8 @@ class Attention(nn.Module):
                 # which SDPA runs ~1.7x faster than its enable_gqa path (same products per row)
                 g = self.num_heads // self.num_kv_heads
                 out = F.scaled_dot_product_attention(q.reshape(B, self.num_kv_heads, g, self.head_dim), k, v)
-                out = out.view(B, self.num_heads, 1, self.head_dim)
+                # reshape, not view: CUDA's SDPA returns [B, Hkv, g, D] laid out as [B, g, Hkv, D]
+                out = out.reshape(B, self.num_heads, 1, self.head_dim)
             else:
                 out = F.scaled_dot_product_attention(
                     q, k, v, attn_mask=meta.mask, is_causal=meta.is_causal, enable_gqa=True
@@ -334,7 +337,9 @@ class Transformer(nn.Module):
             meta = AttentionMetadata.contiguous(tokens.shape[0], 0, tokens.shape[1], tokens.device, cache is not None)
         x = self.embed_tokens(tokens).to(self.residual_dtype or self.compute_dtype)
         short = tokens.shape[1] <= cpu_decode.MAX_TOKENS
-        fast = cpu_decode.decode(self, x, meta, cache) if short and x.is_cpu else None
+        # (a compiled step, runtime.compiled, traces the Python layers: the C++ step is its own compiled path)
+        eligible = short and x.is_cpu and not torch.compiler.is_compiling()
+        fast = cpu_decode.decode(self, x, meta, cache) if eligible else None
         if fast is not None:  # the compiled decode step: the same layers, no per-op dispatch
             x = fast
         else:

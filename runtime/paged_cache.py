@@ -311,10 +311,21 @@ def resolve_decode_kernel(decode_kernel: str, device: torch.device, block_size: 
     return decode_kernel
 
 
+def triton_decode_wins(dtype: torch.dtype, batch: int, kv_len: int) -> bool:
+    """The per-shape rule "auto" follows on CUDA: whether the Triton paged-decode kernel beats gather + SDPA.
+
+    16-bit: SDPA (measured on an H200, issue 13: the kernel ran at 0.30-0.44x of gather + SDPA in bf16/fp16 at
+    4k context and at batch 64; no shape class where it won). fp32: the kernel (SDPA has no flash kernel for
+    fp32 and the gather copies twice the bytes; unmeasured). ``python -m evals.gpu_check`` times both on a grid
+    of batch and context and prints, per cell, the faster one and whether this rule picked it."""
+    return dtype == torch.float32
+
+
 class PagedKVCache:
     """The block pool tensors; ``attend`` (and ``update``) is the model's cache contract over block tables.
 
-    decode_kernel: "auto" (Triton on CUDA, torch on CPU), "triton" (also on CPU, where it needs
+    decode_kernel: "auto" (on CUDA, per shape class by ``triton_decode_wins``; torch on CPU), "triton" (also on
+    CPU, where it needs
     TRITON_INTERPRET=1: for tests) or "torch" (always gather + SDPA). ``kernel_launches`` counts the
     Triton decode calls, so callers can see which path ran.
     """
@@ -333,6 +344,7 @@ class PagedKVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.num_blocks, self.block_size = num_blocks, block_size
         self.decode_kernel = resolve_decode_kernel(decode_kernel, self.k.device, block_size)
+        self.per_shape = decode_kernel == "auto"  # "auto" on CUDA: triton_decode_wins decides per step
         self.kernel_launches = 0
         self._decode_fn = None
         if self.decode_kernel == "triton":  # imported only here: torch-only runs never load triton
@@ -379,7 +391,9 @@ class PagedKVCache:
 
     def uses_decode_kernel(self, q: Tensor, meta: PagedAttentionMetadata) -> bool:
         """Pure decode (one query per row, prefix mask, context lengths given) with the Triton backend."""
-        return self._decode_fn is not None and q.shape[2] == 1 and meta.prefix_mask and meta.context_lens is not None
+        if not (self._decode_fn is not None and q.shape[2] == 1 and meta.prefix_mask and meta.context_lens is not None):
+            return False
+        return not self.per_shape or triton_decode_wins(q.dtype, q.shape[0], meta.kv_len)
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, meta: PagedAttentionMetadata) -> Tensor:
         """The model's attention over the pool: q [B, H, T, D] (after rope), the new k/v [B, Hkv, T, D]

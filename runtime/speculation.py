@@ -117,7 +117,9 @@ class SpecState:
     def row(self, b: int) -> SpecState:
         """Sequence b alone (a batch of one)."""
         hidden = None if self.hidden is None else self.hidden[b : b + 1]
-        return SpecState([self.ids[b]], [self.token_ids[b]], hidden, [self.params[b]], [self.generators[b]], self.device)
+        return SpecState(
+            [self.ids[b]], [self.token_ids[b]], hidden, [self.params[b]], [self.generators[b]], self.device
+        )
 
 
 @dataclass
@@ -139,7 +141,9 @@ class Proposal:
         def one(t: Tensor | None) -> Tensor | None:
             return None if t is None else t[b : b + 1]
 
-        return replace(self, tokens=one(self.tokens), num_drafted=one(self.num_drafted), draft_probs=one(self.draft_probs))
+        return replace(
+            self, tokens=one(self.tokens), num_drafted=one(self.num_drafted), draft_probs=one(self.draft_probs)
+        )
 
     def drafted(self) -> list[int]:
         """Drafts (chain) or non-root nodes (tree) each row offers."""

@@ -116,7 +116,9 @@ def generate_speculative(model, path, tokenizer, prompts: list[list[int]], param
     from speculate.generate import speculative_generate
 
     spec = speculator_from_args(model, path, args)
-    out = speculative_generate(model, prompts, params, spec, tokenizer=tokenizer)
+    out = speculative_generate(
+        model, prompts, params, spec, tokenizer=tokenizer, compile=getattr(args, "compile", "auto")
+    )
     for i, toks in enumerate(out.tokens):
         text = tokenizer.decode(toks, skip_special_tokens=True)
         print(text if len(prompts) == 1 else f"--- [{i}] {text}")
@@ -125,6 +127,7 @@ def generate_speculative(model, path, tokenizer, prompts: list[list[int]], param
     print(
         f"\n[qspec] {spec.name}, {mode}: {n_new} tokens, TTFT {out.ttft_s * 1e3:.1f} ms, "
         f"decode {(n_new - len(prompts)) / max(out.decode_s, 1e-9):.1f} tok/s (batch {len(prompts)}, "
+        f"compile {out.compile}, "
         f"finish: {','.join(out.finish_reasons)})\n[qspec] {out.stats.summary()}",
         file=sys.stderr,
     )

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import Tensor
 
+from runtime.compiled import CompiledDecoder, bucket, compiled_decoder, resolve_compile
 from runtime.kv_cache import KVCache
 from runtime.layout import device_of
 from runtime.model import AttentionMetadata, Transformer, prefill_meta
@@ -91,6 +92,7 @@ class SpecOutput:
     stats: SpecStats
     ttft_s: float = 0.0
     decode_s: float = 0.0  # wall time of the speculative loop (after the first token)
+    compile: str = "off"  # what ran the chain verifications: off (eager) | inductor | cudagraphs (runtime.compiled)
     speculator: dict = field(default_factory=dict)
 
 
@@ -136,12 +138,15 @@ def speculative_generate(
     params: SamplingParams | list[SamplingParams],
     speculator: Speculator,
     tokenizer=None,
+    compile: str = "auto",
 ) -> SpecOutput:
     """Generate for a batch of token-id prompts with ``speculator`` proposing and the one verifier deciding.
 
     params: one SamplingParams for every row, or one per row. Each row draws from its own generator seeded
     with its own params' seed (draft samples, acceptance tests, residual and bonus samples), so a row's
-    tokens do not depend on its batch mates, and equal the serving engine's for the same request."""
+    tokens do not depend on its batch mates, and equal the serving engine's for the same request.
+    compile: "off" | "auto" | "on" (runtime.compiled): chain verifications of up to 32 tokens through the
+    compiled step; trees and longer chains run eager."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
     B = len(prompts)
@@ -159,23 +164,27 @@ def speculative_generate(
     stops = [StopChecker(sp, cfg.eos_token_ids, tokenizer) for sp in row_params]
     seqs = [list(p) for p in prompts]  # committed tokens per row
     keys = [("speculative_generate", next(_RUNS), b) for b in range(B)]  # this call's rows, for the speculator
-    cache = KVCache(cfg, B, capacity, model.compute_dtype, device)
-    out = SpecOutput(tokens=[[] for _ in range(B)], finish_reasons=[""] * B, stats=SpecStats(rows=B))
+    backend = resolve_compile(compile, device)
+    decoder = compiled_decoder(model, B, capacity, backend) if backend != "off" else None
+    cache = decoder.cache if decoder is not None else KVCache(cfg, B, capacity, model.compute_dtype, device)
+    out = SpecOutput(tokens=[[] for _ in range(B)], finish_reasons=[""] * B, stats=SpecStats(rows=B), compile=backend)
     stats = out.stats
     active = [True] * B
 
     def commit(b: int, new: list[int]) -> None:
-        """Append tokens to row b up to its first stop condition."""
+        """Append tokens to row b up to its first stop condition (one device write per row and step)."""
+        kept = 0
         for tok in new:
             out.tokens[b].append(tok)
             seqs[b].append(tok)
-            lengths[b] += 1
+            kept += 1
             stats.generated += 1
             reason = stops[b].check(out.tokens[b])
             if reason is not None:
                 out.finish_reasons[b] = reason
                 active[b] = False
-                return
+                break
+        lengths[b] += kept
 
     t0 = time.perf_counter()
     T = int(lengths.max())
@@ -202,7 +211,7 @@ def speculative_generate(
             )
             budgets = [draft_budget(len(out.tokens[b]), row_params[b].max_tokens) for b in rows]
             proposal = speculator.propose(state).within(budgets)
-            hidden = _verify_forward(model, cache, proposal, rows, seqs, lengths)  # [B, T, H]
+            hidden = _verify_forward(model, cache, proposal, rows, seqs, lengths, decoder)  # [B, T, H]
             verdict = speculator.verify(state, proposal, model.logits(hidden[rows]))
             stats.steps += 1
             depth = max(verdict.offered)
@@ -225,9 +234,13 @@ def speculative_generate(
 _RUNS = itertools.count()
 
 
-def _verify_forward(model, cache: KVCache, proposal: Proposal, rows: list[int], seqs, lengths: Tensor) -> Tensor:
+def _verify_forward(
+    model, cache: KVCache, proposal: Proposal, rows: list[int], seqs, lengths: Tensor, decoder: CompiledDecoder | None
+) -> Tensor:
     """One target forward over every row of the static batch: the speculating rows feed their last committed
-    token + drafts (a chain) or their tree; finished rows feed padding (their outputs are unused)."""
+    token + drafts (a chain) or their tree; finished rows feed padding (their outputs are unused). A chain
+    runs through the compiled step when there is one, padded to the bucket of the speculator's longest step
+    (one captured graph per speculator)."""
     B = lengths.shape[0]
     device = lengths.device
     fed = proposal.fed()
@@ -240,5 +253,9 @@ def _verify_forward(model, cache: KVCache, proposal: Proposal, rows: list[int], 
         meta = tree_metadata(proposal.tree, lengths)
     else:
         feed[row_index, 1:] = proposal.tokens[:, : T - 1]  # drafts past a row's num_drafted: written, never read
+        longest = proposal.tokens.shape[1] + 1
+        if decoder is not None and bucket(longest) is not None:
+            positions = (lengths - 1)[:, None] + torch.arange(T, device=device)[None]
+            return decoder(feed, positions, min_tokens=longest)
         meta = chain_metadata(lengths, T)
     return model(feed, meta, cache, hidden_only=True)

@@ -42,7 +42,7 @@ class TreeResult:
 
     @property
     def num_accepted(self) -> Tensor:
-        return torch.tensor([len(p) - 1 for p in self.path])
+        return torch.tensor([len(p) - 1 for p in self.path], device=self.next_token.device)
 
 
 def _draft_mask(num_drafted: Tensor | None, B: int, k: int, device) -> Tensor:

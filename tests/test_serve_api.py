@@ -20,7 +20,7 @@ import torch
 
 aiohttp = pytest.importorskip("aiohttp")
 
-from runtime.generate import generate  # noqa: E402
+from runtime.decoding import generate  # noqa: E402
 from runtime.loader import load_model, load_tokenizer  # noqa: E402
 from runtime.sampling import SamplingParams  # noqa: E402
 from tests.serve_helpers import (  # noqa: E402
@@ -28,8 +28,8 @@ from tests.serve_helpers import (  # noqa: E402
     PLANTED_SEED,
     metrics,
     running_server,
-    sse_chunks,
     save_tiny_checkpoint,
+    sse_chunks,
     wait_idle,
 )
 

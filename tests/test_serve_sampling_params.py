@@ -13,11 +13,13 @@ import pytest
 import torch
 
 import runtime.engine as engine_module
+from runtime.decoding import generate
 from runtime.engine import EngineConfig, LLMEngine
-from runtime.generate import StopChecker, generate
 from runtime.loader import load_tokenizer, resolve, save_checkpoint
 from runtime.model import random_model
 from runtime.sampling import SamplingParams, logits_to_probs, process_logits
+from runtime.stopping import StopChecker
+from speculate.ngram import NgramSpeculator
 from tests.conftest import TINY_CONFIGS
 
 CFG = TINY_CONFIGS["llama"]
@@ -78,12 +80,10 @@ PENALIZED = [
 def test_penalties_bias_min_tokens_equal_the_reference(model, speculate):
     """Greedy outputs under every adjustment equal the from-definition oracle, with and without engine
     speculation (penalties see each draft position's own history, so they stay exact)."""
-    from speculate.engine import EngineNgramSpeculator
-
     prompts = prompts_with_repeats()
-    spec = EngineNgramSpeculator() if speculate else None
+    spec = NgramSpeculator(k=4) if speculate else None
     for params in PENALIZED:
-        engine = LLMEngine(model, config=small(num_speculative_tokens=4), speculator=spec)
+        engine = LLMEngine(model, config=small(), speculator=spec)
         stop_ids = sorted(set(params.stop_token_ids))
         outs = engine.generate(prompts, params)
         for prompt, out in zip(prompts, outs):
@@ -110,13 +110,11 @@ def test_logprobs_equal_transformers_log_softmax(model, tmp_path):
     independent forward in transformers; engine speculation reports the same target numbers."""
     from transformers import AutoModelForCausalLM
 
-    from speculate.engine import EngineNgramSpeculator
-
     save_checkpoint(model, tmp_path)
     hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     prompts = prompts_with_repeats(3)
     params = SamplingParams(max_tokens=10, ignore_eos=True, logprobs=5, prompt_logprobs=2, repetition_penalty=1.3)
-    for spec in (None, EngineNgramSpeculator()):
+    for spec in (None, NgramSpeculator(k=4)):
         engine = LLMEngine(model, config=small(), speculator=spec)
         for prompt, out in zip(prompts, engine.generate(prompts, params)):
             seq = prompt + out.output_ids

@@ -49,19 +49,30 @@ def int4_supported(bits: int, group_size: int, out_features: int) -> bool:
     return bits <= 4 and out_features % 16 == 0 and int4_subgroup_size(group_size, group_size) is not None
 
 
-def int4_pack(codes: Tensor, scales: Tensor, zeros: Tensor, group_size: int, perm: Tensor | None):
-    """codes [N, K] (groups contiguous after perm) -> (packed uint8, scales_and_zeros [K_pad/gk, N, 2], gk)."""
-    n, k = codes.shape
-    gk = int4_subgroup_size(group_size, k)
+def int4_padded_codes(codes: Tensor, perm: Tensor | None, gk: int) -> Tensor:
+    """codes [N, K] -> int32 [N, K_pad]: columns in group order (perm), padded with code 0 to a multiple of gk
+    (padded columns meet zero inputs)."""
+    k = codes.shape[1]
     k_pad = -(-k // gk) * gk
     if perm is not None:
-        codes = codes[:, perm]
-    codes = torch.nn.functional.pad(codes.to(torch.int32), (0, k_pad - k))  # padded columns meet zero inputs
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 2)
-    group = torch.arange(0, k_pad, gk).clamp(max=k - 1) // group_size  # group of each sub-group's first column
+        codes = codes[:, perm.to(codes.device)]
+    return torch.nn.functional.pad(codes.to(torch.int32), (0, k_pad - k))
+
+
+def int4_scales_and_zeros(scales: Tensor, zeros: Tensor, group_size: int, k: int, k_pad: int, gk: int) -> Tensor:
+    """tinygemm's [K_pad / gk, N, 2] bf16 (scale, zero) per sub-group: (q - 8) * s + (8 - z) * s == (q - z) * s."""
+    group = torch.arange(0, k_pad, gk, device=scales.device).clamp(max=k - 1) // group_size  # first column's group
     s, z = scales.float()[:, group], zeros.float()[:, group]  # [N, K_pad / gk]
-    scales_and_zeros = torch.stack([s.t(), ((8 - z) * s).t()], dim=-1).to(torch.bfloat16).contiguous()
-    return packed, scales_and_zeros, gk
+    return torch.stack([s.t(), ((8 - z) * s).t()], dim=-1).to(torch.bfloat16).contiguous()
+
+
+def int4_pack(codes: Tensor, scales: Tensor, zeros: Tensor, group_size: int, perm: Tensor | None):
+    """codes [N, K] (groups contiguous after perm) -> (packed uint8, scales_and_zeros [K_pad/gk, N, 2], gk)."""
+    k = codes.shape[1]
+    gk = int4_subgroup_size(group_size, k)
+    padded = int4_padded_codes(codes, perm, gk)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(padded.contiguous(), 2)
+    return packed, int4_scales_and_zeros(scales, zeros, group_size, k, padded.shape[1], gk), gk
 
 
 def int4_mm(x: Tensor, packed: Tensor, scales_and_zeros: Tensor, gk: int, perm: Tensor | None) -> Tensor:
