@@ -21,7 +21,7 @@ def log(msg: str) -> None:
 
 
 def parser(
-    module: str, doc: str, calibration: bool = True, bits: int = 4, group_size: int = 128
+    module: str, doc: str, calibration: bool = True, bits: int = 4, group_size: int = 64
 ) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog=f"python -m {module}", description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
