@@ -1,5 +1,6 @@
-"""qspec's GPTQ v1 export run by another loader: transformers' GPTQ integration (optimum + gptqmodel's torch CPU
-kernels) on the default model, scored with the same windows as qspec.
+"""qspec's GPTQ (v1, v2) and AWQ files run by another loader: transformers' GPTQ/AWQ integration (optimum +
+gptqmodel's torch CPU kernels): the same weights layer by layer on tiny models, and on the default model a v1
+export scored with the same windows as qspec.
 
 gptqmodel 7.x declares torch>=2.14 while this project pins torch 2.13, so it is not in the ``test`` extra;
 installed beside it with ``pip install --no-deps --target DIR gptqmodel optimum device-smi logbar tokenicer
@@ -14,11 +15,64 @@ import math
 
 import pytest
 import torch
+from formats_helpers import rtn_quantize
 
 from evals.perplexity import window_nlls
 from quantize import rtn
+from quantize.formats import linear_layout, save_quantized
+from quantize.qlinear import QuantLinear, set_module
+from runtime.config import ModelConfig
 from runtime.data import token_windows, wiki_text
 from runtime.loader import load_model, load_tokenizer
+from runtime.model import random_model
+
+SMALL = ModelConfig(  # widths gptqmodel's int4 CPU kernels take (multiples of 128)
+    architecture="llama",
+    vocab_size=96,
+    hidden_size=128,
+    intermediate_size=256,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=32,
+    eos_token_ids=[1],
+    max_position_embeddings=512,
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "fmt,bits,act_order",
+    [("gptq", 4, False), ("gptq", 4, True), ("gptq_v2", 4, False), ("awq", 4, False)]
+    + [("gptq", 8, False), ("gptq", 3, False), ("gptq", 2, False), ("gptq_v2", 3, True)],
+)
+def test_gptqmodel_dequantizes_qspec_files_to_the_same_weights(tmp_path, fmt, bits, act_order):
+    """transformers + gptqmodel load each file; every layer's dequantized weight is qspec's exact product
+    rounded once to the fp16 scale dtype (gptqmodel multiplies in fp16), i.e. weight difference 0."""
+    pytest.importorskip("gptqmodel")
+    pytest.importorskip("optimum")
+    from transformers import AutoModelForCausalLM
+
+    model = random_model(SMALL, seed=0)
+    expected = {}
+    for name, parts in linear_layout(model):
+        lin = model.get_submodule(name)
+        qw = rtn_quantize(lin.weight.detach(), bits, 32, act_order=act_order, seed=1)
+        qw.zeros.clamp_(min=1)  # v1 stores zero - 1
+        set_module(model, name, QuantLinear(qw, path="reference"))
+        start = 0
+        for prefix, rows in parts:
+            expected[prefix] = qw.dequantize()[start : start + rows]
+            start += rows
+    expected.pop("lm_head")  # transformers' GPTQ integration keeps lm_head dense: quantize the decoder only
+    set_module(model, "lm_head", random_model(SMALL, seed=0).lm_head)
+    out = save_quantized(model, tmp_path / fmt, {}, fmt=fmt, dense_dtype=torch.float32)
+    hf = AutoModelForCausalLM.from_pretrained(out, device_map="cpu", dtype=torch.float32)
+    for prefix, w in expected.items():
+        layer = hf.get_submodule(prefix)
+        assert "gptqmodel" in type(layer).__module__, prefix
+        theirs = layer.dequantize_weight().float()  # [in, out]
+        assert torch.equal(theirs.t(), w.half().float()), prefix
 
 
 @pytest.mark.slow
