@@ -293,3 +293,15 @@ def test_export_refusal_is_one_argparse_error(tmp_path, capsys):
     with pytest.raises(SystemExit):
         export.main(["--model", str(dense), "--format", "gptq", "--out", str(tmp_path / "y")])
     assert "is not a quantized checkpoint" in capsys.readouterr().err
+
+
+def test_compressed_tensors_mixed_symmetry_keeps_every_zero_point(tmp_path):
+    model, _ = quantized(LLAMA, 4, 32)
+    sym = rtn_quantize(model.layers[0].mlp.down_proj.qweight().dequantize(), 4, 32, sym=True)
+    set_module(model, "layers.0.mlp.down_proj", QuantLinear(sym, path="reference"))
+    out = save_quantized(model, tmp_path / "ct", {}, fmt="compressed-tensors", dense_dtype=torch.float32)
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["config_groups"]["group_0"]["weights"]["symmetric"] is False
+    assert "model.layers.0.mlp.down_proj.weight_zero_point" in load_file(out / "model.safetensors")
+    loaded, _, _ = load_model(str(out))
+    assert torch.equal(loaded.layers[0].mlp.down_proj.qweight().dequantize(), sym.dequantize())

@@ -11,6 +11,7 @@ a CPU extension, ~2.5 min). Without it the test is skipped; tests/formats_helper
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -100,3 +101,33 @@ def test_gptq_v1_runs_in_transformers_gptqmodel_with_qspec_perplexity(tmp_path):
     ppl_ours, ppl_theirs = math.exp(nll_ours / n), math.exp(nll_theirs / n)
     print(f"perplexity qspec {ppl_ours:.6f} transformers+gptqmodel {ppl_theirs:.6f} ({type(layer).__name__})")
     assert abs(ppl_theirs / ppl_ours - 1) < 1e-4
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_compressed_tensors_export_of_the_default_model_through_transformers(tmp_path):
+    """SmolLM2 RTN 4-bit g64 as compressed-tensors: the library decompresses every linear to qspec's weights
+    (fp32 scales: exact) and transformers' compressed-tensors integration scores the same perplexity up to the
+    library's fp16 products."""
+    pytest.importorskip("compressed_tensors")
+    from test_formats_export import library_decompress
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+    out = tmp_path / "ct"
+    rtn.main(["--model", "smollm2-135m", "--group-size", "64", "--format", "compressed-tensors", "--out", str(out)])
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    ours, _, _ = load_model(str(out))
+    theirs_weights = library_decompress(out, qc)
+    for name, parts in linear_layout(ours):
+        if isinstance(ours.get_submodule(name), QuantLinear):
+            library = torch.cat([theirs_weights[p] for p, _ in parts])
+            assert torch.equal(library, ours.get_submodule(name).qweight().dequantize()), name
+    windows = token_windows(load_tokenizer("smollm2-135m"), wiki_text("eval"), 512, 4)
+    theirs = AutoModelForCausalLM.from_pretrained(
+        out, dtype=torch.float32, quantization_config=CompressedTensorsConfig(dequantize=True)
+    )
+    with torch.no_grad():
+        ppl_ours = math.exp(sum(window_nlls(ours, windows)) / (len(windows) * 511))
+        ppl_theirs = math.exp(sum(window_nlls(theirs, windows)) / (len(windows) * 511))
+    print(f"perplexity qspec {ppl_ours:.6f} transformers+compressed-tensors {ppl_theirs:.6f}")
+    assert abs(ppl_theirs / ppl_ours - 1) < 2e-4  # fp16-rounded weights on their side

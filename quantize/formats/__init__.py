@@ -317,11 +317,11 @@ def save_quantized(
     if shares_quantized_head(model):
         # the embedding is the quantized lm_head (written below, lm_head: true): no dense table on disk either
         del state["model.embed_tokens.weight"]
+    sym = all(is_symmetric(m) for _, m in quantized_layers(model))  # one scheme: zero points for all or none
     for module_name, parts in linear_layout(model):
         module = model.get_submodule(module_name)
         if not isinstance(module, QuantLinear):
             continue
-        sym = is_symmetric(module)
         for (prefix, _), qw in zip(parts, split_rows(module.qweight(), [n for _, n in parts])):
             state.pop(prefix + ".weight", None)
             state.pop(prefix + ".bias", None)
