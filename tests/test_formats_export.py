@@ -20,8 +20,6 @@ from runtime.loader import load_model
 from runtime.model import Transformer, random_model
 from tests.conftest import TINY_CONFIGS
 
-ct_lib = pytest.importorskip("compressed_tensors")
-
 LLAMA = TINY_CONFIGS["llama"]  # hidden 64, intermediate 96: widths 64 and 96
 QWEN2 = ModelConfig(  # biases on q/k/v, tied embeddings
     architecture="qwen2",
@@ -59,6 +57,7 @@ def quantized(config, bits, group_size, sym=False, act_order=False, act_quant=Fa
 def library_decompress(path, qc):
     """Every quantized layer of a compressed-tensors checkpoint decompressed by the library's own compressor,
     with its scales upcast to fp32 (the library multiplies in the scale's dtype)."""
+    pytest.importorskip("compressed_tensors")  # the `test` extra installs it
     from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.quantization import QuantizationScheme
 
@@ -93,6 +92,7 @@ CT_CASES = [  # bits, group size, symmetric
 @pytest.mark.parametrize("bits,group_size,sym", CT_CASES)
 @pytest.mark.parametrize("config", [LLAMA, QWEN2], ids=["llama", "qwen2"])
 def test_compressed_tensors_decompresses_with_the_library_to_the_same_weights(tmp_path, config, bits, group_size, sym):
+    pytest.importorskip("compressed_tensors")
     from compressed_tensors.quantization import QuantizationConfig
     from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 
