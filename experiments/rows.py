@@ -182,7 +182,7 @@ def quantized_checkpoint(ctx, params: dict) -> tuple[Path, list[str]]:
         raise ValueError(f"rows.params.method: {method!r} not in {sorted(QUANT_MODULES)}")
     args = ["--model", ctx.cfg.model.spec]
     if method != "int8":
-        args += ["--bits", str(params.get("bits", 4)), "--group-size", str(params.get("group_size", 128))]
+        args += ["--bits", str(params.get("bits", 4)), "--group-size", str(params.get("group_size", 64))]
     args += [str(a) for a in params.get("args", [])]
     key = hashlib.sha256(json.dumps([method, args]).encode()).hexdigest()[:10]
     out = qspec_home() / "quantized" / f"{ctx.cfg.model.spec.replace('/', '_')}-{method}-{key}"

@@ -12,7 +12,7 @@ block; then a per-(row, group) clipping search of max|w| on the scaled weights (
 reference does). Finally the weights are quantized by RTN or, with --gptq, by GPTQ with Hessians of the
 scaled inputs, in the same calibration pass.
 
-    python -m quantize.awq --model smollm2-135m --bits 4 --group-size 128 --out DIR [--gptq --act-order]
+    python -m quantize.awq --model smollm2-135m --bits 4 --group-size 64 --out DIR [--gptq --act-order]
 """
 
 from __future__ import annotations

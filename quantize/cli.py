@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from quantize.config import DECODER_LINEARS, QuantConfig, QuantConfigError
-from quantize.formats import save_quantized
+from quantize.formats import DENSE_DTYPES, FORMATS, CheckpointError, default_format, refusal, save_quantized
 from runtime.layout import decoder_linear_names
 from runtime.provenance import module_command
 from runtime.provenance import provenance as record_provenance
@@ -24,7 +24,7 @@ def log(msg: str) -> None:
 
 
 def parser(
-    module: str, doc: str, calibration: bool = True, bits: int = 4, group_size: int = 128
+    module: str, doc: str, calibration: bool = True, bits: int = 4, group_size: int = 64
 ) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog=f"python -m {module}", description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -38,6 +38,20 @@ def parser(
         "--lm-head", action="store_true", help="quantize the output head too (tied: the embedding reads its rows)"
     )
     ap.add_argument("--out", default=None, help="output checkpoint directory (loadable with --model DIR)")
+    ap.add_argument(
+        "--format",
+        choices=FORMATS,
+        default=None,
+        help="checkpoint format of --out; default: what most loaders read for the method (gptq, rtn, int8: "
+        "gptq v1; awq: awq GEMM; int8 --w8a8: compressed-tensors). notes/formats.md lists who reads what",
+    )
+    ap.add_argument(
+        "--dense-dtype",
+        choices=("bf16", "fp32"),
+        default="bf16",
+        help="dtype of the unquantized tensors (embeddings, norms, biases) in --out; config.json declares it",
+    )
+    ap.set_defaults(quantizer=module.rsplit(".", 1)[-1])
     if calibration:
         ap.add_argument("--calib", default="wiki", help="calibration text: wiki | wiki-es | wiki-fr (calib split)")
         ap.add_argument("--nsamples", type=int, default=128, help="calibration windows")
@@ -97,7 +111,41 @@ def load(ap: argparse.ArgumentParser, args, cfg: QuantConfig):
             cfg.targets(model)
     except (ModelSpecError, QuantConfigError, KeyError) as err:
         ap.error(str(err).strip("'\""))
+    check_format(ap, args, cfg, model)
     return model, CachedTokenizer(load_tokenizer(str(path))), path, source
+
+
+def check_format(ap: argparse.ArgumentParser, args, cfg: QuantConfig, model) -> None:
+    """Resolve --format (the method's default when not given) and, with --out, refuse before quantizing a
+    setting the format cannot hold (ragged groups, act-order g_idx, bits, W8A8): one argparse error."""
+    act_quant = cfg.act_quant or getattr(args, "w8a8", False)
+    args.format = args.format or default_format(args.quantizer, act_quant, cfg.bits, cfg.sym)
+    if args.out is None:
+        return
+    names = cfg.target_names(model)
+    # act-order leaves a g_idx on grouped layers unless groups are static (AWQ: only with --gptq)
+    act_order = getattr(args, "act_order", False) and not getattr(args, "static_groups", False)
+    act_order = act_order and (args.quantizer != "awq" or getattr(args, "gptq", False))
+    widths = [model.get_submodule(n).in_features for n in names]
+    for name in names:
+        layer = model.get_submodule(name)
+        group_size = cfg.group_size_for(layer.in_features, name)
+        why = refusal(
+            args.format,
+            name,
+            layer.in_features,
+            layer.out_features,
+            cfg.bits,
+            group_size,
+            g_idx=act_order and group_size < layer.in_features,
+            act_quant=act_quant,
+            sym=cfg.sym or act_quant,
+            widths=widths,
+        )
+        if why:
+            ap.error(why)
+    if args.format == "compressed-tensors" and cfg.lm_head and model.config.tie_word_embeddings:
+        ap.error("--lm-head on a tied model cannot be expressed in compressed-tensors: drop --lm-head or use gptq")
 
 
 class CachedTokenizer:
@@ -186,10 +234,16 @@ def finish(
         "cpu_seconds": round(cpu_seconds(), 1),  # process CPU time so far: loading + quantizing
         **provenance(argv, module),
     }
+    if args.out:
+        record.update(format=args.format, dense_dtype=args.dense_dtype)
     if args.eval:
         record.update(evaluate(model, tokenizer, args.eval, args.eval_windows))
     if args.out:
-        save(model, Path(args.out), cfg, path, record)
+        try:
+            save(model, Path(args.out), cfg, path, record, args.format, DENSE_DTYPES[args.dense_dtype])
+        except CheckpointError as err:  # e.g. a v1 zero point of 0, known only after quantizing
+            write_record({**record, "save_error": str(err)}, args.record)
+            raise SystemExit(f"error: {args.out} not written: {err}") from err
         record["out"] = str(args.out)
     write_record(record, args.record)
     return record
@@ -222,7 +276,7 @@ def evaluate(model, tokenizer, texts: str, default_windows: int) -> dict:
     return out
 
 
-def save(model, out: Path, cfg: QuantConfig, source: Path, record: dict) -> None:
-    save_quantized(model, out, cfg.to_dict(), tokenizer_from=source)
+def save(model, out: Path, cfg: QuantConfig, source: Path, record: dict, fmt: str, dense_dtype: torch.dtype) -> None:
+    save_quantized(model, out, cfg.to_dict(), tokenizer_from=source, fmt=fmt, dense_dtype=dense_dtype)
     (out / "qspec_quantize.json").write_text(json.dumps(record, indent=2))
     log(f"saved {out}")

@@ -68,11 +68,16 @@ class QuantConfig:
     def targets(self, model: nn.Module) -> list[str]:
         """Dotted names of the linear layers this config quantizes in a runtime.model.Transformer, in
         forward order; raises if a group does not fit one of them."""
+        names = self.target_names(model)
+        for name in names:
+            self.group_size_for(model.get_submodule(name).in_features, name)
+        return names
+
+    def target_names(self, model: nn.Module) -> list[str]:
+        """targets() without the group check."""
         names = decoder_linear_names(len(model.layers), self.modules)
         if self.lm_head:
             names.append("lm_head")
-        for name in names:
-            self.group_size_for(model.get_submodule(name).in_features, name)
         return names
 
     def to_dict(self) -> dict:

@@ -11,7 +11,7 @@ parameters always see every update made so far (the reference misses the updates
 same 128-column block when a group starts mid-block, e.g. group size 32), and a group that straddles a block
 boundary sees the pending update of its columns beyond the block.
 
-    python -m quantize.gptq --model smollm2-135m --bits 4 --group-size 128 --act-order --out DIR
+    python -m quantize.gptq --model smollm2-135m --bits 4 --group-size 64 --act-order --out DIR
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 optional MSE search of each group's range. No calibration data; the baseline every other method is scored
 against.
 
-    python -m quantize.rtn --model smollm2-135m --bits 4 --group-size 128 --out DIR
+    python -m quantize.rtn --model smollm2-135m --bits 4 --group-size 64 --out DIR
 """
 
 from __future__ import annotations

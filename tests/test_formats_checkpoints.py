@@ -149,7 +149,7 @@ def test_round_trip_identical_weights_and_logits(tmp_path, fmt, bits, group_size
     model = quantize_model(random_model(LLAMA, seed=3), bits, group_size, act_order, min_zero=int(fmt == "gptq"))
     tokens = torch.randint(0, LLAMA.vocab_size, (3, 11), generator=torch.Generator().manual_seed(2))
     before = model(tokens)
-    out = save_quantized(model, tmp_path / "q", {"damp_percent": 0.01}, fmt=fmt)
+    out = save_quantized(model, tmp_path / "q", {"damp_percent": 0.01}, fmt=fmt, dense_dtype=torch.float32)
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     assert qc["bits"] == bits and qc["damp_percent"] == 0.01
     assert qc["group_size"] == (-1 if group_size == -1 else group_size)
@@ -160,14 +160,14 @@ def test_round_trip_identical_weights_and_logits(tmp_path, fmt, bits, group_size
         assert torch.equal(a.codes, b.codes) and torch.equal(a.group_index(), b.group_index())
     assert torch.equal(loaded(tokens), before)
     # saving the loaded model again writes the same bytes for every tensor
-    again = save_quantized(loaded, tmp_path / "q2", {"damp_percent": 0.01}, fmt=fmt)
+    again = save_quantized(loaded, tmp_path / "q2", {"damp_percent": 0.01}, fmt=fmt, dense_dtype=torch.float32)
     first, second = load_file(out / "model.safetensors"), load_file(again / "model.safetensors")
     assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
 
 
 def test_saved_tensors_match_independent_packer(tmp_path):
     model = quantize_model(random_model(QWEN2, seed=0), 3, 32, act_order=True)
-    out = save_quantized(model, tmp_path / "q", {}, fmt="gptq_v2")
+    out = save_quantized(model, tmp_path / "q", {}, fmt="gptq_v2", dense_dtype=torch.float32)
     saved = load_file(out / "model.safetensors")
     qkv = model.layers[1].self_attn.qkv_proj.qweight()
     k_rows = slice(QWEN2.q_size, QWEN2.q_size + QWEN2.kv_size)
@@ -186,7 +186,7 @@ def rtn_like(qw, rows):
 
 def test_sharded_checkpoint_round_trip(tmp_path):
     model = quantize_model(random_model(LLAMA, seed=5), 4, 32)
-    out = save_quantized(model, tmp_path / "q", {}, fmt="gptq_v2", max_shard_bytes=20_000)
+    out = save_quantized(model, tmp_path / "q", {}, fmt="gptq_v2", max_shard_bytes=20_000, dense_dtype=torch.float32)
     assert (out / "model.safetensors.index.json").is_file()
     loaded, _, _ = load_model(str(out))
     tokens = torch.randint(0, LLAMA.vocab_size, (1, 6))
@@ -268,7 +268,8 @@ def test_fused_parts_with_different_g_idx_are_refused(saved_gptq):
 def test_save_refuses_what_the_format_cannot_store(tmp_path):
     model = quantize_model(random_model(LLAMA, seed=0), 4, 32)
     model.layers[0].mlp.down_proj.zeros[0, 0] = 0
-    with pytest.raises(CheckpointError, match="layers.0.mlp.down_proj: zero points span \\[0, .*zero point 0 needs"):
+    v1_message = r"layers.0.mlp.down_proj: zero points span \[0, .*zero point 0, .* needs --format gptq_v2"
+    with pytest.raises(CheckpointError, match=v1_message):
         save_quantized(model, tmp_path / "v1", {}, fmt="gptq")
     model = quantize_model(random_model(LLAMA, seed=0), 3, 32)
     with pytest.raises(CheckpointError, match="AWQ GEMM stores 4-bit codes, this layer has 3 bits"):
@@ -283,9 +284,15 @@ def test_w8a8_and_algorithm_metadata_survive_the_round_trip(tmp_path):
         qw = rtn_quantize(model.get_submodule(name).weight.detach(), 8, -1, sym=True)
         set_module(model, name, QuantLinear(qw, act_quant=True))
     tokens = torch.randint(0, LLAMA.vocab_size, (2, 5))
-    out = save_quantized(model, tmp_path / "q", {"quant_method": "rtn", "bits": 8, "group_size": -1}, fmt="gptq_v2")
-    qc = json.loads((out / "config.json").read_text())["quantization_config"]
-    assert qc["quant_method"] == "gptq" and qc["meta"]["quant_method"] == "rtn" and qc["act_quant"] and qc["sym"]
+    with pytest.raises(CheckpointError, match="layers.0.self_attn.qkv_proj: W8A8 .* use --format compressed-tensors"):
+        save_quantized(model, tmp_path / "v2", {}, fmt="gptq_v2")
+    meta = {"quant_method": "rtn", "bits": 8, "group_size": -1}
+    out = save_quantized(model, tmp_path / "q", meta, fmt="compressed-tensors", dense_dtype=torch.float32)
+    config = json.loads((out / "config.json").read_text())
+    qc = config["quantization_config"]
+    assert qc["quant_method"] == "compressed-tensors" and qc["format"] == "int-quantized"
+    assert qc["config_groups"]["group_0"]["input_activations"]["strategy"] == "token"
+    assert config["qspec_quant_config"] == meta
     loaded, _, _ = load_model(str(out))
     assert all(loaded.get_submodule(n).act_quant for n, _ in linear_layout(loaded))
     assert torch.equal(loaded(tokens), model(tokens))

@@ -151,9 +151,23 @@ def test_save_and_reload_through_formats(tiny_checkpoint, tmp_path):
     from runtime.loader import load_model
 
     out = tmp_path / "q"
-    rtn.main(["--model", str(tiny_checkpoint), "--bits", "4", "--group-size", "32", "--out", str(out)])
+    rtn.main(
+        [
+            "--model",
+            str(tiny_checkpoint),
+            "--bits",
+            "4",
+            "--group-size",
+            "32",
+            "--out",
+            str(out),
+            "--dense-dtype",
+            "fp32",
+        ]
+    )
     model, _, _ = load_model(str(out))
-    assert json.loads((out / "qspec_quantize.json").read_text())["quant_config"]["bits"] == 4
+    record = json.loads((out / "qspec_quantize.json").read_text())
+    assert record["quant_config"]["bits"] == 4 and record["format"] == "gptq" and record["dense_dtype"] == "fp32"
     reference = rtn.quantize_model(random_model(TINY, seed=0), rtn.QuantConfig(bits=4, group_size=32))
     for name, mod in reference.named_modules():
         if isinstance(mod, QuantLinear):
@@ -225,3 +239,64 @@ def test_gptq_per_channel_act_order_saves_and_reloads(tiny_checkpoint, tmp_path)
     assert qc["desc_act"] is False and qc["group_size"] == -1
     model, _, _ = load_model(str(out))
     assert torch.isfinite(model(torch.tensor([[1, 2, 3]]))).all()
+
+
+@pytest.mark.parametrize(
+    "main,argv,fmt",
+    [
+        (rtn.main, ["--bits", "4", "--group-size", "32"], "gptq"),
+        (rtn.main, ["--bits", "3", "--group-size", "32"], "gptq_v2"),  # v1 cannot hold zero point 0
+        (rtn.main, ["--bits", "4", "--group-size", "32", "--format", "compressed-tensors"], "compressed-tensors"),
+        (int8.main, [], "gptq"),
+        (int8.main, ["--w8a8"], "compressed-tensors"),
+        (awq.main, ["--bits", "4", "--group-size", "32", "--nsamples", "2", "--seqlen", "32", "--grid", "2"], "awq"),
+    ],
+)
+def test_cli_format_default_is_recorded(tiny_checkpoint, tmp_path, main, argv, fmt):
+    out, records = tmp_path / "q", tmp_path / "r.jsonl"
+    main(["--model", str(tiny_checkpoint), *argv, "--out", str(out), "--record", str(records)])
+    record = json.loads(records.read_text())
+    assert record["format"] == fmt and json.loads((out / "qspec_quantize.json").read_text())["format"] == fmt
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    written = qc.get("checkpoint_format") if qc["quant_method"] == "gptq" else qc["quant_method"]
+    assert written == fmt
+    model, _, _ = load_model(str(out))
+    assert isinstance(model.layers[0].mlp.down_proj, QuantLinear)
+
+
+@pytest.mark.parametrize(
+    "main,argv,message",
+    [
+        (
+            rtn.main,
+            ["--group-size", "48"],
+            "layers.0.self_attn.qkv_proj: in_features 64 is not a multiple of group size 48; gptq would need a "
+            "ragged last group, which its loaders reject: use --group-size 16, 32 or -1 (per-channel)",
+        ),
+        (gptq.main, ["--group-size", "32", "--act-order", "--format", "compressed-tensors"], "has no g_idx"),
+        (gptq.main, ["--group-size", "32", "--act-order", "--format", "awq"], "AWQ has no g_idx"),
+        (awq.main, ["--bits", "3", "--group-size", "32", "--format", "awq"], "AWQ GEMM stores 4-bit codes"),
+        (int8.main, ["--w8a8", "--format", "gptq"], "W8A8 (int8 activations) cannot be expressed in a GPTQ"),
+    ],
+)
+def test_cli_refuses_what_the_format_cannot_hold_before_quantizing(
+    tiny_checkpoint, tmp_path, capsys, main, argv, message
+):
+    err = run_error(main, ["--model", str(tiny_checkpoint), *argv, "--out", str(tmp_path / "q")], capsys)
+    assert message in err, err
+    assert not (tmp_path / "q").exists()
+
+
+def test_ragged_group_is_fine_in_memory(tiny_checkpoint, tmp_path):
+    records = tmp_path / "r.jsonl"
+    rtn.main(["--model", str(tiny_checkpoint), "--group-size", "48", "--eval", "wiki:1", "--record", str(records)])
+    assert json.loads(records.read_text())["perplexity"]["wiki"] > 1
+
+
+def test_gptq_static_act_order_exports_to_compressed_tensors(tiny_checkpoint, tmp_path):
+    out = tmp_path / "q"
+    argv = ["--model", str(tiny_checkpoint), "--group-size", "32", "--act-order", "--static-groups"]
+    gptq.main([*argv, "--nsamples", "4", "--seqlen", "64", "--format", "compressed-tensors", "--out", str(out)])
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["config_groups"]["group_0"]["weights"]["actorder"] == "weight"
+    assert isinstance(load_model(str(out))[0].layers[1].self_attn.o_proj, QuantLinear)

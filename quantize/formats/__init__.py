@@ -1,9 +1,13 @@
-"""Packed quantized checkpoints in the layouts other tools load: GPTQ (v1 "gptq" and "gptq_v2") and AWQ GEMM.
+"""Packed quantized checkpoints in the layouts other tools load: GPTQ (v1 "gptq" and "gptq_v2"), AWQ GEMM and
+compressed-tensors (llm-compressor / vLLM).
 
 ``save_quantized`` writes an HF-style directory (config.json with ``quantization_config``, safetensors with
 per-layer packed tensors under the unfused HF names q_proj/k_proj/v_proj, gate_proj/up_proj); layers that are
-not QuantLinear are saved as plain weights. ``load_quantized_into`` reads such a directory, whoever wrote it,
-into a runtime Transformer, concatenating the parts back into the fused qkv_proj / gate_up_proj QuantLinears.
+not QuantLinear are saved as plain weights, in the dense dtype config.json declares (bf16 unless asked).
+A setting a format cannot express (a ragged last group, act-order g_idx, bits, int8 activations) is refused
+before anything is written (``refusal``), naming the layer and what would work. ``load_quantized_into`` reads
+such a directory, whoever wrote it, into a runtime Transformer, concatenating the parts back into the fused
+qkv_proj / gate_up_proj QuantLinears.
 A quantized lm_head of a tied model is written once (``lm_head: true``, no dense embedding table) and loads as
 both the head and the embedding (quantize.qembedding.QuantEmbedding).
 """
@@ -17,14 +21,113 @@ import torch
 from torch import Tensor, nn
 
 from quantize.formats import awq, gptq
+from quantize.formats import compressed_tensors as ct
 from quantize.formats.errors import CheckpointError, check_safetensors_file
 from quantize.qembedding import shares_quantized_head, tie_quantized_embedding
 from quantize.qlinear import QuantizedWeight, QuantLinear, set_module
 from runtime import layout
 from runtime.loader import register_quantized_format
 
-FORMATS = ("gptq", "gptq_v2", "awq")
-__all__ = ["FORMATS", "CheckpointError", "save_quantized", "load_quantized_into", "linear_layout"]
+FORMATS = ("gptq", "gptq_v2", "awq", "compressed-tensors")
+DENSE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+__all__ = [
+    "FORMATS",
+    "DENSE_DTYPES",
+    "CheckpointError",
+    "default_format",
+    "refusal",
+    "save_quantized",
+    "load_quantized_into",
+    "linear_layout",
+]
+
+
+def default_format(method: str, act_quant: bool = False, bits: int = 4, sym: bool = False) -> str:
+    """The format most loaders read for a method's checkpoints.
+
+    GPTQ and RTN/int8 weight-only -> "gptq" (v1): transformers (gptqmodel), AutoGPTQ, vLLM (gptq, gptq_marlin),
+    TGI, SGLang and ExLlama all read it; RTN is GPTQ's grid without the Hessian update, and 8-bit is in v1.
+    Asymmetric 2/3-bit grids -> "gptq_v2": v1 stores zero - 1 and so cannot hold zero point 0, which those grids
+    do produce (a few groups with no negative weight: 4 of 1.66M on SmolLM2 at 3-bit g64); gptqmodel and
+    transformers read v2. AWQ -> "awq" (GEMM): what AutoAWQ, transformers and vLLM's awq / awq_marlin read.
+    W8A8 -> compressed-tensors (int-quantized): the only one of these formats that can say activations are int8.
+    """
+    if act_quant:
+        return "compressed-tensors"
+    if method.startswith("awq") and bits == 4:
+        return "awq"
+    return "gptq_v2" if bits < 4 and not sym else "gptq"
+
+
+def dividing_group_sizes(widths: list[int]) -> str:
+    """Group sizes (multiples of 16, as the packed kernels want) that divide every width, for error messages."""
+    from math import gcd
+
+    g = 0
+    for w in widths:
+        g = gcd(g, w)
+    sizes = [d for d in range(16, g + 1, 16) if g % d == 0]
+    return ", ".join(map(str, sizes)) + (" or " if sizes else "") + "-1 (per-channel)"
+
+
+def refusal(
+    fmt: str,
+    name: str,
+    in_features: int,
+    out_features: int,
+    bits: int,
+    group_size: int,
+    g_idx: bool = False,
+    act_quant: bool = False,
+    sym: bool = False,
+    widths: list[int] | None = None,
+) -> str | None:
+    """Why `fmt` cannot hold this layer's setting (one line naming the layer and what would work), or None.
+
+    group_size is the layer's (>= in_features: per-channel); widths: every quantized layer's input width, for
+    the list of group sizes that would work.
+    """
+    grouped = group_size < in_features
+    if fmt not in FORMATS:
+        return f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}"
+    if grouped and in_features % group_size:
+        return (
+            f"{name}: in_features {in_features} is not a multiple of group size {group_size}; {fmt} would need a "
+            f"ragged last group, which its loaders reject: use --group-size "
+            f"{dividing_group_sizes(widths or [in_features])}"
+        )
+    if fmt in ("gptq", "gptq_v2"):
+        if act_quant:
+            return (
+                f"{name}: W8A8 (int8 activations) cannot be expressed in a GPTQ checkpoint (other loaders would "
+                "run it weight-only): use --format compressed-tensors"
+            )
+        return None
+    if fmt == "awq":
+        if bits != 4:
+            return (
+                f"{name}: AWQ GEMM stores 4-bit codes, this layer has {bits} bits: use --format gptq or "
+                "compressed-tensors"
+            )
+        if g_idx:
+            return (
+                f"{name}: AWQ has no g_idx, so act-order (permuted groups) cannot be saved: use --format gptq, or "
+                "--static-groups"
+            )
+        if act_quant:
+            return f"{name}: W8A8 (int8 activations) cannot be expressed in AWQ: use --format compressed-tensors"
+        if out_features % 8:
+            return f"{name}: AWQ GEMM packs 8 output columns per word; out_features={out_features}: use --format gptq"
+        return None
+    # compressed-tensors
+    if g_idx:
+        return (
+            f"{name}: compressed-tensors (>= 0.14) has no g_idx (actorder 'group' was removed), so act-order "
+            "with permuted groups cannot be saved: use --static-groups (actorder 'weight') or --format gptq"
+        )
+    if act_quant and (grouped or not sym or bits != 8):
+        return f"{name}: compressed-tensors W8A8 (int-quantized) holds symmetric per-channel int8 weights"
+    return None
 
 
 def linear_layout(model, quantized_head: bool = False) -> list[tuple[str, list[tuple[str, int]]]]:
@@ -74,9 +177,44 @@ def concat_rows(name: str, parts: list[tuple[str, QuantizedWeight]]) -> Quantize
     )
 
 
+def quantized_layers(model) -> list[tuple[str, QuantLinear]]:
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, QuantLinear)]
+
+
+def is_symmetric(layer: QuantLinear) -> bool:
+    return bool((layer.qweight().zeros == 2 ** (layer.bits - 1)).all())
+
+
+def check_expressible(model, fmt: str) -> None:
+    """Raise CheckpointError (one line naming the layer) if `fmt` cannot hold some QuantLinear of the model."""
+    layers = quantized_layers(model)
+    widths = [m.in_features for _, m in layers]
+    for name, m in layers:
+        why = refusal(
+            fmt,
+            name,
+            m.in_features,
+            m.out_features,
+            m.bits,
+            m.group_size,
+            g_idx=m.g_idx is not None,
+            act_quant=m.act_quant,
+            sym=is_symmetric(m),
+            widths=widths,
+        )
+        if why:
+            raise CheckpointError(why)
+    if fmt == "compressed-tensors" and shares_quantized_head(model):
+        raise CheckpointError(
+            "lm_head: a quantized head shared with the tied embedding cannot be expressed in compressed-tensors "
+            "(the embedding needs its own dense table there): drop --lm-head or use --format gptq"
+        )
+
+
 def quantization_config_for(model, quant_config: dict, fmt: str) -> dict:
-    """The config.json ``quantization_config``: what the layers actually are, plus the caller's metadata."""
-    layers = [(n, m) for n, m in model.named_modules() if isinstance(m, QuantLinear)]
+    """The config.json ``quantization_config``: what the layers actually are, plus the caller's metadata
+    (GPTQ / AWQ; compressed-tensors gets exactly the keys llm-compressor writes)."""
+    layers = quantized_layers(model)
     if not layers:
         raise ValueError("save_quantized: the model has no QuantLinear layers")
     bits = {m.bits for _, m in layers}
@@ -86,11 +224,28 @@ def quantization_config_for(model, quant_config: dict, fmt: str) -> dict:
     group_sizes = {m.group_size for _, m in layers if m.group_size < m.in_features}
     if len(group_sizes) > 1 or (group_sizes and any(m.group_size >= m.in_features for _, m in layers)):
         raise ValueError(f"save_quantized: layers mix group sizes {sorted({m.group_size for _, m in layers})}")
+    act_quant = {m.act_quant for _, m in layers}
+    if len(act_quant) > 1:
+        raise ValueError("save_quantized: some layers quantize activations (W8A8) and some do not")
     derived = {
         "bits": bits.pop(),
         "group_size": -1 if per_channel else group_sizes.pop(),
     }
-    sym = all(bool((m.qweight().zeros == 2 ** (m.bits - 1)).all()) for _, m in layers)
+    sym = all(is_symmetric(m) for _, m in layers)
+    if fmt == "compressed-tensors":
+        quantized = {n for n, _ in layers}
+        ignore = [hf for name, parts in linear_layout(model) if name not in quantized for hf, _ in parts]
+        if "lm_head" not in quantized and "lm_head" not in ignore:
+            ignore.append("lm_head")  # tied heads too: transformers builds an lm_head Linear for them
+        static_act_order = bool(quant_config.get("act_order")) and not any(m.g_idx is not None for _, m in layers)
+        return ct.quantization_config(
+            derived["bits"],
+            derived["group_size"],
+            sym,
+            act_quant.pop(),
+            ignore,
+            actorder="weight" if static_act_order else None,
+        )
     if fmt in ("gptq", "gptq_v2"):
         derived.update(
             quant_method="gptq",
@@ -112,7 +267,7 @@ def quantization_config_for(model, quant_config: dict, fmt: str) -> dict:
             # e.g. quant_method "rtn": the algorithm, not the format other loaders dispatch on; kept under meta
             out.setdefault("meta", {})[key] = value
     if any(m.act_quant for _, m in layers):
-        out["act_quant"] = True  # qspec extension: W8A8 layers quantize activations per token at run time
+        out["act_quant"] = True  # read back by qspec only; refusal() keeps new W8A8 saves out of GPTQ files
     return out
 
 
@@ -123,22 +278,31 @@ def save_quantized(
     tokenizer_from: Path | None = None,
     fmt: str = "gptq_v2",
     max_shard_bytes: int | None = None,
+    dense_dtype: torch.dtype = torch.bfloat16,
 ) -> Path:
     """Write a model whose linear layers are QuantLinear as a packed checkpoint directory.
 
-    quant_config: the quantizer's metadata (e.g. {"damp_percent": 0.01, "true_sequential": True, "meta": {...}})
-    merged into ``quantization_config``; bits / group_size / desc_act / sym are derived from the layers and
-    may be given only if they agree. Scales are stored in fp16 as every GPTQ/AWQ loader expects them.
+    quant_config: the quantizer's metadata (e.g. {"damp_percent": 0.01, "true_sequential": True, "meta": {...}}),
+    merged into a GPTQ / AWQ ``quantization_config`` (compressed-tensors: kept under the top-level config.json
+    key ``qspec_quant_config``); bits / group_size / desc_act / sym are derived from the layers and may be given
+    only if they agree. Scales are stored in fp16 as every GPTQ/AWQ loader expects them (compressed-tensors
+    too). Everything not quantized (embeddings, norms, dense linears, biases) is stored in dense_dtype, which
+    config.json declares. A setting the format cannot hold raises CheckpointError before anything is written.
     """
     from runtime.loader import save_checkpoint
 
     if fmt not in FORMATS:
         raise ValueError(f"unknown format {fmt!r}; choose one of {FORMATS}")
+    if dense_dtype not in DENSE_DTYPES.values():
+        raise ValueError(f"dense_dtype must be one of {list(DENSE_DTYPES.values())}, got {dense_dtype}")
+    check_expressible(model, fmt)
     qconfig = quantization_config_for(model, quant_config, fmt)
-    state = model.hf_state_dict()  # dense tensors under HF names; quantized layers are replaced below
+    # dense tensors under HF names, in the declared dtype; quantized layers are replaced below
+    state = {k: v.to(dense_dtype) if v.is_floating_point() else v for k, v in model.hf_state_dict().items()}
     if shares_quantized_head(model):
         # the embedding is the quantized lm_head (written below, lm_head: true): no dense table on disk either
         del state["model.embed_tokens.weight"]
+    sym = all(is_symmetric(m) for _, m in quantized_layers(model))  # one scheme: zero points for all or none
     for module_name, parts in linear_layout(model):
         module = model.get_submodule(module_name)
         if not isinstance(module, QuantLinear):
@@ -146,20 +310,28 @@ def save_quantized(
         for (prefix, _), qw in zip(parts, split_rows(module.qweight(), [n for _, n in parts])):
             state.pop(prefix + ".weight", None)
             state.pop(prefix + ".bias", None)
+            if qw.bias is not None:
+                qw.bias = qw.bias.to(dense_dtype)
             if fmt == "awq":
                 state.update(awq.to_tensors(prefix, qw))
+            elif fmt == "compressed-tensors":
+                state.update(ct.to_tensors(prefix, qw, sym, module.act_quant))
             else:
                 state.update(gptq.to_tensors(prefix, qw, checkpoint_format=fmt))
     state = {k: v.contiguous() for k, v in state.items()}
+    dtype_name = str(dense_dtype).removeprefix("torch.")
+    extra = {"quantization_config": qconfig, "torch_dtype": dtype_name, "dtype": dtype_name}
+    if fmt == "compressed-tensors" and quant_config:
+        extra["qspec_quant_config"] = quant_config
     out = save_checkpoint(
         model,
         out_dir,
         max_shard_bytes=max_shard_bytes,
-        extra_config={"quantization_config": qconfig, "torch_dtype": "float16"},
+        extra_config=extra,
         tokenizer_from=tokenizer_from,
         state_dict=state,
     )
-    if fmt != "awq":  # AutoGPTQ-era loaders read this file rather than config.json
+    if fmt in ("gptq", "gptq_v2"):  # AutoGPTQ-era loaders read this file rather than config.json
         (out / "quantize_config.json").write_text(json.dumps(qconfig, indent=2))
     return out
 
@@ -180,8 +352,10 @@ def read_tensors(path: Path) -> dict[str, Tensor]:
 
 
 def parse_quantization_config(qc: dict) -> dict:
-    """Normalised reading of a GPTQ / AWQ ``quantization_config`` (or quantize_config.json)."""
+    """Normalised reading of a GPTQ / AWQ / compressed-tensors ``quantization_config`` (or quantize_config.json)."""
     method = str(qc.get("quant_method", "gptq")).lower()
+    if method == "compressed-tensors":
+        return ct.parse_config(qc)
     if "bits" not in qc and "w_bit" not in qc:
         raise CheckpointError(f"quantization_config has no 'bits': {qc}")
     bits = int(qc.get("bits", qc.get("w_bit")))
@@ -200,11 +374,19 @@ def parse_quantization_config(qc: dict) -> dict:
             raise CheckpointError(f"unsupported AWQ version {version!r}; supported: {awq.VERSIONS}")
         zero_point = bool(qc.get("zero_point", True))
         return {"method": "awq", "format": version, "bits": bits, "group_size": group_size, "zero_point": zero_point}
-    raise CheckpointError(f"unsupported quant_method {method!r}; supported: gptq, awq")
+    raise CheckpointError(f"unsupported quant_method {method!r}; supported: gptq, awq, compressed-tensors")
+
+
+def quantized_key(qc: dict) -> str:
+    """The tensor suffix that marks a layer as quantized in this checkpoint's format."""
+    if qc["method"] == "compressed-tensors":
+        return ".weight_scale"  # pack-quantized and int-quantized layers both carry one; dense layers do not
+    return ".qweight"
 
 
 def load_quantized_into(model, path: str | Path, quantization_config: dict, dtype: torch.dtype = torch.float32):
-    """Fill a runtime Transformer from a GPTQ / AWQ checkpoint dir; quantized layers become QuantLinear.
+    """Fill a runtime Transformer from a GPTQ / AWQ / compressed-tensors checkpoint dir; quantized layers become
+    QuantLinear.
 
     Every tensor is checked against the model config and quantization_config; a missing, misshapen or
     unused tensor, or a truncated file, raises CheckpointError naming it. A quantized lm_head of a model with
@@ -216,11 +398,12 @@ def load_quantized_into(model, path: str | Path, quantization_config: dict, dtyp
     tensors = {k: v for k, v in read_tensors(path).items() if not k.endswith("rotary_emb.inv_freq")}
     used: set[str] = set()
     cfg = model.config
-    quantized_head = "lm_head.qweight" in tensors
+    qkey = quantized_key(qc)
+    quantized_head = "lm_head" + qkey in tensors
     for module_name, parts in linear_layout(model, quantized_head):
         module = model.get_submodule(module_name)
         in_features = module.in_features
-        quantized = [f"{p}.qweight" in tensors for p, _ in parts]
+        quantized = [p + qkey in tensors for p, _ in parts]
         if any(quantized) and not all(quantized):
             raise CheckpointError(
                 f"{module_name}: {[p for (p, _), q in zip(parts, quantized) if not q]} are not quantized but "
@@ -235,6 +418,8 @@ def load_quantized_into(model, path: str | Path, quantization_config: dict, dtyp
         for prefix, rows in parts:
             if qc["method"] == "gptq":
                 qw = gptq.from_tensors(tensors, prefix, in_features, rows, qc["bits"], qc["group_size"], qc["format"])
+            elif qc["method"] == "compressed-tensors":
+                qw = ct.from_tensors(tensors, prefix, in_features, rows, qc)
             else:
                 qw = awq.from_tensors(
                     tensors, prefix, in_features, rows, qc["bits"], qc["group_size"], qc["zero_point"]
@@ -254,8 +439,9 @@ def load_quantized_into(model, path: str | Path, quantization_config: dict, dtyp
 
 
 def register() -> None:
-    """Make runtime.loader.load_model read GPTQ and AWQ checkpoints (also the entry point runtime finds)."""
-    for method in ("gptq", "awq"):
+    """Make runtime.loader.load_model read GPTQ, AWQ and compressed-tensors checkpoints (also the entry
+    point runtime finds)."""
+    for method in ("gptq", "awq", "compressed-tensors"):
         register_quantized_format(method, load_quantized_into)
 
 

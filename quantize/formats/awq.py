@@ -1,6 +1,6 @@
 """AWQ GEMM packed layout (AutoAWQ, transformers ``quant_method: awq``, ``version: gemm``).
 
-Per linear layer ``P`` (in -> out features, G = in / group_size groups, 4 bits):
+Per linear layer ``P`` (in -> out features, G = in // group_size groups, 4 bits; in % group_size must be 0):
   P.qweight  int32 [in, out / 8]   codes packed along the OUTPUT dim, 8 per word in AWQ_ORDER (0,2,4,6,1,3,5,7)
   P.qzeros   int32 [G, out / 8]    zero points, same packing, stored as is
   P.scales   fp16  [G, out]
@@ -54,6 +54,12 @@ def from_tensors(
     if out_features % 8:
         raise CheckpointError(f"{name}: out_features={out_features} cannot hold AWQ GEMM words of 8 codes")
     group_size, n_groups = group_layout(group_size, in_features)
+    if in_features % group_size:  # AutoAWQ allocates in // group_size groups: a ragged tail has no scales
+        raise CheckpointError(
+            f"{name}: in_features {in_features} is not a multiple of group_size {group_size}; AWQ GEMM holds "
+            f"in // group_size = {in_features // group_size} groups, so the last {in_features % group_size} "
+            "columns have no scale (not a valid AWQ checkpoint)"
+        )
     qweight = expect_tensor(tensors, f"{name}.qweight", (in_features, out_features // 8), torch.int32)
     scales = expect_tensor(tensors, f"{name}.scales", (n_groups, out_features), None)
     if zero_point:

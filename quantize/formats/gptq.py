@@ -38,7 +38,12 @@ def integer_zeros(name: str, qw: QuantizedWeight, checkpoint_format: str) -> Ten
     z = z.long()
     low, high = (1, 2**qw.bits) if checkpoint_format == "gptq" else (0, 2**qw.bits - 1)
     if int(z.min()) < low or int(z.max()) > high:
-        hint = " (v1 stores zero - 1, so zero point 0 needs gptq_v2)" if checkpoint_format == "gptq" else ""
+        hint = (
+            " (v1 stores zero - 1, so zero point 0, a group with no negative weight, needs --format gptq_v2 or "
+            "compressed-tensors, or --sym)"
+            if checkpoint_format == "gptq"
+            else ""
+        )
         raise CheckpointError(
             f"{name}: zero points span [{int(z.min())}, {int(z.max())}], {checkpoint_format} with {qw.bits} bits "
             f"stores [{low}, {high}]{hint}"
