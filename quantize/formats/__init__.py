@@ -105,7 +105,7 @@ def quantization_config_for(model, quant_config: dict, fmt: str) -> dict:
         "bits": bits.pop(),
         "group_size": -1 if per_channel else group_sizes.pop(),
     }
-    sym = all(bool((m.qweight().zeros == 2 ** (m.bits - 1)).all()) for _, m in layers)
+    sym = all(bool((m.zeros.float() == 2 ** (m.bits - 1)).all()) for _, m in layers)  # no unpacking
     if fmt in ("gptq", "gptq_v2"):
         derived.update(
             quant_method="gptq",
