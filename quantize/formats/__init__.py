@@ -173,9 +173,9 @@ def save_quantized(
         extra_config={"quantization_config": qconfig, "torch_dtype": "float16"},
         tokenizer_from=tokenizer_from,
         state_dict=state,
+        # AutoGPTQ-era loaders read quantize_config.json rather than config.json; written before the atomic rename
+        extra_files={} if fmt == "awq" else {"quantize_config.json": json.dumps(qconfig, indent=2)},
     )
-    if fmt != "awq":  # AutoGPTQ-era loaders read this file rather than config.json
-        (out / "quantize_config.json").write_text(json.dumps(qconfig, indent=2))
     return out
 
 
