@@ -104,7 +104,7 @@ def check_model_spec(spec: str) -> str:
             raise ModelSpecError(f"{path} is not a checkpoint: no model.safetensors or model.safetensors.index.json")
         return "dir"
     if looks_like_path(spec):
-        raise ModelSpecError(f"no such directory: {path}")
+        raise ModelSpecError(f"no such directory: {spec}")
     if spec.count("/") == 1:
         return "hub"
     raise ModelSpecError(

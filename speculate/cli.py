@@ -74,8 +74,9 @@ def build_speculator(
     return MedusaSpeculator(model, heads, tree, acceptance=acceptance)
 
 
-def generate_speculative(model, path, tokenizer, prompts: list[list[int]], params, args):
-    """Entry point of ``python -m runtime.generate --speculator NAME``: build, generate, print, return."""
+def generate_speculative(model, path, tokenizer, prompts: list[list[int]], params, args, on_token=None):
+    """Entry point of ``python -m runtime.generate --speculator NAME``: build, generate (streaming through
+    on_token(row, token) like plain generation), print, return."""
     from speculate.generate import speculative_generate
 
     try:
@@ -94,10 +95,11 @@ def generate_speculative(model, path, tokenizer, prompts: list[list[int]], param
     except (SpeculatorError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
-    out = speculative_generate(model, prompts, params, spec, tokenizer=tokenizer)
+    out = speculative_generate(model, prompts, params, spec, tokenizer=tokenizer, on_token=on_token)
     for i, toks in enumerate(out.tokens):
         text = tokenizer.decode(toks, skip_special_tokens=True)
-        print(text if len(prompts) == 1 else f"--- [{i}] {text}")
+        if on_token is None or len(prompts) > 1:  # a single prompt was streamed already
+            print(text if len(prompts) == 1 else f"--- [{i}] {text}")
     n_new = sum(len(t) for t in out.tokens)
     mode = "lossless" if spec.lossless else "APPROXIMATE (typical acceptance)"
     print(

@@ -12,6 +12,7 @@ slots L-1+i with rope position L-1+depth(i); the accepted path is then moved to 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -139,11 +140,12 @@ def speculative_generate(
     params: SamplingParams,
     speculator: Speculator,
     tokenizer=None,
+    on_token: Callable[[int, int], None] | None = None,
 ) -> SpecOutput:
     """Generate for a batch of token-id prompts with ``speculator`` proposing and the one verifier deciding.
 
     One SamplingParams for the batch; one seeded generator drives every draw of the batch (draft samples,
-    acceptance tests, residual and bonus samples)."""
+    acceptance tests, residual and bonus samples). on_token(row, token) streams each committed token."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
     B = len(prompts)
@@ -174,6 +176,8 @@ def speculative_generate(
         start = int(lengths[b])
         for i, tok in enumerate(new):
             out.tokens[b].append(tok)
+            if on_token is not None:
+                on_token(b, tok)
             tokens[b, start + i] = tok
             lengths[b] += 1
             stats.generated += 1
