@@ -8,7 +8,6 @@ weight bytes read per decoded token with a streaming bandwidth measured here.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -18,9 +17,10 @@ from pathlib import Path
 import torch
 
 from evals.record import provenance
+from runtime.cliutil import ArgumentParser, run
 from runtime.data import wiki_split
 from runtime.generate import DTYPES, generate
-from runtime.loader import DEFAULT_MODEL, load_model, load_tokenizer
+from runtime.loader import DEFAULT_MODEL, check_model_spec, load_model, load_tokenizer
 from runtime.sampling import SamplingParams
 
 
@@ -110,7 +110,7 @@ def profile_decode(model, prompt: list[int], new_tokens: int) -> dict[str, float
 def main(argv: list[str] | None = None) -> None:
     from transformers import AutoModelForCausalLM
 
-    ap = argparse.ArgumentParser(prog="python -m evals.bench_decode", description=__doc__.splitlines()[0])
+    ap = ArgumentParser(prog="python -m evals.bench_decode", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--dtypes", default="fp32,bf16")
     ap.add_argument("--prompt-tokens", type=int, default=128)
@@ -120,6 +120,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default=None, help="write a JSON record here")
     ap.add_argument("--profile", action="store_true", help="also break our decode time down by op category")
     args = ap.parse_args(argv)
+    if args.model:
+        check_model_spec(args.model)  # before anything loads: a bad spec is one line, not a traceback
     torch.set_num_threads(args.threads)
 
     _, _, path = load_model(args.model)  # resolves/converts once
@@ -182,4 +184,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -16,7 +16,6 @@ Modes are interleaved per concurrency level, and every claim is a ratio within t
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -28,7 +27,9 @@ import torch
 from evals.loadgen import WorkItem, build_workload
 from evals.metrics import RequestRecord, distribution, summarize
 from evals.record import provenance
+from runtime.cliutil import ArgumentParser, run
 from runtime.engine import EngineConfig, LLMEngine
+from runtime.loader import check_model_spec
 from runtime.sampling import SamplingParams
 
 
@@ -132,7 +133,7 @@ def main(argv: list[str] | None = None) -> None:
     from runtime.generate import DTYPES
     from runtime.loader import DEFAULT_MODEL, load_model, load_tokenizer
 
-    ap = argparse.ArgumentParser(prog="python -m evals.bench_serving", description=__doc__.splitlines()[0])
+    ap = ArgumentParser(prog="python -m evals.bench_serving", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
@@ -156,6 +157,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", type=Path, default=None, help="JSON record path")
     args = ap.parse_args(argv)
+    if args.model:
+        check_model_spec(args.model)  # before anything loads: a bad spec is one line, not a traceback
     if any(c < 1 for c in args.concurrency):
         ap.error("--concurrency values must be >= 1")
     for name in ("max_prompt_tokens", "min_output_tokens", "max_output_tokens", "system_prompt_tokens",
@@ -207,4 +210,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

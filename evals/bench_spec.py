@@ -19,7 +19,6 @@ quant-draft:bits=B,k=K, hf-plain, hf-pld:k=K.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -30,6 +29,8 @@ from pathlib import Path
 import torch
 
 from evals.record import module_command, provenance
+from runtime.cliutil import ArgumentParser, run
+from runtime.loader import check_model_spec
 
 DEFAULT_METHODS = {
     "rewrite": ["plain", "ngram:k=8", "ngram:k=16", "ngram:k=8,fixed=1", "hf-plain", "hf-pld:k=4", "hf-pld:k=10"],
@@ -121,7 +122,7 @@ def main(argv: list[str] | None = None) -> dict:
     from speculate.cli import build_speculator
     from speculate.generate import speculative_generate
 
-    ap = argparse.ArgumentParser(prog="python -m evals.bench_spec", description=__doc__.splitlines()[0])
+    ap = ArgumentParser(prog="python -m evals.bench_spec", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--task", choices=["rewrite", "continue"], default="rewrite")
     ap.add_argument("--methods", nargs="+", default=None, help="methods to compare (default: per task)")
@@ -133,6 +134,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="write the JSON record here")
     args = ap.parse_args(argv)
+    if args.model:
+        check_model_spec(args.model)  # before anything loads: a bad spec is one line, not a traceback
     methods = args.methods or DEFAULT_METHODS[args.task]
     try:
         parsed = [parse_method(m) for m in methods]
@@ -288,4 +291,4 @@ def print_table(rows: list[dict]) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

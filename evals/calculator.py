@@ -15,13 +15,14 @@ Everything is exact integer arithmetic on the config's shapes (no measurement). 
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import re
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from runtime.cliutil import ArgumentParser, run
 
 DTYPE_BYTES = {"fp32": 4.0, "float32": 4.0, "bf16": 2.0, "bfloat16": 2.0, "fp16": 2.0, "float16": 2.0}
 DTYPE_BYTES.update({"fp8": 1.0, "int8": 1.0, "int4": 0.5})
@@ -409,7 +410,7 @@ def int_list(text: str) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(
+    ap = ArgumentParser(
         prog="python -m evals.calculator",
         description="Parameters, weight/KV bytes, decode roofline, prefill time and a capacity worksheet "
         "from a config.json (exact arithmetic; GB = 1e9 B and GiB = 2^30 B kept apart).",
@@ -448,4 +449,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -10,7 +10,6 @@ P99), request and token throughput and goodput under SLOs, and writes a JSON rec
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import random
@@ -21,6 +20,8 @@ from pathlib import Path
 
 from evals.metrics import SLO, RequestRecord, format_summary, summarize
 from evals.record import provenance
+from runtime.cliutil import ArgumentParser, run
+from runtime.loader import check_model_spec
 
 
 @dataclass
@@ -159,7 +160,7 @@ async def run_load(
 def main(argv: list[str] | None = None) -> None:
     from runtime.loader import DEFAULT_MODEL, load_tokenizer
 
-    ap = argparse.ArgumentParser(prog="python -m evals.loadgen", description=__doc__.splitlines()[0])
+    ap = ArgumentParser(prog="python -m evals.loadgen", description=__doc__.splitlines()[0])
     ap.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (loopback)")
     ap.add_argument("--model", default=DEFAULT_MODEL, help="model spec whose tokenizer builds the prompts")
     ap.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
@@ -179,6 +180,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--timeout-s", type=float, default=600.0, help="per-request timeout")
     ap.add_argument("--out", type=Path, default=None, help="JSON record path (default: print only)")
     args = ap.parse_args(argv)
+    if args.model:
+        check_model_spec(args.model)  # before anything loads: a bad spec is one line, not a traceback
     if args.num_requests < 1:
         ap.error("--num-requests must be >= 1")
     if args.arrival in ("poisson", "fixed") and not (args.rate and args.rate > 0):
@@ -222,4 +225,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -12,7 +12,6 @@ torch's default thread count; evaluations run single-threaded so the shared mach
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 import statistics
@@ -28,6 +27,7 @@ from experiments.bench import DEFAULT_THREADS, EVAL_THREADS, LOCKING, bench_sect
 from experiments.config import ConfigError, ExperimentConfig, Row, load_config
 from experiments.records import append_jsonl, module_command, provenance
 from experiments.rows import ROWS, RowUnavailable, Variant, plain_generate, weight_bytes
+from runtime.cliutil import ArgumentParser, run
 
 
 @dataclass
@@ -218,7 +218,7 @@ def run_table(cfg: ExperimentConfig, ctx: Context, rows: list[Row], records_path
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(
+    ap = ArgumentParser(
         prog="python -m experiments.run",
         description="Run an experiment config (YAML): rows or sweeps -> JSONL records, Markdown/CSV table, PNG plots.",
     )
@@ -292,4 +292,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

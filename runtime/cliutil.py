@@ -42,12 +42,12 @@ def require(ok: bool, message: str) -> None:
         raise UsageError(message)
 
 
-def run(main: Callable, argv: list[str] | None = None, expected: tuple[type[BaseException], ...] = ()) -> None:
+def run(main: Callable, argv: list[str] | None = None, expected: tuple[type[BaseException], ...] = ()):
     """Run a CLI's main: UsageError (and `expected` error types) -> one line on stderr and exit code 2;
     KeyboardInterrupt -> one line and exit code 130. A main that keeps partial results catches
     KeyboardInterrupt itself, saves, says where in one line, and re-raises."""
     try:
-        main(argv)
+        return main(argv)
     except KeyboardInterrupt:
         interrupted()
     except (UsageError, *expected) as err:

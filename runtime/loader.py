@@ -273,10 +273,10 @@ def save_checkpoint(
     return finish_atomic_dir(tmp, out)
 
 
-def begin_atomic_dir(out: Path) -> Path:
+def begin_atomic_dir(out: Path, marker: str = "config.json") -> Path:
     """A fresh ``OUT.partial`` to write a directory into (see finish_atomic_dir). An existing OUT may be replaced
-    only if it is empty or holds a checkpoint: anything else is the user's and is never deleted."""
-    if out.exists() and (not out.is_dir() or any(out.iterdir()) and not (out / "config.json").is_file()):
+    only if it is empty or holds what is being saved (its `marker` file): anything else is never deleted."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir()) and not (out / marker).is_file()):
         raise UsageError(f"{out} exists and is not a checkpoint directory: choose a new output directory")
     tmp = out.with_name(out.name + PARTIAL)
     if tmp.exists():

@@ -12,7 +12,6 @@ and its KV blocks freed at the next engine iteration. Bad requests get a 4xx wit
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import queue
@@ -23,7 +22,9 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from runtime.cliutil import ArgumentParser, run
 from runtime.engine import EngineConfig, LLMEngine, RequestOutput
+from runtime.loader import check_model_spec
 from runtime.sampling import SamplingParams
 from runtime.scheduler import RequestRejectedError
 
@@ -455,7 +456,7 @@ def main(argv: list[str] | None = None) -> None:
     from runtime.generate import DTYPES
     from runtime.loader import DEFAULT_MODEL, load_model, load_tokenizer
 
-    ap = argparse.ArgumentParser(prog="python -m runtime.server", description=__doc__.splitlines()[0])
+    ap = ArgumentParser(prog="python -m runtime.server", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=DEFAULT_MODEL, help="registry name, checkpoint dir, .gguf or hub id")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
@@ -478,6 +479,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--num-speculative-tokens", type=int, default=4, help="k: drafts per sequence and step")
     args = ap.parse_args(argv)
+    if args.model:
+        check_model_spec(args.model)  # before anything loads: a bad spec is one line, not a traceback
     names = (
         "port",
         "block_size",
@@ -527,4 +530,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)
