@@ -20,7 +20,7 @@ from pathlib import Path
 
 from evals.metrics import SLO, RequestRecord, format_summary, summarize
 from evals.record import provenance
-from runtime.cliutil import ArgumentParser, run
+from runtime.cliutil import ArgumentParser, interrupted, run
 from runtime.loader import check_model_spec
 
 
@@ -127,8 +127,25 @@ async def run_load(
     seed: int = 0,
     extra: dict | None = None,
     timeout_s: float = 600.0,
+    finished: list[RequestRecord] | None = None,
 ) -> tuple[list[RequestRecord], float]:
+    """Send every item; `finished` (the caller's list) receives each record as its request ends, so a Ctrl-C'd
+    run can still summarize what finished. One progress line per finished request goes to stderr."""
     import aiohttp
+
+    finished = [] if finished is None else finished
+
+    def done(rec: RequestRecord) -> RequestRecord:
+        finished.append(rec)
+        elapsed = time.perf_counter() - start
+        eta = elapsed / len(finished) * (len(items) - len(finished))
+        print(
+            f"\r[loadgen] {len(finished)}/{len(items)} requests, {elapsed:.0f} s, ETA {eta:.0f} s ",
+            end="\n" if len(finished) == len(items) else "",
+            file=sys.stderr,
+            flush=True,
+        )
+        return rec
 
     extra = extra or {}
     offsets = arrival_offsets(len(items), mode, rate, seed)
@@ -143,14 +160,14 @@ async def run_load(
             async def worker():
                 while queue:
                     i, item = queue.pop(0)
-                    records[i] = await send(session, url, endpoint, item, tokenizer, extra)
+                    records[i] = done(await send(session, url, endpoint, item, tokenizer, extra))
 
             await asyncio.gather(*(worker() for _ in range(min(concurrency, len(items)))))
         else:
 
             async def delayed(offset: float, item: WorkItem) -> RequestRecord:
                 await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
-                return await send(session, url, endpoint, item, tokenizer, extra)
+                return done(await send(session, url, endpoint, item, tokenizer, extra))
 
             records = await asyncio.gather(*(delayed(o, it) for o, it in zip(offsets, items)))
         duration = time.perf_counter() - start
@@ -201,10 +218,18 @@ def main(argv: list[str] | None = None) -> None:
         args.output_tokens, args.min_output_tokens, args.max_output_tokens,
     )  # fmt: skip
     slo = SLO(*(None if v is None else v / 1e3 for v in (args.slo_ttft_ms, args.slo_tpot_ms, args.slo_e2e_ms)))
-    records, duration = asyncio.run(
-        run_load(args.url, items, tokenizer, args.endpoint, args.arrival, args.rate, args.concurrency, args.seed,
-                 timeout_s=args.timeout_s)
-    )  # fmt: skip
+    finished: list[RequestRecord] = []
+    start = time.perf_counter()
+    try:
+        records, duration = asyncio.run(
+            run_load(args.url, items, tokenizer, args.endpoint, args.arrival, args.rate, args.concurrency, args.seed,
+                     timeout_s=args.timeout_s, finished=finished)
+        )  # fmt: skip
+    except KeyboardInterrupt:
+        if finished:
+            print(f"\n[loadgen] partial summary: the {len(finished)} of {len(items)} requests that finished")
+            print(format_summary(summarize(finished, time.perf_counter() - start, slo)))
+        interrupted(f"{len(finished)} of {len(items)} requests had finished")
     summary = summarize(records, duration, slo)
     print(format_summary(summary))
     errors = sorted({r.error for r in records if not r.ok})

@@ -27,7 +27,8 @@ from experiments.bench import DEFAULT_THREADS, EVAL_THREADS, LOCKING, bench_sect
 from experiments.config import ConfigError, ExperimentConfig, Row, load_config
 from experiments.records import append_jsonl, module_command, provenance
 from experiments.rows import ROWS, RowUnavailable, Variant, plain_generate, weight_bytes
-from runtime.cliutil import ArgumentParser, run
+from runtime.cliutil import ArgumentParser, interrupted, run
+from runtime.loader import ModelSpecError, check_model_spec
 
 
 @dataclass
@@ -246,7 +247,8 @@ def main(argv: list[str] | None = None) -> None:
         for r in cfg.rows:
             if r.kind not in ROWS:
                 raise ConfigError(f"rows[{r.name}].kind: {r.kind!r} not in {sorted(ROWS)}")
-    except ConfigError as err:
+        check_model_spec(cfg.model.spec)  # before anything loads
+    except (ConfigError, ModelSpecError) as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
     EVAL_THREADS["n"] = cfg.evals.threads or DEFAULT_THREADS
@@ -268,17 +270,23 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(2) from None
     from experiments import report, sweeps
 
-    if cfg.kind == "table":
-        rows = [r for r in cfg.rows if not args.rows or r.name in args.rows.split(",")]
-        for r in rows:
-            r.run_bench &= not args.no_bench
-            r.run_evals &= not args.no_evals
-        records = run_table(cfg, ctx, rows, records_path, base)
-        paths = report.render_table(cfg, records, out_dir)
-    else:
-        series = [s for s in cfg.sweep.series if not args.rows or s.get("name") in args.rows.split(",")]
-        records = sweeps.run_sweep(cfg, ctx, series, records_path, base)
-        paths = report.render_sweep(cfg, records, out_dir)
+    try:
+        if cfg.kind == "table":
+            rows = [r for r in cfg.rows if not args.rows or r.name in args.rows.split(",")]
+            for r in rows:
+                r.run_bench &= not args.no_bench
+                r.run_evals &= not args.no_evals
+            records = run_table(cfg, ctx, rows, records_path, base)
+            paths = report.render_table(cfg, records, out_dir)
+        else:
+            series = [s for s in cfg.sweep.series if not args.rows or s.get("name") in args.rows.split(",")]
+            records = sweeps.run_sweep(cfg, ctx, series, records_path, base)
+            paths = report.render_sweep(cfg, records, out_dir)
+    except KeyboardInterrupt:
+        interrupted(
+            f"the finished rows' records are in {records_path} (appended as each row ends); "
+            f"render them with python -m experiments.report {records_path} --config {args.config}"
+        )
     minutes = (time.time() - started) / 60
     budget = cfg.time_budget_minutes
     log(
