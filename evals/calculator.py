@@ -388,7 +388,36 @@ def render(r: Report) -> str:
     return "\n".join(lines)
 
 
+# Measured device profiles (DESIGN.md "Numbers of these machines"): the defaults of --bandwidth / --flops.
+# cpu: this project's 2-core Zen 4 machine, streaming read and matmul rate by weight dtype.
+# h200: one H200, copy bandwidth and bf16 matmul as measured with qspec's runtime.
+DEVICE_PROFILES = {
+    "cpu": {"bandwidth": 31e9, "flops": {"fp32": 87e9, "bf16": 189e9, "int8": 325e9}, "default_flops": 189e9},
+    "h200": {"bandwidth": 4.2e12, "flops": {"fp32": 60e12, "bf16": 790e12}, "default_flops": 790e12},
+}
+
+
+DEVICE_PROFILE_NOTES = {
+    "cpu": "31 GB/s, 87 GFLOP/s fp32 / 189 bf16 / 325 int8, a 2-core Zen 4 as measured here",
+    "h200": "4.2 TB/s, 790 TFLOP/s bf16, one H200 as measured with qspec",
+}
+
+
+def default_device() -> str:
+    """h200 where an NVIDIA GPU is present (without importing torch), else cpu."""
+    return "h200" if Path("/dev/nvidiactl").exists() else "cpu"
+
+
+def profile_rates(device: str, dtype: str) -> tuple[float, float]:
+    prof = DEVICE_PROFILES[device]
+    return prof["bandwidth"], prof["flops"].get(dtype, prof["default_flops"])
+
+
 def read_config(path: str) -> tuple[dict, str]:
+    from runtime.loader import REGISTRY, resolve
+
+    if path in REGISTRY:  # a registry name: its converted checkpoint under $QSPEC_HOME (converted once)
+        path = str(resolve(path))
     p = Path(path).expanduser()
     if p.is_dir():
         p = p / "config.json"
@@ -415,18 +444,28 @@ def main(argv: list[str] | None = None) -> None:
         description="Parameters, weight/KV bytes, decode roofline, prefill time and a capacity worksheet "
         "from a config.json (exact arithmetic; GB = 1e9 B and GiB = 2^30 B kept apart).",
     )
-    ap.add_argument("--config", required=True, help="path to an HF config.json (or a directory holding one)")
+    ap.add_argument(
+        "--config", required=True, help="an HF config.json, a directory holding one, or a registry name (smollm2-135m)"
+    )
     ap.add_argument("--dtype", default="bf16", help=f"weight dtype: {', '.join(sorted(DTYPE_BYTES))}")
     ap.add_argument("--kv-dtype", default=None, help="KV cache dtype (default: --dtype)")
     ap.add_argument("--context", type=int, default=4096, help="tokens per sequence (default 4096)")
     ap.add_argument("--concurrency", type=int, default=1, help="sequences decoding together (default 1)")
-    ap.add_argument("--bandwidth", default="1000GB/s", help="memory bandwidth, e.g. 1000GB/s, 31GB/s")
-    ap.add_argument("--flops", default="100TFLOPS", help="compute rate, e.g. 100TFLOPS, 189GFLOPS")
+    ap.add_argument(
+        "--device",
+        choices=sorted(DEVICE_PROFILES),
+        default=None,
+        help="measured bandwidth/FLOPs profile (default: h200 where an NVIDIA GPU is present, else cpu)",
+    )
+    ap.add_argument("--bandwidth", default=None, help="memory bandwidth, e.g. 1000GB/s, 31GB/s (default: --device's)")
+    ap.add_argument("--flops", default=None, help="compute rate, e.g. 100TFLOPS, 189GFLOPS (default: --device's)")
     ap.add_argument("--memory", default=None, help="memory budget for capacity, e.g. 80GB or 24GiB")
     ap.add_argument("--contexts", default=None, help="worksheet contexts, e.g. 1k,4k,8k,32k")
     ap.add_argument("--concurrencies", default=None, help="worksheet concurrencies, e.g. 1,4,16,64")
     ap.add_argument("--json", action="store_true", help="print the report as JSON")
     args = ap.parse_args(argv)
+    device = args.device or default_device()
+    bandwidth, flops = profile_rates(device, args.dtype)
     try:
         hf, name = read_config(args.config)
         report = calculate(
@@ -435,8 +474,8 @@ def main(argv: list[str] | None = None) -> None:
             kv_dtype=args.kv_dtype,
             context=args.context,
             concurrency=args.concurrency,
-            bandwidth=parse_quantity(args.bandwidth, "B/s"),
-            flops=parse_quantity(args.flops, "FLOPS"),
+            bandwidth=bandwidth if args.bandwidth is None else parse_quantity(args.bandwidth, "B/s"),
+            flops=flops if args.flops is None else parse_quantity(args.flops, "FLOPS"),
             memory_budget=None if args.memory is None else parse_quantity(args.memory, "B"),
             contexts=int_list(args.contexts) if args.contexts else None,
             concurrencies=int_list(args.concurrencies) if args.concurrencies else None,
@@ -445,7 +484,12 @@ def main(argv: list[str] | None = None) -> None:
     except (CalculatorError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
-    print(json.dumps(asdict(report), indent=2) if args.json else render(report))
+    if args.json:
+        print(json.dumps({**asdict(report), "device_profile": device}, indent=2))
+        return
+    print(render(report))
+    if args.bandwidth is None or args.flops is None:
+        print(f"[device profile {device}: {DEVICE_PROFILE_NOTES[device]}; --device / --bandwidth / --flops change it]")
 
 
 if __name__ == "__main__":

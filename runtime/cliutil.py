@@ -10,6 +10,7 @@ anything heavy is imported or any model is loaded.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 from collections.abc import Callable
@@ -50,6 +51,9 @@ def run(main: Callable, argv: list[str] | None = None, expected: tuple[type[Base
         return main(argv)
     except KeyboardInterrupt:
         interrupted()
+    except BrokenPipeError:  # `... | head` closed the pipe: not an error of the command
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise SystemExit(0) from None
     except (UsageError, *expected) as err:
         sys.stdout.flush()
         print(f"error: {one_line(err)}", file=sys.stderr)
