@@ -27,7 +27,7 @@ import torch
 from evals.loadgen import WorkItem, build_workload
 from evals.metrics import RequestRecord, distribution, summarize
 from evals.record import provenance
-from runtime.cliutil import ArgumentParser, run
+from runtime.cliutil import ArgumentParser, interrupted, run
 from runtime.engine import EngineConfig, LLMEngine
 from runtime.loader import check_model_spec
 from runtime.sampling import SamplingParams
@@ -83,6 +83,7 @@ def bench_batching(model, tokenizer, args) -> dict:
                 decode_kernel=args.decode_kernel,
             )  # fmt: skip
             engine = LLMEngine(model, tokenizer, config)
+            print(f"[bench_serving] {policy} c={c}: {n} requests ...", file=sys.stderr, flush=True)
             records, duration, steady = run_closed_loop(engine, items, c)
             summary = summarize(records, duration)
             summary["ttft_s_after_initial_burst"] = distribution([r.ttft for r in steady])
@@ -115,6 +116,8 @@ def bench_prefix(model, tokenizer, args) -> dict:
             kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)), decode_kernel=args.decode_kernel,
         )  # fmt: skip
         engine = LLMEngine(model, tokenizer, config)
+        state = "on" if enabled else "off"
+        print(f"[bench_serving] prefix caching {state}: {len(items)} requests ...", file=sys.stderr)
         records, duration, _ = run_closed_loop(engine, items, 1)
         key = "prefix_caching_on" if enabled else "prefix_caching_off"
         out[key] = summarize(records, duration)
@@ -209,5 +212,12 @@ def main(argv: list[str] | None = None) -> None:
         print("some bars are not met (see above)", file=sys.stderr)
 
 
+def main_or_partial(argv: list[str] | None = None) -> None:
+    try:
+        main(argv)
+    except KeyboardInterrupt:
+        interrupted("the lines printed above are the levels that finished")
+
+
 if __name__ == "__main__":
-    run(main)
+    run(main_or_partial)

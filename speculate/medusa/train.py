@@ -149,6 +149,7 @@ def main(argv: list[str] | None = None) -> None:
     model.requires_grad_(False)
     tokenizer = load_tokenizer(str(path))
     out = Path(args.out) if args.out else default_output_dir(args.model)
+    print(f"[medusa] tokenizing up to {args.train_tokens:,} tokens of the training split", file=sys.stderr, flush=True)
     windows = training_windows(tokenizer, args.seqlen, args.train_tokens, args.seed)
     if len(windows) <= args.eval_windows:
         ap.error(f"only {len(windows)} windows of {args.seqlen} tokens; raise --train-tokens")
