@@ -119,6 +119,12 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.model:
         check_model_spec(args.model)  # before anything loads: a bad spec is one line, not a traceback
+    if args.limit is not None and args.limit <= 0:
+        ap.error(f"--limit must be > 0 (a count, or a fraction below 1), got {args.limit:g}")
+    if args.batch_size < 1:
+        ap.error(f"--batch-size must be >= 1, got {args.batch_size}")
+    if not [t for t in args.tasks.split(",") if t.strip()]:
+        ap.error("--tasks is empty")
     if args.limit is not None and args.limit >= 1:
         args.limit = int(args.limit)
 

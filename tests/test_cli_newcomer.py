@@ -123,6 +123,8 @@ MISSING = "/nonexistent/qspec/out"
         ("quantize.int8", ["--model", "no-such-model", "--out", "x"], "unknown model spec"),
         ("quantize.gptq", ["--model", "{ckpt}", "--resume", "--eval", "wiki"], "--resume continues"),
         ("evals.tasks", ["--model", MISSING, "--tasks", "qspec_wiki"], "no such directory"),
+        ("evals.tasks", ["--model", "{ckpt}", "--tasks", "qspec_wiki", "--limit", "0"], "--limit must be > 0"),
+        ("speculate.medusa.train", ["--model", "{ckpt}", "--seqlen", "0"], "--seqlen must be >= 1"),
         ("speculate.medusa.train", ["--model", MISSING], "no such directory"),
         ("evals.loadgen", ["--model", MISSING], "no such directory"),
         ("evals.bench_decode", ["--model", MISSING], "no such directory"),

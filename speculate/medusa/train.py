@@ -143,6 +143,9 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"--num-heads must be >= 1, got {args.num_heads}")
     if args.minutes <= 0:
         ap.error(f"--minutes must be > 0, got {args.minutes}")
+    for name in ("seqlen", "batch_size", "max_steps", "save_every", "eval_windows", "train_tokens"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
 
     torch.manual_seed(args.seed)
     model, cfg, path = load_model(args.model, dtype=torch.float32)
