@@ -101,19 +101,17 @@ def layer_widths(mc: ModelConfig) -> dict[str, int]:
 
 
 def check_group_size(ap: argparse.ArgumentParser, cfg: QuantConfig, mc: ModelConfig) -> None:
-    """--group-size must fit, divide every targeted layer's input width (whole groups) and have a fast kernel
-    (cpu_int4 and Triton take multiples of 32): checked from config.json, before the weights load."""
+    """--group-size must fit every targeted layer's input width and have a fast kernel (cpu_int4 and Triton take
+    multiples of 32; a last partial group is fine, e.g. 128 on SmolLM2's 576): checked from config.json, before
+    the weights load."""
     leaves = list(cfg.modules) + (["lm_head"] if cfg.lm_head else [])
     for leaf in leaves:
-        width = layer_widths(mc)[leaf]
         block = "self_attn" if leaf in ("qkv_proj", "o_proj") else "mlp"
         name = leaf if leaf == "lm_head" else f"layers.0.{block}.{leaf}"
         try:
-            group = cfg.group_size_for(width, name)
+            cfg.group_size_for(layer_widths(mc)[leaf], name)
         except QuantConfigError as err:
             ap.error(str(err))
-        if width % group:
-            ap.error(f"--group-size {group} does not divide {name}'s input width {width}: use a divisor or -1")
     if cfg.group_size != -1 and cfg.group_size % 32:
         ap.error(f"--group-size {cfg.group_size} has no fast kernel (they take multiples of 32): use 32, 64, 128 or -1")
 
