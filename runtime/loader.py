@@ -203,6 +203,7 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32, device: str | torc
 
     qspec quantized checkpoints (config.json with ``quantization_config``) load through quantize.formats.
     """
+    from runtime.model import Transformer
 
     path = resolve(spec)
     hf_config = json.loads((path / "config.json").read_text())
@@ -212,28 +213,13 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32, device: str | torc
     if "quantization_config" in hf_config:
         from quantize.formats import load_quantized_into  # quantized checkpoints live in quantize/
 
-        model = uninitialized_transformer(config).set_dtype(dtype)
+        model = Transformer(config).set_dtype(dtype)
         load_quantized_into(model, path, hf_config["quantization_config"], dtype=dtype)
     else:
-        model = uninitialized_transformer(config)
+        model = Transformer(config)
         model.load_hf_state_dict(load_state_dict(path))
         model = model.set_dtype(dtype)
     return model.to(device).eval(), config, path
-
-
-def uninitialized_transformer(config: ModelConfig):
-    """A Transformer whose weights are allocated but not randomly initialised (every one is about to be
-    overwritten by a checkpoint; the random init of a 135M model costs ~1 s of CPU). The rope table, computed
-    rather than loaded, is rebuilt."""
-    from runtime.model import Transformer, rope_inv_freq
-
-    with torch.device("meta"):
-        model = Transformer(config)
-    model = model.to_empty(device="cpu")
-    if config.tie_word_embeddings:  # to_empty gives each module its own tensor: tie them again
-        model.lm_head.weight = model.embed_tokens.weight
-    model.inv_freq = rope_inv_freq(config)[0]
-    return model
 
 
 def save_checkpoint(
