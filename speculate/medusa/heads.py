@@ -114,6 +114,8 @@ def load_medusa(path: str | Path, model) -> MedusaHeads:
     from safetensors.torch import load_file
 
     path = Path(path).expanduser()
+    if path.name.endswith(".partial"):
+        raise MedusaCheckpointError(f"{path} is an unfinished save (interrupted or still running), not Medusa heads")
     if not (path / CONFIG_NAME).is_file() or not (path / WEIGHTS_NAME).is_file():
         raise MedusaCheckpointError(
             f"{path} is not a Medusa checkpoint (needs {CONFIG_NAME} and {WEIGHTS_NAME}); "
