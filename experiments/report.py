@@ -153,23 +153,40 @@ def render_table(cfg, records: list[dict], out_dir: Path) -> list[Path]:
 
 
 def render_summary(rows: list[dict]) -> str:
-    """The short form (README): lossless or not, what it buys here, what it costs."""
+    """The short form (README): lossless or not, what it buys here, what it costs. A row measured greedy and
+    sampled ("X (greedy)", "X (sampled)") is one line with both speedups."""
+    import re
+
     lines = [
         "| technique | lossless? | speedup here (vs) | quality cost: Δ perplexity, greedy match | weights |",
         "|---|---|---:|---|---:|",
     ]
-    for r in rows:
-        if r["status"] != "ok":
+    ok = [r for r in rows if r["status"] == "ok"]
+    paired: dict[int, dict] = {}
+    for i, r in enumerate(ok[:-1]):
+        m, nxt = re.fullmatch(r"(.*) \(greedy\)", r["row"]), ok[i + 1]
+        if m and nxt["row"] == f"{m.group(1)} (sampled)" and nxt["class"] == r["class"]:
+            paired[i] = nxt
+    skip = {i + 1 for i in paired}
+    for i, r in enumerate(ok):
+        if i in skip:
             continue
         lossless = "no (approximate)" if r["class"] == "approximate" else f"yes ({r['class']})"
-        sp = "baseline" if r["speedup"] is None else f"{r['speedup']:.2f}x ({short_baseline(r['baseline'])})"
+        name, sp = (
+            r["row"],
+            "baseline" if r["speedup"] is None else f"{r['speedup']:.2f}x ({short_baseline(r['baseline'])})",
+        )
+        if i in paired and r["speedup"] is not None and paired[i]["speedup"] is not None:
+            other = paired[i]
+            name = r["row"].removesuffix(" (greedy)") + " (greedy / sampled)"
+            sp = f"{r['speedup']:.2f}x / {other['speedup']:.2f}x (plain decoding, same temperature)"
         if r["perplexity"] is None:
             cost = "—"
         elif r["scored_on"] == OWN_OUTPUTS:
             cost = f"none measurable; {fmt(r['greedy_match_pct'], '.0f')}% greedy match"
         else:
             cost = f"{r['perplexity_delta']:+.3f}, {fmt(r['greedy_match_pct'], '.0f')}% greedy match"
-        lines.append(f"| {r['row']} | {lossless} | {sp} | {cost} | {fmt(r['weight_mb'], '.0f')} MB |")
+        lines.append(f"| {name} | {lossless} | {sp} | {cost} | {fmt(r['weight_mb'], '.0f')} MB |")
     return "\n".join(lines)
 
 
