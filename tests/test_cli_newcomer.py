@@ -140,6 +140,14 @@ def test_expected_errors_are_one_line_before_any_model_load(tiny, tmp_path, caps
     assert message in line, line
 
 
+def test_unsupported_architecture_is_one_line(tmp_path, capsys):
+    (tmp_path / "gpt2").mkdir()
+    (tmp_path / "gpt2" / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    (tmp_path / "gpt2" / "model.safetensors").write_bytes(b"")
+    line = run_cli("runtime.generate", ["--model", str(tmp_path / "gpt2"), "--prompt", "hi"], capsys)
+    assert "unsupported architecture ['GPT2LMHeadModel']" in line and "LlamaForCausalLM" in line
+
+
 def test_group_size_with_a_kernel_is_accepted(tiny, capsys):
     for group in ("32", "64"):  # 64 leaves TINY's 96-wide down_proj a partial last group, as 128 does on 576
         with pytest.raises(AssertionError, match="a model was loaded"):  # past every check, into the load
