@@ -270,8 +270,8 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     qcfg = cli.quant_config(ap, args)
     gcfg = gptq_config(ap, args)
-    store = cli.layer_store(args, "quantize.gptq")
     model, tokenizer, path, source = cli.load(ap, args, qcfg)
+    store = cli.layer_store(args, "quantize.gptq")  # after every argument check: a bad one leaves nothing behind
     tokens = cli.calibration_tokens(ap, args, tokenizer)
     algo = GPTQ(qcfg, gcfg, log=cli.log)
     start = time.perf_counter()

@@ -67,6 +67,7 @@ def never_load(*args, **kwargs):
 
 @pytest.fixture
 def tiny(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # relative --out paths land here
     monkeypatch.setenv("QSPEC_HOME", str(tmp_path / "home"))
     ckpt = save_checkpoint(random_model(TINY, seed=0), tmp_path / "ckpt")
     monkeypatch.setattr("runtime.loader.load_tokenizer", lambda spec: WordTokenizer())
@@ -138,6 +139,7 @@ def test_expected_errors_are_one_line_before_any_model_load(tiny, tmp_path, caps
     argv = [a.format(ckpt=tiny, partial=tmp_path / "half.partial") for a in argv]
     line = run_cli(name, argv, capsys)
     assert message in line, line
+    assert not list(tmp_path.glob("x*")), "a refused command left files behind"
 
 
 def test_unsupported_architecture_is_one_line(tmp_path, capsys):
