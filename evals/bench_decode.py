@@ -20,7 +20,7 @@ from evals.record import provenance
 from runtime.cliutil import ArgumentParser, interrupted, run
 from runtime.data import wiki_split
 from runtime.generate import DTYPES, generate
-from runtime.loader import DEFAULT_MODEL, check_model_spec, load_model, load_tokenizer
+from runtime.loader import DEFAULT_MODEL, check_model_arg, load_model, load_tokenizer
 from runtime.sampling import SamplingParams
 
 
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--profile", action="store_true", help="also break our decode time down by op category")
     args = ap.parse_args(argv)
     if args.model:
-        check_model_spec(args.model)  # before anything loads: a bad spec is one line, not a traceback
+        check_model_arg(ap, args.model)  # before anything loads: a bad spec is one line, not a traceback
     torch.set_num_threads(args.threads)
 
     _, _, path = load_model(args.model)  # resolves/converts once

@@ -34,7 +34,7 @@ from runtime.cliutil import ArgumentParser, run
 from runtime.config import ModelConfig
 from runtime.engine import EngineConfig, LLMEngine
 from runtime.kernels.paged_attention import paged_decode_attention, paged_decode_attention_reference
-from runtime.loader import check_model_spec
+from runtime.loader import check_model_arg
 from runtime.model import random_model
 from runtime.paged_cache import gather_blocks
 from runtime.sampling import SamplingParams
@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None, help="JSON record path")
     args = ap.parse_args(argv)
     if args.model:
-        check_model_spec(args.model)  # before anything loads: a bad spec is one line, not a traceback
+        check_model_arg(ap, args.model)  # before anything loads: a bad spec is one line, not a traceback
     device = torch.device(args.device)
     if args.smoke:
         args.shapes, args.batches, args.contexts, args.block_size = ["tiny"], [3], [21], 4

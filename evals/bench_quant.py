@@ -33,7 +33,7 @@ from torch import nn
 from quantize.qembedding import tie_quantized_embedding
 from quantize.qlinear import QuantizedWeight, QuantLinear, set_module
 from runtime.cliutil import ArgumentParser, run
-from runtime.loader import check_model_spec
+from runtime.loader import check_model_arg
 
 VARIANTS = ("fp32", "bf16", "int8", "w8a8", "int4")
 DESCRIPTIONS = {
@@ -348,7 +348,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default=None, help="write the JSON record here")
     args = ap.parse_args(argv)
     if args.model:
-        check_model_spec(args.model)  # before anything loads: a bad spec is one line, not a traceback
+        check_model_arg(ap, args.model)  # before anything loads: a bad spec is one line, not a traceback
     variants = parse_list(ap, args.variants, str, "--variants")
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:

@@ -29,7 +29,7 @@ from evals.metrics import RequestRecord, distribution, summarize
 from evals.record import provenance
 from runtime.cliutil import ArgumentParser, interrupted, run
 from runtime.engine import EngineConfig, LLMEngine
-from runtime.loader import check_model_spec
+from runtime.loader import check_model_arg
 from runtime.sampling import SamplingParams
 
 
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, default=None, help="JSON record path")
     args = ap.parse_args(argv)
     if args.model:
-        check_model_spec(args.model)  # before anything loads: a bad spec is one line, not a traceback
+        check_model_arg(ap, args.model)  # before anything loads: a bad spec is one line, not a traceback
     if any(c < 1 for c in args.concurrency):
         ap.error("--concurrency values must be >= 1")
     for name in ("max_prompt_tokens", "min_output_tokens", "max_output_tokens", "system_prompt_tokens",

@@ -31,7 +31,7 @@ import torch
 
 from evals.record import module_command, provenance
 from runtime.cliutil import ArgumentParser, interrupted, run
-from runtime.loader import check_model_spec
+from runtime.loader import check_model_arg
 
 DEFAULT_METHODS = {
     "rewrite": ["plain", "ngram:k=8", "ngram:k=16", "ngram:k=8,fixed=1", "hf-plain", "hf-pld:k=4", "hf-pld:k=10"],
@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", default=None, help="write the JSON record here")
     args = ap.parse_args(argv)
     if args.model:
-        check_model_spec(args.model)  # before anything loads: a bad spec is one line, not a traceback
+        check_model_arg(ap, args.model)  # before anything loads: a bad spec is one line, not a traceback
     methods = args.methods or DEFAULT_METHODS[args.task]
     try:
         parsed = [parse_method(m) for m in methods]

@@ -21,7 +21,7 @@ from pathlib import Path
 from evals.metrics import SLO, RequestRecord, format_summary, summarize
 from evals.record import provenance
 from runtime.cliutil import ArgumentParser, interrupted, run
-from runtime.loader import check_model_spec
+from runtime.loader import check_model_arg
 
 
 @dataclass
@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, default=None, help="JSON record path (default: print only)")
     args = ap.parse_args(argv)
     if args.model:
-        check_model_spec(args.model)  # before anything loads: a bad spec is one line, not a traceback
+        check_model_arg(ap, args.model)  # before anything loads: a bad spec is one line, not a traceback
     if args.num_requests < 1:
         ap.error("--num-requests must be >= 1")
     if args.arrival in ("poisson", "fixed") and not (args.rate and args.rate > 0):

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from evals.wiki_tasks import GROUP, TASKS, build_tasks
 from runtime.cliutil import ArgumentParser, run
-from runtime.loader import check_model_spec
+from runtime.loader import check_model_arg
 
 
 def tasks_dir_default() -> Path:
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--output", default=None, help="write the JSON record here")
     args = ap.parse_args(argv)
     if args.model:
-        check_model_spec(args.model)  # before anything loads: a bad spec is one line, not a traceback
+        check_model_arg(ap, args.model)  # before anything loads: a bad spec is one line, not a traceback
     if args.limit is not None and args.limit <= 0:
         ap.error(f"--limit must be > 0 (a count, or a fraction below 1), got {args.limit:g}")
     if args.batch_size < 1:

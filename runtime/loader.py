@@ -113,6 +113,14 @@ def check_model_spec(spec: str) -> str:
     )
 
 
+def check_model_arg(ap, spec: str) -> None:
+    """check_model_spec for a CLI's --model: a bad spec is the parser's one-line error (exit code 2)."""
+    try:
+        check_model_spec(spec)
+    except ModelSpecError as err:
+        ap.error(str(err))
+
+
 def resolve(spec: str) -> Path:
     """Model spec -> local HF-style directory (converting or downloading once if needed)."""
     kind = check_model_spec(spec)

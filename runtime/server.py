@@ -24,7 +24,7 @@ from aiohttp import web
 
 from runtime.cliutil import ArgumentParser, run
 from runtime.engine import EngineConfig, LLMEngine, RequestOutput
-from runtime.loader import check_model_spec
+from runtime.loader import check_model_arg
 from runtime.sampling import SamplingParams
 from runtime.scheduler import RequestRejectedError
 
@@ -480,7 +480,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--num-speculative-tokens", type=int, default=4, help="k: drafts per sequence and step")
     args = ap.parse_args(argv)
     if args.model:
-        check_model_spec(args.model)  # before anything loads: a bad spec is one line, not a traceback
+        check_model_arg(ap, args.model)  # before anything loads: a bad spec is one line, not a traceback
     names = (
         "port",
         "block_size",

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from runtime.cliutil import ArgumentParser, interrupted, run
-from runtime.loader import check_model_spec
+from runtime.loader import check_model_arg
 from speculate.medusa.heads import MedusaConfig, MedusaHeads, model_fingerprint
 
 MAX_TOP = 10  # accuracy table width: candidates per head the tree may use
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = ap.parse_args(argv)
     if args.model:
-        check_model_spec(args.model)  # before anything loads: a bad spec is one line, not a traceback
+        check_model_arg(ap, args.model)  # before anything loads: a bad spec is one line, not a traceback
     if args.num_heads < 1:
         ap.error(f"--num-heads must be >= 1, got {args.num_heads}")
     if args.minutes <= 0:
