@@ -8,7 +8,6 @@ weight bytes read per decoded token with a streaming bandwidth measured here.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -17,10 +16,11 @@ from pathlib import Path
 
 import torch
 
+from runtime.cliutil import ArgumentParser, interrupted, run
 from runtime.config import DTYPES
 from runtime.data import wiki_split
 from runtime.decoding import generate
-from runtime.loader import DEFAULT_MODEL, load_model, load_tokenizer
+from runtime.loader import DEFAULT_MODEL, check_model_arg, load_model, load_tokenizer
 from runtime.provenance import provenance
 from runtime.sampling import SamplingParams
 
@@ -111,7 +111,7 @@ def profile_decode(model, prompt: list[int], new_tokens: int) -> dict[str, float
 def main(argv: list[str] | None = None) -> None:
     from transformers import AutoModelForCausalLM
 
-    ap = argparse.ArgumentParser(prog="python -m evals.bench_decode", description=__doc__.splitlines()[0])
+    ap = ArgumentParser(prog="python -m evals.bench_decode", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--dtypes", default="fp32,bf16")
     ap.add_argument("--prompt-tokens", type=int, default=128)
@@ -121,6 +121,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default=None, help="write a JSON record here")
     ap.add_argument("--profile", action="store_true", help="also break our decode time down by op category")
     args = ap.parse_args(argv)
+    if args.model:
+        check_model_arg(ap, args.model)  # before anything loads: a bad spec is one line, not a traceback
     torch.set_num_threads(args.threads)
 
     _, _, path = load_model(args.model)  # resolves/converts once
@@ -131,46 +133,54 @@ def main(argv: list[str] | None = None) -> None:
     print(f"[bench_decode] streaming bandwidth {bandwidth / 1e9:.1f} GB/s, {args.threads} threads", file=sys.stderr)
     record = {"run": provenance(), "bandwidth_GBps": bandwidth / 1e9, "args": vars(args), "results": {}}
     rows = []
-    for dtype_name in args.dtypes.split(","):
-        dtype = DTYPES[dtype_name]
-        ours, _, _ = load_model(args.model, dtype=dtype)
-        hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
-        time_ours(ours, prompt, 8), time_hf(hf, prompt, 8)  # warm up both
-        samples: dict[str, list[tuple[float, float]]] = {"ours": [], "hf": []}
-        for _ in range(args.repeats):
-            samples["ours"].append(time_ours(ours, prompt, args.new_tokens))
-            samples["hf"].append(time_hf(hf, prompt, args.new_tokens))
-        res = {}
-        for name, bytes_per_token in (("ours", decode_weight_bytes(ours)), ("hf", hf_decode_weight_bytes(hf))):
-            ttft = statistics.median(s[0] for s in samples[name])
-            tpot = statistics.median(s[1] for s in samples[name])
-            roofline_tpot = bytes_per_token / bandwidth
-            res[name] = {
-                "ttft_ms": ttft * 1e3,
-                "tpot_ms": tpot * 1e3,
-                "tok_per_s": 1 / tpot,
-                "weight_bytes_per_token": bytes_per_token,
-                "roofline_tok_per_s": 1 / roofline_tpot,
-                "roofline_share": roofline_tpot / tpot,
-            }
-        res["speedup_tok_per_s"] = res["ours"]["tok_per_s"] / res["hf"]["tok_per_s"]
-        res["ttft_ratio_hf_over_ours"] = res["hf"]["ttft_ms"] / res["ours"]["ttft_ms"]
-        record["results"][dtype_name] = res
-        for name in ("ours", "hf"):
-            r = res[name]
+    try:
+        for dtype_name in args.dtypes.split(","):
+            dtype = DTYPES[dtype_name]
+            print(f"[bench_decode] {dtype_name}: loading ours and HF, warming up", file=sys.stderr)
+            ours, _, _ = load_model(args.model, dtype=dtype)
+            hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+            time_ours(ours, prompt, 8), time_hf(hf, prompt, 8)  # warm up both
+            samples: dict[str, list[tuple[float, float]]] = {"ours": [], "hf": []}
+            for r in range(args.repeats):
+                samples["ours"].append(time_ours(ours, prompt, args.new_tokens))
+                samples["hf"].append(time_hf(hf, prompt, args.new_tokens))
+                print(f"[bench_decode] {dtype_name}: repeat {r + 1}/{args.repeats} (ours, then HF)", file=sys.stderr)
+            res = {}
+            for name, bytes_per_token in (("ours", decode_weight_bytes(ours)), ("hf", hf_decode_weight_bytes(hf))):
+                ttft = statistics.median(s[0] for s in samples[name])
+                tpot = statistics.median(s[1] for s in samples[name])
+                roofline_tpot = bytes_per_token / bandwidth
+                res[name] = {
+                    "ttft_ms": ttft * 1e3,
+                    "tpot_ms": tpot * 1e3,
+                    "tok_per_s": 1 / tpot,
+                    "weight_bytes_per_token": bytes_per_token,
+                    "roofline_tok_per_s": 1 / roofline_tpot,
+                    "roofline_share": roofline_tpot / tpot,
+                }
+            res["speedup_tok_per_s"] = res["ours"]["tok_per_s"] / res["hf"]["tok_per_s"]
+            res["ttft_ratio_hf_over_ours"] = res["hf"]["ttft_ms"] / res["ours"]["ttft_ms"]
+            record["results"][dtype_name] = res
+            for name in ("ours", "hf"):
+                r = res[name]
+                rows.append(
+                    f"| {dtype_name} | {name} | {r['ttft_ms']:.1f} | {r['tpot_ms']:.1f} | {r['tok_per_s']:.1f} | "
+                    f"{r['weight_bytes_per_token'] / 1e6:.0f} | {100 * r['roofline_share']:.0f}% |"
+                )
             rows.append(
-                f"| {dtype_name} | {name} | {r['ttft_ms']:.1f} | {r['tpot_ms']:.1f} | {r['tok_per_s']:.1f} | "
-                f"{r['weight_bytes_per_token'] / 1e6:.0f} | {100 * r['roofline_share']:.0f}% |"
+                f"| {dtype_name} | ours/HF | {res['ttft_ratio_hf_over_ours']:.2f}x faster TTFT | | "
+                f"**{res['speedup_tok_per_s']:.2f}x** | | |"
             )
-        rows.append(
-            f"| {dtype_name} | ours/HF | {res['ttft_ratio_hf_over_ours']:.2f}x faster TTFT | | "
-            f"**{res['speedup_tok_per_s']:.2f}x** | | |"
-        )
-        if args.profile:
-            res["ours"]["time_shares"] = profile_decode(ours, prompt, min(args.new_tokens, 32))
-            shares = ", ".join(f"{k} {100 * v:.0f}%" for k, v in res["ours"]["time_shares"].items())
-            print(f"[bench_decode] {dtype_name} decode time: {shares}", file=sys.stderr)
-        del ours, hf
+            if args.profile:
+                res["ours"]["time_shares"] = profile_decode(ours, prompt, min(args.new_tokens, 32))
+                shares = ", ".join(f"{k} {100 * v:.0f}%" for k, v in res["ours"]["time_shares"].items())
+                print(f"[bench_decode] {dtype_name} decode time: {shares}", file=sys.stderr)
+            del ours, hf
+    except KeyboardInterrupt:
+        if rows:
+            print("[bench_decode] partial summary: the dtypes that finished", file=sys.stderr)
+            print("\n".join(rows))
+        interrupted(f"{len(rows) // 3} of {len(args.dtypes.split(','))} dtypes had finished")
     print(
         f"batch 1, {len(prompt)}-token prompt, {args.new_tokens} new tokens, median of {args.repeats} interleaved runs"
     )
@@ -183,4 +193,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -20,7 +20,6 @@ TRITON_INTERPRET=1 (tests/test_serve_paged_decode.py does that, so the script ca
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -31,9 +30,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from runtime.cliutil import ArgumentParser, run
 from runtime.config import ModelConfig
 from runtime.engine import EngineConfig, LLMEngine
 from runtime.kernels.paged_attention import paged_decode_attention, paged_decode_attention_reference
+from runtime.loader import check_model_arg
 from runtime.model import random_model
 from runtime.paged_cache import gather_blocks
 from runtime.sampling import SamplingParams
@@ -202,7 +203,7 @@ def engine_check(args, device: torch.device) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m evals.bench_paged_decode", description=__doc__.splitlines()[0])
+    ap = ArgumentParser(prog="python -m evals.bench_paged_decode", description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, no timing (CPU: needs TRITON_INTERPRET=1)")
     ap.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["bf16", "fp16", "fp32"])
@@ -219,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None, help="JSON record path")
     args = ap.parse_args(argv)
+    if args.model:
+        check_model_arg(ap, args.model)  # before anything loads: a bad spec is one line, not a traceback
     device = torch.device(args.device)
     if args.smoke:
         args.shapes, args.batches, args.contexts, args.block_size = ["tiny"], [3], [21], 4
@@ -261,4 +264,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run(main))

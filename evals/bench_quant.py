@@ -32,7 +32,9 @@ from torch import nn
 
 from quantize.qembedding import tie_quantized_embedding
 from quantize.qlinear import QuantizedWeight, QuantLinear, set_module
+from runtime.cliutil import ArgumentParser, run
 from runtime.layout import decoder_linear_names
+from runtime.loader import check_model_arg
 
 VARIANTS = ("fp32", "bf16", "int8", "w8a8", "int4")
 DESCRIPTIONS = {
@@ -321,7 +323,7 @@ def main(argv: list[str] | None = None) -> None:
     from runtime.loader import DEFAULT_MODEL, load_model, load_tokenizer
 
     argv = sys.argv[1:] if argv is None else argv
-    ap = argparse.ArgumentParser(prog="python -m evals.bench_quant", description=__doc__.splitlines()[0])
+    ap = ArgumentParser(prog="python -m evals.bench_quant", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=DEFAULT_MODEL, help="registry name or checkpoint dir (dense)")
     ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list from {','.join(VARIANTS)}")
     ap.add_argument("--batch-sizes", default="1,16", help="decode batch sizes (comma list)")
@@ -342,6 +344,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="write the JSON record here")
     args = ap.parse_args(argv)
+    if args.model:
+        check_model_arg(ap, args.model)  # before anything loads: a bad spec is one line, not a traceback
     variants = parse_list(ap, args.variants, str, "--variants")
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
@@ -385,4 +389,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -16,7 +16,6 @@ Modes are interleaved per concurrency level, and every claim is a ratio within t
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -27,7 +26,9 @@ import torch
 
 from evals.loadgen import WorkItem, build_workload
 from evals.metrics import RequestRecord, distribution, summarize
+from runtime.cliutil import ArgumentParser, interrupted, run
 from runtime.engine import EngineConfig, LLMEngine
+from runtime.loader import check_model_arg
 from runtime.provenance import provenance
 from runtime.sampling import SamplingParams
 
@@ -82,6 +83,7 @@ def bench_batching(model, tokenizer, args) -> dict:
                 decode_kernel=args.decode_kernel,
             )  # fmt: skip
             engine = LLMEngine(model, tokenizer, config)
+            print(f"[bench_serving] {policy} c={c}: {n} requests ...", file=sys.stderr, flush=True)
             records, duration, steady = run_closed_loop(engine, items, c)
             summary = summarize(records, duration)
             summary["ttft_s_after_initial_burst"] = distribution([r.ttft for r in steady])
@@ -114,6 +116,8 @@ def bench_prefix(model, tokenizer, args) -> dict:
             kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)), decode_kernel=args.decode_kernel,
         )  # fmt: skip
         engine = LLMEngine(model, tokenizer, config)
+        state = "on" if enabled else "off"
+        print(f"[bench_serving] prefix caching {state}: {len(items)} requests ...", file=sys.stderr)
         records, duration, _ = run_closed_loop(engine, items, 1)
         key = "prefix_caching_on" if enabled else "prefix_caching_off"
         out[key] = summarize(records, duration)
@@ -132,7 +136,7 @@ def main(argv: list[str] | None = None) -> None:
     from runtime.config import DTYPES
     from runtime.loader import DEFAULT_MODEL, load_model, load_tokenizer
 
-    ap = argparse.ArgumentParser(prog="python -m evals.bench_serving", description=__doc__.splitlines()[0])
+    ap = ArgumentParser(prog="python -m evals.bench_serving", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
@@ -156,6 +160,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", type=Path, default=None, help="JSON record path")
     args = ap.parse_args(argv)
+    if args.model:
+        check_model_arg(ap, args.model)  # before anything loads: a bad spec is one line, not a traceback
     if any(c < 1 for c in args.concurrency):
         ap.error("--concurrency values must be >= 1")
     for name in ("max_prompt_tokens", "min_output_tokens", "max_output_tokens", "system_prompt_tokens",
@@ -206,5 +212,12 @@ def main(argv: list[str] | None = None) -> None:
         print("some bars are not met (see above)", file=sys.stderr)
 
 
+def main_or_partial(argv: list[str] | None = None) -> None:
+    try:
+        main(argv)
+    except KeyboardInterrupt:
+        interrupted("the lines printed above are the levels that finished")
+
+
 if __name__ == "__main__":
-    main()
+    run(main_or_partial)

@@ -19,7 +19,7 @@ quant-draft:bits=B,k=K, hf-plain, hf-pld:k=K.
 
 from __future__ import annotations
 
-import argparse
+import copy
 import json
 import os
 import sys
@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from runtime.cliutil import ArgumentParser, interrupted, run
+from runtime.loader import check_model_arg
 from runtime.provenance import module_command, provenance
 
 DEFAULT_METHODS = {
@@ -121,7 +123,7 @@ def main(argv: list[str] | None = None) -> dict:
     from speculate.cli import build_speculator
     from speculate.generate import speculative_generate
 
-    ap = argparse.ArgumentParser(prog="python -m evals.bench_spec", description=__doc__.splitlines()[0])
+    ap = ArgumentParser(prog="python -m evals.bench_spec", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--task", choices=["rewrite", "continue"], default="rewrite")
     ap.add_argument("--methods", nargs="+", default=None, help="methods to compare (default: per task)")
@@ -133,6 +135,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="write the JSON record here")
     args = ap.parse_args(argv)
+    if args.model:
+        check_model_arg(ap, args.model)  # before anything loads: a bad spec is one line, not a traceback
     methods = args.methods or DEFAULT_METHODS[args.task]
     try:
         parsed = [parse_method(m) for m in methods]
@@ -212,33 +216,61 @@ def main(argv: list[str] | None = None) -> dict:
         for _ in range(args.warmup):
             runners[spec](prompts[0], 8)
     results = {spec: MethodResult(spec) for spec in methods}
-    for i, p in enumerate(prompts):
-        order = methods[i % len(methods) :] + methods[: i % len(methods)]  # rotate who goes first
-        outputs = {}
-        for spec in order:
-            t0 = time.perf_counter()
-            toks, stats = runners[spec](p, args.max_tokens)
-            dt = time.perf_counter() - t0
-            r = results[spec]
-            r.seconds += dt
-            r.tokens += len(toks)
-            r.prompts += 1
-            outputs[spec] = toks
-            if stats is not None:
-                r.steps += stats.steps
-                r.row_steps += stats.row_steps
-                r.accepted += stats.accepted
-                r.drafted += stats.drafted
-                for j, (a, n) in enumerate(zip(stats.accepted_at, stats.proposed_at)):
-                    if j >= len(r.accepted_at):
-                        r.accepted_at.append(0)
-                        r.proposed_at.append(0)
-                    r.accepted_at[j] += a
-                    r.proposed_at[j] += n
-        for spec in methods:
-            results[spec].exact_prompts += int(outputs[spec] == outputs["plain"])
-        print(f"[bench_spec] prompt {i + 1}/{len(prompts)} done", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    finished = copy.deepcopy(results)  # the results of the prompts every method finished (kept at Ctrl-C)
+    try:
+        for i, p in enumerate(prompts):
+            order = methods[i % len(methods) :] + methods[: i % len(methods)]  # rotate who goes first
+            outputs = {}
+            for spec in order:
+                t0 = time.perf_counter()
+                toks, stats = runners[spec](p, args.max_tokens)
+                dt = time.perf_counter() - t0
+                r = results[spec]
+                r.seconds += dt
+                r.tokens += len(toks)
+                r.prompts += 1
+                outputs[spec] = toks
+                if stats is not None:
+                    r.steps += stats.steps
+                    r.row_steps += stats.row_steps
+                    r.accepted += stats.accepted
+                    r.drafted += stats.drafted
+                    for j, (a, n) in enumerate(zip(stats.accepted_at, stats.proposed_at)):
+                        if j >= len(r.accepted_at):
+                            r.accepted_at.append(0)
+                            r.proposed_at.append(0)
+                        r.accepted_at[j] += a
+                        r.proposed_at[j] += n
+            for spec in methods:
+                results[spec].exact_prompts += int(outputs[spec] == outputs["plain"])
+            elapsed = time.perf_counter() - start
+            eta = elapsed / (i + 1) * (len(prompts) - i - 1)
+            print(
+                f"[bench_spec] prompt {i + 1}/{len(prompts)} done, {elapsed:.0f} s, ETA {eta:.0f} s",
+                file=sys.stderr,
+                flush=True,
+            )
+            finished = copy.deepcopy(results)
+    except KeyboardInterrupt:
+        done = finished["plain"].prompts
+        if done:
+            print(f"[bench_spec] partial summary: the {done} of {len(prompts)} prompts that finished", file=sys.stderr)
+            print_table(summary_rows(finished, methods))
+        interrupted(f"{done} of {len(prompts)} prompts had finished for every method")
+    rows = summary_rows(results, methods)
+    record.update(task=args.task, prompts=len(prompts), max_tokens=args.max_tokens, results=rows)
+    record["load_average_end"] = os.getloadavg()
+    print_table(rows)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(record, indent=2))
+    print(json.dumps(record))
+    return record
 
+
+def summary_rows(results: dict, methods: list[str]) -> list[dict]:
+    """One row per method: speed against plain decoding, exactness, acceptance."""
     base = results["plain"]
     base_tps = base.tokens / base.seconds
     hf_base = results.get("hf-plain")
@@ -265,14 +297,7 @@ def main(argv: list[str] | None = None) -> dict:
                 target_forwards_per_token=round((r.row_steps + r.prompts) / r.tokens, 3),
             )
         rows.append(row)
-    record.update(task=args.task, prompts=len(prompts), max_tokens=args.max_tokens, results=rows)
-    record["load_average_end"] = os.getloadavg()
-    print_table(rows)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(record, indent=2))
-    print(json.dumps(record))
-    return record
+    return rows
 
 
 def print_table(rows: list[dict]) -> None:
@@ -288,4 +313,4 @@ def print_table(rows: list[dict]) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

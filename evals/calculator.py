@@ -15,13 +15,14 @@ Everything is exact integer arithmetic on the config's shapes (no measurement). 
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import re
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from runtime.cliutil import ArgumentParser, run
 
 DTYPE_BYTES = {"fp32": 4.0, "float32": 4.0, "bf16": 2.0, "bfloat16": 2.0, "fp16": 2.0, "float16": 2.0}
 DTYPE_BYTES.update({"fp8": 1.0, "int8": 1.0, "int4": 0.5})
@@ -569,9 +570,9 @@ def render_parallel(
             winners.setdefault(r["tp"], []).append(r["batch"])
     lines.append("")
     lines += [f"TP={tp} wins at total batch {', '.join(map(str, bs))}" for tp, bs in sorted(winners.items())]
-    for run in ranges or []:
-        who = "no layout fits" if run["tp"] is None else f"TP={run['tp']} x DP={gpus // run['tp']} wins"
-        lines.append(f"total batch {run['from']:,}-{run['to']:,}: {who}")
+    for span in ranges or []:
+        who = "no layout fits" if span["tp"] is None else f"TP={span['tp']} x DP={gpus // span['tp']} wins"
+        lines.append(f"total batch {span['from']:,}-{span['to']:,}: {who}")
     if disagg:
         lines += ["", "prefill/decode disaggregation (per decode batch; tokens/s per GPU are equal, TPOT is not)", ""]
         lines.append(
@@ -653,7 +654,36 @@ def render(r: Report) -> str:
     return "\n".join(lines)
 
 
+# Measured device profiles (DESIGN.md "Numbers of these machines"): the defaults of --bandwidth / --flops.
+# cpu: this project's 2-core Zen 4 machine, streaming read and matmul rate by weight dtype.
+# h200: one H200, copy bandwidth and bf16 matmul as measured with qspec's runtime.
+DEVICE_PROFILES = {
+    "cpu": {"bandwidth": 31e9, "flops": {"fp32": 87e9, "bf16": 189e9, "int8": 325e9}, "default_flops": 189e9},
+    "h200": {"bandwidth": 4.2e12, "flops": {"fp32": 60e12, "bf16": 790e12}, "default_flops": 790e12},
+}
+
+
+DEVICE_PROFILE_NOTES = {
+    "cpu": "31 GB/s, 87 GFLOP/s fp32 / 189 bf16 / 325 int8, a 2-core Zen 4 as measured here",
+    "h200": "4.2 TB/s, 790 TFLOP/s bf16, one H200 as measured with qspec",
+}
+
+
+def default_device() -> str:
+    """h200 where an NVIDIA GPU is present (without importing torch), else cpu."""
+    return "h200" if Path("/dev/nvidiactl").exists() else "cpu"
+
+
+def profile_rates(device: str, dtype: str) -> tuple[float, float]:
+    prof = DEVICE_PROFILES[device]
+    return prof["bandwidth"], prof["flops"].get(dtype, prof["default_flops"])
+
+
 def read_config(path: str) -> tuple[dict, str]:
+    from runtime.loader import REGISTRY, resolve
+
+    if path in REGISTRY:  # a registry name: its converted checkpoint under $QSPEC_HOME (converted once)
+        path = str(resolve(path))
     p = Path(path).expanduser()
     if p.is_dir():
         p = p / "config.json"
@@ -675,18 +705,26 @@ def int_list(text: str) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(
+    ap = ArgumentParser(
         prog="python -m evals.calculator",
         description="Parameters, weight/KV bytes, decode roofline, prefill time and a capacity worksheet "
         "from a config.json (exact arithmetic; GB = 1e9 B and GiB = 2^30 B kept apart).",
     )
-    ap.add_argument("--config", required=True, help="path to an HF config.json (or a directory holding one)")
+    ap.add_argument(
+        "--config", required=True, help="an HF config.json, a directory holding one, or a registry name (smollm2-135m)"
+    )
     ap.add_argument("--dtype", default="bf16", help=f"weight dtype: {', '.join(sorted(DTYPE_BYTES))}")
     ap.add_argument("--kv-dtype", default=None, help="KV cache dtype (default: --dtype)")
     ap.add_argument("--context", type=int, default=4096, help="tokens per sequence (default 4096)")
     ap.add_argument("--concurrency", type=int, default=1, help="sequences decoding together (default 1)")
-    ap.add_argument("--bandwidth", default="1000GB/s", help="memory bandwidth, e.g. 1000GB/s, 31GB/s")
-    ap.add_argument("--flops", default="100TFLOPS", help="compute rate, e.g. 100TFLOPS, 189GFLOPS")
+    ap.add_argument(
+        "--device",
+        choices=sorted(DEVICE_PROFILES),
+        default=None,
+        help="measured bandwidth/FLOPs profile (default: h200 where an NVIDIA GPU is present, else cpu)",
+    )
+    ap.add_argument("--bandwidth", default=None, help="memory bandwidth, e.g. 1000GB/s, 31GB/s (default: --device's)")
+    ap.add_argument("--flops", default=None, help="compute rate, e.g. 100TFLOPS, 189GFLOPS (default: --device's)")
     ap.add_argument("--memory", default=None, help="memory budget for capacity, e.g. 80GB or 24GiB")
     ap.add_argument("--contexts", default=None, help="worksheet contexts, e.g. 1k,4k,8k,32k")
     ap.add_argument("--concurrencies", default=None, help="worksheet concurrencies, e.g. 1,4,16,64")
@@ -704,16 +742,22 @@ def main(argv: list[str] | None = None) -> None:
     par.add_argument("--disagg-tp", type=int, default=1, help="disaggregation: TP size of each instance")
     par.add_argument("--slo-tpot-ms", type=float, default=None, help="disaggregation: TPOT SLO")
     args = ap.parse_args(argv)
+    device = args.device or default_device()
+    bandwidth, flops = profile_rates(device, args.dtype)
     try:
         hf, name = read_config(args.config)
+        if args.bandwidth is not None:
+            bandwidth = parse_quantity(args.bandwidth, "B/s")
+        if args.flops is not None:
+            flops = parse_quantity(args.flops, "FLOPS")
         report = calculate(
             hf,
             dtype=args.dtype,
             kv_dtype=args.kv_dtype,
             context=args.context,
             concurrency=args.concurrency,
-            bandwidth=parse_quantity(args.bandwidth, "B/s"),
-            flops=parse_quantity(args.flops, "FLOPS"),
+            bandwidth=bandwidth,
+            flops=flops,
             memory_budget=None if args.memory is None else parse_quantity(args.memory, "B"),
             contexts=int_list(args.contexts) if args.contexts else None,
             concurrencies=int_list(args.concurrencies) if args.concurrencies else None,
@@ -721,12 +765,12 @@ def main(argv: list[str] | None = None) -> None:
         )
         parallel = None
         if args.tp:
-            parallel = parallel_report(hf, args, report.memory_budget_bytes)
+            parallel = parallel_report(hf, args, report.memory_budget_bytes, bandwidth, flops)
     except (CalculatorError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
     if args.json:
-        print(json.dumps({**asdict(report), **(parallel or {})}, indent=2))
+        print(json.dumps({**asdict(report), "device_profile": device, **(parallel or {})}, indent=2))
         return
     print(render(report))
     if parallel:
@@ -736,9 +780,11 @@ def main(argv: list[str] | None = None) -> None:
                 parallel["tp_winning_ranges"],
             )
         )  # fmt: skip
+    if args.bandwidth is None or args.flops is None:
+        print(f"[device profile {device}: {DEVICE_PROFILE_NOTES[device]}; --device / --bandwidth / --flops change it]")
 
 
-def parallel_report(hf: dict, args, memory_per_gpu: float | None) -> dict:
+def parallel_report(hf: dict, args, memory_per_gpu: float | None, bandwidth: float, flops: float) -> dict:
     if hf.get("quantization_config"):
         raise CalculatorError("the TP section counts unquantized weights; drop quantization_config")
     for name in ("gpus", "prompt_tokens", "output_tokens", "disagg_tp", "max_batch"):
@@ -746,8 +792,8 @@ def parallel_report(hf: dict, args, memory_per_gpu: float | None) -> dict:
             raise CalculatorError(f"--{name.replace('_', '-')} must be >= 1")
     s = Shapes.from_hf(hf)
     hw = Hardware(
-        bandwidth=parse_quantity(args.bandwidth, "B/s"),
-        flops=parse_quantity(args.flops, "FLOPS"),
+        bandwidth=bandwidth,
+        flops=flops,
         link_bandwidth=parse_quantity(args.link_bandwidth, "B/s"),
         link_latency=args.link_latency_us * 1e-6,
         act_bytes=min(DTYPE_BYTES[args.dtype], 2.0),
@@ -772,4 +818,4 @@ def parallel_report(hf: dict, args, memory_per_gpu: float | None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

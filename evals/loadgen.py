@@ -16,7 +16,6 @@ P99), request and token throughput and goodput under SLOs, and writes a JSON rec
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import random
@@ -26,6 +25,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from evals.metrics import SLO, RequestRecord, format_summary, summarize
+from runtime.cliutil import ArgumentParser, interrupted, run
+from runtime.loader import check_model_arg
 from runtime.provenance import provenance
 
 
@@ -149,9 +150,26 @@ async def run_load(
     model_name: str | None = None,
     api_key: str | None = None,
     prompt_as_text: bool = False,
+    finished: list[RequestRecord] | None = None,
 ) -> tuple[list[RequestRecord], float]:
-    """Send every item; model_name None asks the server's /v1/models ("" sends none)."""
+    """Send every item; model_name None asks the server's /v1/models ("" sends none). `finished` (the caller's
+    list) receives each record as its request ends, so a Ctrl-C'd run can still summarize what finished. One
+    progress line per finished request goes to stderr."""
     import aiohttp
+
+    finished = [] if finished is None else finished
+
+    def done(rec: RequestRecord) -> RequestRecord:
+        finished.append(rec)
+        elapsed = time.perf_counter() - start
+        eta = elapsed / len(finished) * (len(items) - len(finished))
+        print(
+            f"\r[loadgen] {len(finished)}/{len(items)} requests, {elapsed:.0f} s, ETA {eta:.0f} s ",
+            end="\n" if len(finished) == len(items) else "",
+            file=sys.stderr,
+            flush=True,
+        )
+        return rec
 
     extra = dict(extra or {})
     offsets = arrival_offsets(len(items), mode, rate, seed)
@@ -171,14 +189,14 @@ async def run_load(
             async def worker():
                 while queue:
                     i, item = queue.pop(0)
-                    records[i] = await send(session, url, endpoint, item, tokenizer, extra, prompt_as_text)
+                    records[i] = done(await send(session, url, endpoint, item, tokenizer, extra, prompt_as_text))
 
             await asyncio.gather(*(worker() for _ in range(min(concurrency, len(items)))))
         else:
 
             async def delayed(offset: float, item: WorkItem) -> RequestRecord:
                 await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
-                return await send(session, url, endpoint, item, tokenizer, extra, prompt_as_text)
+                return done(await send(session, url, endpoint, item, tokenizer, extra, prompt_as_text))
 
             records = await asyncio.gather(*(delayed(o, it) for o, it in zip(offsets, items)))
         duration = time.perf_counter() - start
@@ -191,7 +209,7 @@ async def run_load(
 def main(argv: list[str] | None = None) -> None:
     from runtime.loader import DEFAULT_MODEL, load_tokenizer
 
-    ap = argparse.ArgumentParser(prog="python -m evals.loadgen", description=__doc__.splitlines()[0])
+    ap = ArgumentParser(prog="python -m evals.loadgen", description=__doc__.splitlines()[0])
     ap.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (loopback)")
     ap.add_argument("--model", default=DEFAULT_MODEL, help="model spec whose tokenizer builds the prompts")
     ap.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
@@ -217,6 +235,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--timeout-s", type=float, default=600.0, help="per-request timeout")
     ap.add_argument("--out", type=Path, default=None, help="JSON record path (default: print only)")
     args = ap.parse_args(argv)
+    if args.model:
+        check_model_arg(ap, args.model)  # before anything loads: a bad spec is one line, not a traceback
     if args.num_requests < 1:
         ap.error("--num-requests must be >= 1")
     if args.arrival in ("poisson", "fixed") and not (args.rate and args.rate > 0):
@@ -238,11 +258,19 @@ def main(argv: list[str] | None = None) -> None:
     limits = (args.slo_ttft_ms, args.slo_tpot_ms, args.slo_e2e_ms)
     # no SLO given: no goodput line (every request would count as "good")
     slo = SLO(*(None if v is None else v / 1e3 for v in limits)) if any(v is not None for v in limits) else None
-    records, duration = asyncio.run(
-        run_load(args.url, items, tokenizer, args.endpoint, args.arrival, args.rate, args.concurrency, args.seed,
-                 timeout_s=args.timeout_s, model_name=args.served_model_name, api_key=args.api_key,
-                 prompt_as_text=args.prompt_format == "text")
-    )  # fmt: skip
+    finished: list[RequestRecord] = []
+    start = time.perf_counter()
+    try:
+        records, duration = asyncio.run(
+            run_load(args.url, items, tokenizer, args.endpoint, args.arrival, args.rate, args.concurrency, args.seed,
+                     timeout_s=args.timeout_s, model_name=args.served_model_name, api_key=args.api_key,
+                     prompt_as_text=args.prompt_format == "text", finished=finished)
+        )  # fmt: skip
+    except KeyboardInterrupt:
+        if finished:
+            print(f"\n[loadgen] partial summary: the {len(finished)} of {len(items)} requests that finished")
+            print(format_summary(summarize(finished, time.perf_counter() - start, slo)))
+        interrupted(f"{len(finished)} of {len(items)} requests had finished")
     summary = summarize(records, duration, slo)
     print(format_summary(summary))
     errors = sorted({r.error for r in records if not r.ok})
@@ -263,4 +291,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

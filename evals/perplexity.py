@@ -8,9 +8,9 @@ perplexity is exp of the mean token NLL over all windows.
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
+import time
 from dataclasses import dataclass
 
 import torch
@@ -40,12 +40,22 @@ def perplexity(
     windows = token_windows(tokenizer, text, seqlen, max_windows)
     if not windows:
         raise ValueError(f"text is shorter than one window of {seqlen} tokens")
+    return windows_perplexity(model, windows, batch_size, progress)
+
+
+def windows_perplexity(model, windows: list[list[int]], batch_size: int = 4, progress: bool = False):
+    """Perplexity over already-cut windows of equal length (what perplexity() does after tokenizing)."""
+    seqlen = len(windows[0])
     total = 0.0
+    start = time.perf_counter()
     for i in range(0, len(windows), batch_size):
         total += sum(window_nlls(model, windows[i : i + batch_size], batch_size))
         if progress:
+            done = min(i + batch_size, len(windows))
+            elapsed = time.perf_counter() - start
+            eta = elapsed / done * (len(windows) - done)
             print(
-                f"\r[qspec] perplexity: {min(i + batch_size, len(windows))}/{len(windows)} windows",
+                f"\r[qspec] perplexity: {done}/{len(windows)} windows, {elapsed:.0f} s, ETA {eta:.0f} s ",
                 end="",
                 file=sys.stderr,
                 flush=True,
@@ -58,34 +68,44 @@ def perplexity(
 
 
 def main(argv: list[str] | None = None) -> None:
-    from runtime.config import DTYPES
-    from runtime.loader import DEFAULT_MODEL, load_model, load_tokenizer
+    import json
 
-    ap = argparse.ArgumentParser(prog="python -m evals.perplexity", description=__doc__.splitlines()[0])
+    from runtime.cliutil import ArgumentParser, UsageError
+    from runtime.config import DTYPES, ModelConfig
+    from runtime.loader import DEFAULT_MODEL, check_model_spec, load_model, load_tokenizer, resolve
+
+    ap = ArgumentParser(prog="python -m evals.perplexity", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--data", default="wiki", help="wiki | wiki-es | wiki-fr | path to a text file")
     ap.add_argument("--split", default="eval", choices=["eval", "calib"])
     ap.add_argument("--seqlen", type=int, default=512)
-    ap.add_argument("--max-windows", type=int, default=None)
+    ap.add_argument("--max-windows", type=int, default=None, help="score only the first N windows (default: all)")
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda where available)")
     args = ap.parse_args(argv)
-    model, _, path = load_model(args.model, DTYPES[args.dtype], args.device)
-    tokenizer = load_tokenizer(str(path))
+    if args.max_windows is not None and args.max_windows < 1:
+        ap.error(f"--max-windows must be >= 1 (or left out for every window), got {args.max_windows}")
+    if args.seqlen < 2:
+        ap.error(f"--seqlen must be >= 2 (one token predicted from another), got {args.seqlen}")
+    if args.batch_size < 1:
+        ap.error(f"--batch-size must be >= 1, got {args.batch_size}")
     try:
-        text = load_text(args.data, args.split)
+        text = load_text(args.data, args.split)  # before the model: a bad --data costs nothing
     except ValueError as err:
-        ap.error(str(err))
-    res = perplexity(
-        model,
-        tokenizer,
-        text,
-        args.seqlen,
-        args.max_windows,
-        args.batch_size,
-        progress=True,
-    )
+        raise UsageError(str(err)) from None
+    check_model_spec(args.model)
+    path = resolve(args.model)
+    positions = ModelConfig.from_hf(json.loads((path / "config.json").read_text())).max_position_embeddings
+    if args.seqlen > positions:
+        raise UsageError(f"--seqlen {args.seqlen} is beyond the model's context of {positions} positions")
+    tokenizer = load_tokenizer(str(path))
+    windows = token_windows(tokenizer, text, args.seqlen, args.max_windows)
+    if not windows:
+        raise UsageError(f"--data {args.data}/{args.split} is shorter than one window of {args.seqlen} tokens")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model, _, path = load_model(args.model, DTYPES[args.dtype], device)
+    res = windows_perplexity(model, windows, args.batch_size, progress=True)
     print(
         f"perplexity {res.perplexity:.4f} (mean NLL {res.mean_nll:.5f}) over {res.windows} windows x "
         f"{args.seqlen} tokens = {res.tokens_scored} scored tokens; model {args.model}, data {args.data}/"
@@ -94,4 +114,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from runtime.cliutil import run
+
+    run(main)

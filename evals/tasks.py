@@ -8,7 +8,6 @@ same run for an in-memory model (a quantized copy, a bf16 cast) from Python.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import math
@@ -17,6 +16,8 @@ import time
 from pathlib import Path
 
 from evals.wiki_tasks import GROUP, TASKS, build_tasks
+from runtime.cliutil import ArgumentParser, run
+from runtime.loader import check_model_arg
 
 
 def tasks_dir_default() -> Path:
@@ -103,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
     from runtime.config import DTYPES
     from runtime.loader import DEFAULT_MODEL, ModelSpecError
 
-    ap = argparse.ArgumentParser(prog="python -m evals.tasks", description=__doc__.splitlines()[0])
+    ap = ArgumentParser(prog="python -m evals.tasks", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=DEFAULT_MODEL, help="model spec: registry name, checkpoint dir, .gguf")
     ap.add_argument("--tasks", required=True, help=f"comma-separated lm-eval task names; {GROUP} = all offline")
     ap.add_argument("--limit", type=float, default=None, help="documents per task (for quick runs)")
@@ -116,6 +117,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--output", default=None, help="write the JSON record here")
     args = ap.parse_args(argv)
+    if args.model:
+        check_model_arg(ap, args.model)  # before anything loads: a bad spec is one line, not a traceback
+    if args.limit is not None and args.limit <= 0:
+        ap.error(f"--limit must be > 0 (a count, or a fraction below 1), got {args.limit:g}")
+    if args.batch_size < 1:
+        ap.error(f"--batch-size must be >= 1, got {args.batch_size}")
+    if not [t for t in args.tasks.split(",") if t.strip()]:
+        ap.error("--tasks is empty")
     if args.limit is not None and args.limit >= 1:
         args.limit = int(args.limit)
 
@@ -150,4 +159,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -52,96 +52,276 @@ def table_rows(records: list[dict]) -> list[dict]:
     return out
 
 
+CLASS_ORDER = ("exact", "same math", "same distribution", "approximate")
+OWN_OUTPUTS = "engine greedy outputs"  # fidelity "sequences" of rows scored on their own outputs
+
+
+def short_baseline(text: str | None) -> str:
+    """A few words for a row's speed baseline (the table keeps the full wording)."""
+    if not text:
+        return ""
+    rules = (
+        ("full recompute", "no KV cache"),
+        ("contiguous KV cache", "contiguous cache"),
+        ("same engine without prefix", "no prefix cache"),
+        ("static batching", "static batching"),
+        ("the same prompts one at a time", "one prompt at a time"),
+        ("naive attention", "naive attention"),
+        ("plain decode (contiguous cache, batch 1, fp32)", "fp32 decode"),
+        ("the unquantized model in bf16", "bf16 model"),
+    )
+    for prefix, short in rules:
+        if text.startswith(prefix):
+            return short
+    if text.startswith("plain decoding"):
+        temp = text.rsplit("temperature", 1)[-1].strip()
+        return f"plain decoding, T={temp}" if "temperature" in text else "plain decoding"
+    return text.split("(")[0].strip()[:28]
+
+
+def ordered(rows: list[dict]) -> list[dict]:
+    """Rows grouped by lossless class (exact first, approximate last), the config's order within a class."""
+    rank = {c: i for i, c in enumerate(CLASS_ORDER)}
+    return sorted(rows, key=lambda r: rank.get(r["class"], len(rank)))
+
+
+def quality_cell(r: dict) -> str:
+    """Δ perplexity vs the fp32 reference, teacher-forced; rows scored on their own outputs are kept apart."""
+    if r["perplexity"] is None:
+        return "—"
+    if r["scored_on"] == OWN_OUTPUTS:
+        return "n/a ¹"
+    return f"{r['perplexity_delta']:+.3f} ({r['perplexity']:.3f})"
+
+
 def render_table(cfg, records: list[dict], out_dir: Path) -> list[Path]:
-    rows = table_rows(records)
+    rows = ordered(table_rows(records))
     tasks = sorted({k.split(":", 1)[1] for r in rows for k in r if k.startswith("acc:")})
     seqlen, n = cfg.evals.fidelity_seqlen, cfg.evals.fidelity_sequences
-    head = ["row", "lossless class", "check", "greedy match %", "max abs Δ log-prob", "perplexity (Δ)"]
-    head += [f"{TASK_SHORT.get(t, t)} acc ± se" for t in tasks] + ["speedup (vs)", "tok/s", "weights MB"]
+    head = ["row", "lossless class", "speedup (vs)", "Δ perplexity (ppl)", "greedy match %", "max abs Δ log-prob"]
+    head += [f"{TASK_SHORT.get(t, t)} acc ± se" for t in tasks] + ["weights MB", "tok/s", "check"]
+    own = [r for r in rows if r["scored_on"] == OWN_OUTPUTS and r["perplexity"] is not None]
     lines = [
-        f"# {cfg.name}",
+        f"# {cfg.name}: what does each speedup cost in quality, and what does it buy?",
         "",
         cfg.description.strip(),
         "",
-        f"Perplexity: wiki eval split, {n} windows x {seqlen} tokens, teacher-forced through the row's path, Δ vs "
-        "the fp32 reference on the same tokens (engine rows, which emit tokens only, are scored on their own greedy "
-        "outputs with the logits their sampler saw: [own outputs]). "
-        f"Greedy match: {cfg.evals.greedy_prompts} prompts x {cfg.evals.greedy_tokens} new tokens vs plain fp32 "
-        f"decoding (tokens before the first divergence). Tasks: lm-eval, {cfg.evals.task_limit} documents each. "
-        f"Speedup: median of {cfg.bench.repeats} interleaved runs against the baseline named, same run.",
+        f"Speedup: median of {cfg.bench.repeats} interleaved runs against the one baseline named in the cell, same "
+        f"run (rows have different baselines: read each against its own). Δ perplexity: wiki eval split, {n} "
+        f"windows x {seqlen} tokens, teacher-forced through the row's path, minus the fp32 reference's on the same "
+        f"tokens. Greedy match: {cfg.evals.greedy_prompts} prompts x {cfg.evals.greedy_tokens} new tokens vs plain "
+        f"fp32 decoding (tokens before the first divergence). Tasks: lm-eval, {cfg.evals.task_limit} documents each.",
         "",
         "| " + " | ".join(head) + " |",
-        "|" + "|".join(["---"] * 3 + ["---:"] * (len(head) - 3)) + "|",
+        "|" + "|".join(["---"] * 2 + ["---:"] * (len(head) - 3) + ["---"]) + "|",
     ]
     for r in rows:
         if r["status"] != "ok":
-            cells = [r["row"], r["class"], f"{r['status']}: {r['check']}"] + ["—"] * (len(head) - 3)
+            cells = [r["row"], r["class"]] + ["—"] * (len(head) - 3) + [f"{r['status']}: {r['check']}"]
         else:
-            ppl = fmt(r["perplexity"], ".3f")
-            if r["perplexity_delta"] is not None:
-                ppl += f" ({r['perplexity_delta']:+.3f})"
-            if r["scored_on"] == "engine greedy outputs":
-                ppl += " [own outputs]"
-            cells = [
-                r["row"],
-                r["class"],
-                r["check"],
-                fmt(r["greedy_match_pct"], ".1f"),
-                fmt(r["max_abs_dlogprob"], ".2e"),
-                ppl,
-            ]
+            sp = "baseline" if r["speedup"] is None else f"{r['speedup']:.2f}x ({r['baseline']})"
+            cells = [r["row"], r["class"], sp, quality_cell(r)]
+            cells += [fmt(r["greedy_match_pct"], ".1f"), fmt(r["max_abs_dlogprob"], ".2e")]
             for t in tasks:
                 v, se = r.get(f"acc:{t}"), r.get(f"acc_stderr:{t}")
                 cells.append("—" if v is None else f"{v:.3f} ± {se:.3f}" if se is not None else f"{v:.3f}")
-            sp = "—" if r["speedup"] is None else f"{r['speedup']:.2f}x ({r['baseline']})"
-            cells += [sp, fmt(r["tokens_per_s"], ".1f"), fmt(r["weight_mb"], ".1f")]
+            cells += [fmt(r["weight_mb"], ".1f"), fmt(r["tokens_per_s"], ".1f"), r["check"]]
         lines.append("| " + " | ".join(cells) + " |")
+    if own:
+        listed = ", ".join(f"{r['row']} {r['perplexity']:.3f} (Δ {r['perplexity_delta']:+.3f})" for r in own)
+        lines += [
+            "",
+            "¹ Engine rows emit tokens, not logits over the eval text: they are scored on their own greedy outputs "
+            "with the logits their sampler saw, against the fp32 model on the same tokens. Perplexity of a model's "
+            f"own greedy text is far lower and is not comparable with the column: {listed}.",
+        ]
     md = out_dir / "table.md"
     md.write_text("\n".join(lines) + "\n")
+    summary = out_dir / "summary.md"
+    summary.write_text(render_summary(rows) + "\n")
     csv_path = out_dir / "table.csv"
     keys = list(dict.fromkeys(k for r in rows for k in r))
     with csv_path.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=keys)
         writer.writeheader()
         writer.writerows(rows)
-    paths = [md, csv_path]
-    plot = plot_table(cfg, rows, out_dir / "speedup_vs_quality.png")
+    paths = [md, summary, csv_path]
+    plot = plot_table(cfg, rows, out_dir / "speedup_vs_quality.png", device_words(records))
     if plot:
         paths.append(plot)
     return paths
 
 
-def plot_table(cfg, rows: list[dict], path: Path) -> Path | None:
-    done = [r for r in rows if r["status"] == "ok" and r["speedup"] is not None and r["perplexity"] is not None]
+def render_summary(rows: list[dict]) -> str:
+    """The short form (README): lossless or not, what it buys here, what it costs. A row measured greedy and
+    sampled ("X (greedy)", "X (sampled)") is one line with both speedups."""
+    import re
+
+    lines = [
+        "| technique | lossless? | speedup here (vs) | quality cost: Δ perplexity, greedy match | weights |",
+        "|---|---|---:|---|---:|",
+    ]
+    ok = [r for r in rows if r["status"] == "ok"]
+    paired: dict[int, dict] = {}
+    for i, r in enumerate(ok[:-1]):
+        m, nxt = re.fullmatch(r"(.*) \(greedy\)", r["row"]), ok[i + 1]
+        if m and nxt["row"] == f"{m.group(1)} (sampled)" and nxt["class"] == r["class"]:
+            paired[i] = nxt
+    skip = {i + 1 for i in paired}
+    for i, r in enumerate(ok):
+        if i in skip:
+            continue
+        lossless = "no (approximate)" if r["class"] == "approximate" else f"yes ({r['class']})"
+        name, sp = (
+            r["row"],
+            "baseline" if r["speedup"] is None else f"{r['speedup']:.2f}x ({short_baseline(r['baseline'])})",
+        )
+        if i in paired and r["speedup"] is not None and paired[i]["speedup"] is not None:
+            other = paired[i]
+            name = r["row"].removesuffix(" (greedy)") + " (greedy / sampled)"
+            sp = f"{r['speedup']:.2f}x / {other['speedup']:.2f}x (plain decoding, same temperature)"
+        if r["perplexity"] is None:
+            cost = "—"
+        elif r["scored_on"] == OWN_OUTPUTS:
+            cost = f"none measurable; {fmt(r['greedy_match_pct'], '.0f')}% greedy match"
+        else:
+            cost = f"{r['perplexity_delta']:+.3f}, {fmt(r['greedy_match_pct'], '.0f')}% greedy match"
+        lines.append(f"| {name} | {lossless} | {sp} | {cost} | {fmt(r['weight_mb'], '.0f')} MB |")
+    return "\n".join(lines)
+
+
+def device_words(records: list[dict]) -> str:
+    dev = (records[0].get("device") or {}) if records else {}
+    if not dev:
+        return ""
+    gpu = dev.get("cuda") or dev.get("gpu")
+    return f"{gpu}" if gpu else f"CPU, {dev.get('cpu_count', '?')} cores, {dev.get('torch_threads', '?')} threads"
+
+
+def plot_table(cfg, rows: list[dict], path: Path, device: str = "") -> Path | None:
+    """One line per row, three panels sharing it: what it buys (speedup over its own baseline, named in the
+    label), what it costs (Δ perplexity, teacher-forced only; rows scored on their own outputs are marked and
+    left off that axis) and what it weighs. Colour = lossless class, one legend entry per class."""
+    from matplotlib.lines import Line2D
+
+    done = [r for r in ordered(rows) if r["status"] == "ok"]
     if not done:
         return None
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
-    for cls, color in CLASS_COLORS.items():
-        pts = [r for r in done if r["class"] == cls]
-        if not pts:
-            continue
-        ax1.scatter([r["speedup"] for r in pts], [r["perplexity"] for r in pts], c=color, label=cls, s=40)
-        for r in pts:
+    n = len(done)
+    fig, (ax1, ax2, ax3) = plt.subplots(
+        1, 3, figsize=(15, 0.36 * n + 2.4), sharey=True, gridspec_kw={"width_ratios": [1.25, 1.25, 0.8]}
+    )
+    ys = list(range(n))
+    labels = []
+    for y, r in zip(ys, done):
+        color = CLASS_COLORS.get(r["class"], "gray")
+        base = short_baseline(r["baseline"])
+        labels.append(f"{r['row']}  (vs {base})" if base else f"{r['row']}  (reference)")
+        if r["speedup"] is None:  # the reference: its own baseline
+            ax1.scatter([1.0], [y], marker="D", facecolors="white", edgecolors=color, s=40, zorder=3)
+        else:
+            ax1.scatter([r["speedup"]], [y], color=color, s=40, zorder=3)
             ax1.annotate(
-                r["row"], (r["speedup"], r["perplexity"]), fontsize=7, xytext=(3, 3), textcoords="offset points"
+                f"{r['speedup']:.2f}x", (r["speedup"], y), fontsize=7, xytext=(5, -3), textcoords="offset points"
             )
+        if r["perplexity"] is None:
+            continue
+        if r["scored_on"] == OWN_OUTPUTS:
+            ax2.annotate("own outputs: not comparable", (0, y), fontsize=7, color="gray", xytext=(4, -3),
+                         textcoords="offset points")  # fmt: skip
+            ax2.scatter([0], [y], marker="o", facecolors="none", edgecolors="gray", s=30, zorder=3)
+        else:
+            d = r["perplexity_delta"]
+            ax2.scatter([d], [y], color=color, s=40, zorder=3)
+            if abs(d) > 0.0005:
+                ax2.annotate(f"{d:+.2f}", (d, y), fontsize=7, xytext=(5, -3), textcoords="offset points")
+        ax3.barh([y], [r["weight_mb"] or 0], color=color, height=0.6)
+    for y, r in zip(ys, done):
+        if r["weight_mb"]:
+            ax3.annotate(f"{r['weight_mb']:.0f}", (r["weight_mb"], y), fontsize=7, xytext=(3, -3),
+                         textcoords="offset points")  # fmt: skip
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter
+
+    speeds = [r["speedup"] for r in done if r["speedup"]] + [1.0]
+    ax1.set_xscale("log")
+    ax1.set_xlim(min(speeds) / 1.4, max(speeds) * 1.6)
+    ticks = [t for t in (0.125, 0.25, 0.5, 1, 2, 4, 8, 16, 32) if min(speeds) / 1.4 <= t <= max(speeds) * 1.6]
+    ax1.xaxis.set_major_locator(FixedLocator(ticks))
+    ax1.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}x"))
+    ax1.xaxis.set_minor_formatter(NullFormatter())
     ax1.axvline(1.0, color="gray", lw=0.8, ls="--")
-    ax1.set_xlabel("speedup over the row's baseline (x, same run)")
-    ax1.set_ylabel(f"perplexity (wiki eval, {cfg.evals.fidelity_seqlen}-token windows)")
-    ax1.set_title("speed vs quality")
-    ax1.legend(title="lossless class")
-    names = [r["row"] for r in done]
-    mb = [r["weight_mb"] or 0 for r in done]
-    ax2.barh(names, mb, color=[CLASS_COLORS.get(r["class"], "gray") for r in done], label="weights")
-    ax2.set_xlabel("weight memory (MB, 10^6 bytes)")
-    ax2.set_title("weight memory per row")
-    ax2.legend()
-    ax2.invert_yaxis()
-    fig.suptitle(f"{cfg.name}: {cfg.model.spec}")
-    fig.tight_layout()
+    ax1.set_xlabel("speedup over the baseline in the label\n(log; right of 1x = faster)", fontsize=9)
+    ax1.set_title("what it buys: speed", fontsize=10)
+    deltas = [
+        r["perplexity_delta"] for r in done if r["perplexity_delta"] is not None and r["scored_on"] != OWN_OUTPUTS
+    ]
+    ax2.axvline(0.0, color="gray", lw=0.8, ls="--")
+    ax2.set_xscale("symlog", linthresh=0.1)
+    ax2.set_xlim(min(deltas + [0]) - 0.1, max(deltas + [0.1]) * 3)
+    ax2.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:+g}" if v else "0"))
+    ax2.set_xlabel(
+        f"Δ perplexity vs fp32, teacher-forced on {cfg.evals.fidelity_sequences} x {cfg.evals.fidelity_seqlen} "
+        "wiki tokens\n(symlog; right of 0 = worse)",
+        fontsize=9,
+    )
+    ax2.set_title("what it costs: quality", fontsize=10)
+    ax3.set_xlim(0, max(r["weight_mb"] or 0 for r in done) * 1.18)
+    ax3.set_xlabel("weights (MB, 10^6 bytes)\n", fontsize=9)
+    ax3.set_title("what it weighs: memory", fontsize=10)
+    ax1.set_yticks(ys, labels, fontsize=8)
+    ax1.set_ylim(n - 0.4, -0.6)  # first row on top
+    for ax in (ax1, ax2, ax3):
+        ax.grid(axis="x", alpha=0.3)
+        for y in range(1, n):  # a rule between lossless classes
+            if done[y]["class"] != done[y - 1]["class"]:
+                ax.axhline(y - 0.5, color="black", lw=0.6)
+    classes = [c for c in CLASS_ORDER if any(r["class"] == c for r in done)]
+    handles = [Line2D([], [], marker="o", ls="", color=CLASS_COLORS[c], label=c) for c in classes]
+    handles.append(Line2D([], [], marker="o", ls="", markerfacecolor="none", markeredgecolor="gray",
+                          label="scored on own outputs"))  # fmt: skip
+    fig.legend(handles=handles, title="lossless class (colour)", loc="upper right", ncol=len(handles), fontsize=8,
+               title_fontsize=8, frameon=False)  # fmt: skip
+    where = f", {device}" if device else ""
+    fig.suptitle(
+        f"What does each speedup cost in quality, and what does it buy?\n{cfg.model.spec}, {cfg.model.dtype} "
+        f"reference{where} (config {cfg.name}); each speedup is against its own baseline",
+        x=0.01,
+        y=0.995,
+        ha="left",
+        fontsize=10.5,
+    )
+    height = 0.36 * n + 2.4
+    fig.subplots_adjust(left=0.24, right=0.99, top=1 - 0.95 / height, bottom=0.85 / height, wspace=0.06)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Re-render a table config's table, summary and plot from its records (no model is loaded)."""
+    import argparse
+    import json
+
+    from experiments.config import ExperimentConfig, from_dict
+
+    ap = argparse.ArgumentParser(prog="python -m experiments.report", description=main.__doc__)
+    ap.add_argument("records", help="records.jsonl written by python -m experiments.run")
+    ap.add_argument("--out", default=None, help="output directory (default: the records' directory)")
+    args = ap.parse_args(argv)
+    path = Path(args.records)
+    if not path.is_file():
+        ap.error(f"no such records file: {path}")
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if not records:
+        ap.error(f"{path} holds no records")
+    latest: dict[str, dict] = {}
+    for r in records:  # records append across runs: the latest of each row counts
+        latest[r["row"]["name"]] = r
+    cfg = from_dict(ExperimentConfig, records[-1]["config"])
+    out = Path(args.out) if args.out else path.parent
+    out.mkdir(parents=True, exist_ok=True)
+    for p in render_table(cfg, list(latest.values()), out):
+        print(p)
 
 
 # ---- sweeps -------------------------------------------------------------------------------------------
@@ -274,3 +454,7 @@ def plot_spec_k(cfg, points, out_dir: Path) -> Path:
 
 
 PLOTTERS = {"prompt_length": plot_prompt_length, "concurrency": plot_concurrency, "spec_k": plot_spec_k}
+
+
+if __name__ == "__main__":
+    main()

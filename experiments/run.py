@@ -12,7 +12,6 @@ torch's default thread count; evaluations run single-threaded so the shared mach
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 import statistics
@@ -28,6 +27,8 @@ from experiments.bench import DEFAULT_THREADS, EVAL_THREADS, LOCKING, bench_sect
 from experiments.config import ConfigError, ExperimentConfig, Row, load_config
 from experiments.records import append_jsonl
 from experiments.rows import ROWS, RowUnavailable, Variant, plain_generate, weight_bytes
+from runtime.cliutil import ArgumentParser, interrupted, run
+from runtime.loader import ModelSpecError, check_model_spec
 from runtime.provenance import module_command, provenance
 
 
@@ -222,7 +223,7 @@ def run_table(cfg: ExperimentConfig, ctx: Context, rows: list[Row], records_path
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(
+    ap = ArgumentParser(
         prog="python -m experiments.run",
         description="Run an experiment config (YAML): rows or sweeps -> JSONL records, Markdown/CSV table, PNG plots.",
     )
@@ -250,7 +251,9 @@ def main(argv: list[str] | None = None) -> None:
         for r in cfg.rows:
             if r.kind not in ROWS:
                 raise ConfigError(f"rows[{r.name}].kind: {r.kind!r} not in {sorted(ROWS)}")
-    except ConfigError as err:
+        if cfg.model.spec != "tiny-random":
+            check_model_spec(cfg.model.spec)  # before anything loads
+    except (ConfigError, ModelSpecError) as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
     EVAL_THREADS["n"] = cfg.evals.threads or DEFAULT_THREADS
@@ -272,17 +275,23 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(2) from None
     from experiments import report, sweeps
 
-    if cfg.kind == "table":
-        rows = [r for r in cfg.rows if not args.rows or r.name in args.rows.split(",")]
-        for r in rows:
-            r.run_bench &= not args.no_bench
-            r.run_evals &= not args.no_evals
-        records = run_table(cfg, ctx, rows, records_path, base)
-        paths = report.render_table(cfg, records, out_dir)
-    else:
-        series = [s for s in cfg.sweep.series if not args.rows or s.get("name") in args.rows.split(",")]
-        records = sweeps.run_sweep(cfg, ctx, series, records_path, base)
-        paths = report.render_sweep(cfg, records, out_dir)
+    try:
+        if cfg.kind == "table":
+            rows = [r for r in cfg.rows if not args.rows or r.name in args.rows.split(",")]
+            for r in rows:
+                r.run_bench &= not args.no_bench
+                r.run_evals &= not args.no_evals
+            records = run_table(cfg, ctx, rows, records_path, base)
+            paths = report.render_table(cfg, records, out_dir)
+        else:
+            series = [s for s in cfg.sweep.series if not args.rows or s.get("name") in args.rows.split(",")]
+            records = sweeps.run_sweep(cfg, ctx, series, records_path, base)
+            paths = report.render_sweep(cfg, records, out_dir)
+    except KeyboardInterrupt:
+        interrupted(
+            f"the finished rows' records are in {records_path} (appended as each row ends); "
+            f"render them with python -m experiments.report {records_path} --config {args.config}"
+        )
     minutes = (time.time() - started) / 60
     budget = cfg.time_budget_minutes
     log(
@@ -296,4 +305,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

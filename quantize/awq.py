@@ -255,4 +255,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from quantize.cli import EXPECTED_ERRORS, run
+
+    run(main, expected=EXPECTED_ERRORS)

@@ -31,7 +31,8 @@ import torch
 from torch import Tensor, nn
 
 from quantize.qembedding import tie_quantized_embedding
-from quantize.qlinear import QuantLinear
+from quantize.qlinear import QuantizedWeight, QuantLinear, set_module
+from runtime.cliutil import UsageError
 from runtime.config import ModelConfig
 from runtime.layout import fused_layer_state
 from runtime.model import DecoderLayer, Transformer, rope_inv_freq
@@ -91,6 +92,11 @@ class LayerAlgorithm:
     def quantize_stage(self, stage: Stage) -> None:
         """Replace stage.linear in stage.owner (quantize.qlinear.set_module), typically using stage.inputs."""
 
+    def restore_layer(self, layer_idx: int, layer: DecoderLayer, stats: list[dict]) -> None:
+        """A layer kept by an interrupted run (LayerStore) was restored instead of quantized: take its stats."""
+        if isinstance(getattr(self, "stats", None), list):
+            self.stats.extend(stats)
+
 
 @torch.no_grad()
 def run_layer(
@@ -147,23 +153,44 @@ def calibrate(
     lm_head: bool = False,
     source: ShardedCheckpoint | None = None,
     progress: Callable[[str], None] | None = None,
+    store: LayerStore | None = None,
 ) -> Transformer:
     """Run the layer-by-layer pass over calibration tokens [N, T], quantizing the model in place.
 
     With ``source``, ``model`` is a skeleton from ``source.skeleton()`` whose layers are read one at a time.
+    With ``store``, each finished layer is kept on disk, and layers it already holds (an interrupted run's)
+    are restored and only run forward, which gives the next layer the same inputs as an uninterrupted pass.
     """
     check_calibration_tokens(tokens, model.config.vocab_size)
     start = time.perf_counter()
+    if progress is not None:
+        progress(f"capturing decoder-layer-0 inputs of {tokens.shape[0]} windows x {tokens.shape[1]} tokens")
     xs, rope = layer0_inputs(model, tokens, batch_size)
     n_layers = len(model.layers)
+    worked, quantized = 0.0, 0  # time spent on, and number of, layers quantized (not restored): the ETA
     for i in range(n_layers):
+        t_layer = time.perf_counter()
         if source is not None:
             model.layers[i] = source.layer(i)
         layer = model.layers[i]
+        kept = store.load(i) if store is not None else None
+        if kept is not None:
+            store.restore(layer, kept)
+            algorithm.restore_layer(i, layer, kept["stats"])
+            xs = run_layer(layer, xs, rope, lambda stage: None, layer_idx=i)
+            if progress is not None:
+                progress(f"layer {i + 1}/{n_layers} restored from {store.dir}")
+            continue
+        n_stats = len(getattr(algorithm, "stats", []))
         algorithm.prepare_layer(i, layer, xs, rope)
         xs = run_layer(layer, xs, rope, algorithm.quantize_stage, layer_idx=i)
+        if store is not None:
+            store.save(i, layer, getattr(algorithm, "stats", [])[n_stats:])
+        worked += time.perf_counter() - t_layer
+        quantized += 1
         if progress is not None:
-            progress(f"layer {i + 1}/{n_layers} done, {time.perf_counter() - start:.1f}s elapsed")
+            eta = worked / quantized * (n_layers - i - 1)
+            progress(f"layer {i + 1}/{n_layers} done, {time.perf_counter() - start:.1f}s elapsed, ETA {eta:.0f}s")
     if source is not None:
         source.load_head(model)
     if lm_head:
@@ -172,6 +199,87 @@ def calibrate(
         if model.config.tie_word_embeddings and isinstance(model.lm_head, QuantLinear):
             tie_quantized_embedding(model)  # the embedding reads the quantized head's rows: no full-precision copy
     return model
+
+
+class LayerStore:
+    """Finished decoder layers of a calibration pass, one file per layer in a directory, so that an
+    interrupted run resumes from the first unfinished layer with the same result as an uninterrupted one.
+
+    A kept layer holds its quantized linears (codes, scales, zeros, g_idx, bias) and every other parameter
+    (norms, possibly rescaled by AWQ / SmoothQuant, and linears left unquantized), plus the algorithm's stats.
+    ``settings`` (the quantizer's arguments) must match to resume; otherwise a UsageError says which differ.
+    """
+
+    def __init__(self, directory: str | Path, settings: dict, resume: bool = False):
+        import shutil
+
+        self.dir = Path(directory)
+        meta = self.dir / "settings.json"
+        if resume and meta.is_file():
+            kept = json.loads(meta.read_text())
+            differ = sorted(k for k in set(kept) | set(settings) if kept.get(k) != settings.get(k))
+            if differ:
+                raise UsageError(
+                    f"{self.dir} holds layers made with other settings ({', '.join(differ)}): rerun without --resume"
+                )
+            return
+        if self.dir.exists():
+            shutil.rmtree(self.dir)
+        self.dir.mkdir(parents=True)
+        meta.write_text(json.dumps(settings, indent=2, sort_keys=True))
+
+    def path(self, i: int) -> Path:
+        return self.dir / f"layer_{i:04d}.pt"
+
+    def kept_layers(self) -> int:
+        """How many consecutive layers from 0 are kept."""
+        n = 0
+        while self.path(n).is_file():
+            n += 1
+        return n
+
+    def load(self, i: int) -> dict | None:
+        if i >= self.kept_layers():  # only a prefix resumes: layer i's inputs need layers 0..i-1
+            return None
+        return torch.load(self.path(i), weights_only=True)
+
+    def save(self, i: int, layer: nn.Module, stats: list[dict]) -> None:
+        quantized = {}
+        for name, m in layer.named_modules():
+            if isinstance(m, QuantLinear):
+                qw = m.qweight()
+                quantized[name] = {
+                    "codes": qw.codes.cpu(),
+                    "scales": qw.scales.cpu(),
+                    "zeros": qw.zeros.cpu(),
+                    "bits": qw.bits,
+                    "group_size": qw.group_size,
+                    "g_idx": None if qw.g_idx is None else qw.g_idx.cpu(),
+                    "bias": None if qw.bias is None else qw.bias.cpu(),
+                    "act_quant": m.act_quant,
+                    "path": m.path,
+                }
+        params = {name: p.detach().cpu() for name, p in layer.named_parameters()}
+        tmp = self.path(i).with_suffix(".tmp")
+        torch.save({"quantized": quantized, "params": params, "stats": stats}, tmp)
+        tmp.replace(self.path(i))  # a layer file is complete or absent
+
+    @staticmethod
+    def restore(layer: nn.Module, kept: dict) -> None:
+        for name, q in kept["quantized"].items():
+            like = layer.get_submodule(name)
+            device = next(like.buffers()).device if isinstance(like, QuantLinear) else like.weight.device
+            dtype = like.compute_dtype if isinstance(like, QuantLinear) else like.weight.dtype
+            qw = QuantizedWeight(q["codes"], q["scales"], q["zeros"], q["bits"], q["group_size"], q["g_idx"], q["bias"])
+            module = QuantLinear(qw, act_quant=q["act_quant"], compute_dtype=dtype, path=q["path"])
+            set_module(layer, name, module.to(device))
+        for name, value in kept["params"].items():
+            layer.get_parameter(name).data.copy_(value)
+
+    def remove(self) -> None:
+        import shutil
+
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 class ShardedCheckpoint:

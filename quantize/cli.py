@@ -6,15 +6,22 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
 
 from quantize.config import DECODER_LINEARS, QuantConfig, QuantConfigError
 from quantize.formats import DENSE_DTYPES, FORMATS, CheckpointError, default_format, refusal, save_quantized
-from runtime.layout import decoder_linear_names
+from runtime.cliutil import ArgumentParser, run  # noqa: F401 (run: the quantizers' __main__ entry)
+from runtime.config import ModelConfig, UnsupportedModelError
+from runtime.loader import ModelSpecError, check_model_spec, resolve
 from runtime.provenance import module_command
 from runtime.provenance import provenance as record_provenance
+
+EXPECTED_ERRORS = (QuantConfigError, CheckpointError, UnsupportedModelError)
+STARTED = time.perf_counter()  # the closing summary says how long the whole command took
+
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -26,7 +33,7 @@ def log(msg: str) -> None:
 def parser(
     module: str, doc: str, calibration: bool = True, bits: int = 4, group_size: int = 64
 ) -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    ap = ArgumentParser(
         prog=f"python -m {module}", description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--model", default="smollm2-135m", help="registry name, checkpoint dir or .gguf")
@@ -78,6 +85,14 @@ def quant_config(ap: argparse.ArgumentParser, args, **overrides) -> QuantConfig:
         ap.error(f"--nsamples must be at least 1, got {args.nsamples}")
     if hasattr(args, "seqlen") and args.seqlen < 2:
         ap.error(f"--seqlen must be at least 2, got {args.seqlen}")
+    if hasattr(args, "batch_size") and args.batch_size < 1:
+        ap.error(f"--batch-size must be at least 1, got {args.batch_size}")
+    if getattr(args, "resume", False) and args.out is None:
+        ap.error("--resume continues an interrupted run's --out DIR: give --out")
+    try:
+        check_model_spec(args.model)
+    except ModelSpecError as err:
+        ap.error(str(err))
     try:
         return QuantConfig(
             bits=overrides.pop("bits", args.bits),
@@ -91,21 +106,48 @@ def quant_config(ap: argparse.ArgumentParser, args, **overrides) -> QuantConfig:
         ap.error(str(err))
 
 
+def layer_widths(mc: ModelConfig) -> dict[str, int]:
+    """Input width of each quantizable linear of a runtime.model.Transformer, by leaf name."""
+    return {
+        "qkv_proj": mc.hidden_size,
+        "o_proj": mc.num_heads * mc.head_dim,
+        "gate_up_proj": mc.hidden_size,
+        "down_proj": mc.intermediate_size,
+        "lm_head": mc.hidden_size,
+    }
+
+
+def check_group_size(ap: argparse.ArgumentParser, cfg: QuantConfig, mc: ModelConfig) -> None:
+    """--group-size must fit every targeted layer's input width and have a fast kernel (cpu_int4 and Triton take
+    multiples of 32; a last partial group is fine, e.g. 128 on SmolLM2's 576): checked from config.json, before
+    the weights load."""
+    leaves = list(cfg.modules) + (["lm_head"] if cfg.lm_head else [])
+    for leaf in leaves:
+        block = "self_attn" if leaf in ("qkv_proj", "o_proj") else "mlp"
+        name = leaf if leaf == "lm_head" else f"layers.0.{block}.{leaf}"
+        try:
+            cfg.group_size_for(layer_widths(mc)[leaf], name)
+        except QuantConfigError as err:
+            ap.error(str(err))
+    if cfg.group_size != -1 and cfg.group_size % 32:
+        ap.error(f"--group-size {cfg.group_size} has no fast kernel (they take multiples of 32): use 32, 64, 128 or -1")
+
+
 def load(ap: argparse.ArgumentParser, args, cfg: QuantConfig):
     """(model fp32, tokenizer, checkpoint dir, layer source); a bad model spec or a group that does not fit is
-    an argparse error. With --layer-by-layer the model is a skeleton whose decoder layers the calibration
-    pass reads from the returned ShardedCheckpoint one at a time."""
+    an argparse error, found from config.json before any weight is read. With --layer-by-layer the model is a
+    skeleton whose decoder layers the calibration pass reads from the returned ShardedCheckpoint one at a time."""
     from quantize.calibration import ShardedCheckpoint
-    from runtime.loader import ModelSpecError, load_model, load_tokenizer, resolve
+    from runtime.loader import load_model, load_tokenizer
 
     source = None
     try:
+        path = resolve(args.model)
+        check_group_size(ap, cfg, ModelConfig.from_hf(json.loads((path / "config.json").read_text())))
+        log(f"loading {args.model}")
         if getattr(args, "layer_by_layer", False):
-            path = resolve(args.model)
             source = ShardedCheckpoint(path)
             model = source.skeleton()
-            for name in decoder_linear_names(len(model.layers), cfg.modules):  # widths from the meta skeleton
-                cfg.group_size_for(model.get_submodule(name).in_features, name)
         else:
             model, _, path = load_model(args.model, torch.float32)
             cfg.targets(model)
@@ -183,6 +225,36 @@ class CachedTokenizer:
         return len(self.tokenizer)
 
 
+NOT_SETTINGS = ("resume", "eval", "eval_windows", "record", "out", "layer_by_layer", "batch_size")
+
+
+def layer_store(args, module: str):
+    """Where a calibration quantizer keeps finished layers (``OUT.layers.partial``), so that Ctrl-C keeps them
+    and ``--resume`` finishes the run; None without --out."""
+    from quantize.calibration import LayerStore
+
+    if not args.out:
+        return None
+    settings = {"module": module, **{k: v for k, v in vars(args).items() if k not in NOT_SETTINGS}}
+    out = Path(args.out)
+    store = LayerStore(out.with_name(out.name + ".layers.partial"), settings, resume=args.resume)
+    if args.resume:
+        kept = store.kept_layers()
+        log(f"--resume: {kept} finished layers kept in {store.dir}" if kept else "--resume: none kept; starting")
+    return store
+
+
+def interrupted_calibration(store, n_layers: int) -> None:
+    """Ctrl-C during a calibration pass: one line saying what was kept, exit code 130."""
+    from runtime.cliutil import interrupted
+
+    if store is None or store.kept_layers() == 0:
+        interrupted("no finished layer to keep" + ("" if store else " (only runs with --out keep layers)"))
+    interrupted(
+        f"{store.kept_layers()} of {n_layers} layers kept in {store.dir}; the same command with --resume finishes it"
+    )
+
+
 def calibration_tokens(ap: argparse.ArgumentParser, args, tokenizer) -> torch.Tensor:
     """[nsamples, seqlen] token ids from the calibration split."""
     from runtime.data import LANGUAGES, calibration_windows
@@ -190,6 +262,7 @@ def calibration_tokens(ap: argparse.ArgumentParser, args, tokenizer) -> torch.Te
     lang = "en" if args.calib == "wiki" else args.calib.removeprefix("wiki-")
     if lang not in LANGUAGES or not args.calib.startswith("wiki"):
         ap.error(f"--calib {args.calib!r}: choose wiki or wiki-LANG with LANG in {sorted(LANGUAGES)}")
+    log(f"tokenizing the {args.calib} calibration split (cached under $QSPEC_HOME/token_cache after the first run)")
     try:
         windows = calibration_windows(tokenizer, args.nsamples, args.seqlen, args.seed, lang)
     except ValueError as err:
@@ -246,7 +319,23 @@ def finish(
             raise SystemExit(f"error: {args.out} not written: {err}") from err
         record["out"] = str(args.out)
     write_record(record, args.record)
+    log(summary_line(module, args, cfg, record))
     return record
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def summary_line(module: str, args, cfg: QuantConfig, record: dict) -> str:
+    """The closing human summary: what was made, where, how big, how long."""
+    what = f"{module.removeprefix('quantize.')} {cfg.describe()}{' + lm_head' if cfg.lm_head else ''} of {args.model}"
+    parts = [f"done in {time.perf_counter() - STARTED:.0f} s: {what}"]
+    if "perplexity" in record:
+        parts.append("perplexity " + ", ".join(f"{k} {v:.3f}" for k, v in record["perplexity"].items()))
+    if args.out:
+        parts.append(f"saved {args.out} ({dir_bytes(Path(args.out)) / 1e6:.0f} MB); use it with --model {args.out}")
+    return "; ".join(parts)
 
 
 def write_record(record: dict, path: str | None) -> None:
@@ -277,6 +366,8 @@ def evaluate(model, tokenizer, texts: str, default_windows: int) -> dict:
 
 
 def save(model, out: Path, cfg: QuantConfig, source: Path, record: dict, fmt: str, dense_dtype: torch.dtype) -> None:
+    log(f"saving {out} (packing codes, writing safetensors)")
+    start = time.perf_counter()
     save_quantized(model, out, cfg.to_dict(), tokenizer_from=source, fmt=fmt, dense_dtype=dense_dtype)
     (out / "qspec_quantize.json").write_text(json.dumps(record, indent=2))
-    log(f"saved {out}")
+    log(f"saved {out} in {time.perf_counter() - start:.1f} s")

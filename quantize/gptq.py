@@ -25,7 +25,7 @@ from torch import Tensor
 from quantize.calibration import LayerAlgorithm, Stage
 from quantize.config import QuantConfig
 from quantize.grid import find_params, group_params, quantize_codes
-from quantize.qlinear import QuantizedWeight, set_module
+from quantize.qlinear import QuantizedWeight, QuantLinear, set_module
 
 
 class GPTQError(RuntimeError):
@@ -215,6 +215,10 @@ class GPTQ(LayerAlgorithm):
             self.log(f"{stage.full_name}: Cholesky needed damping {res.damp:.4f}")
         set_module(stage.owner, stage.path, quant_linear(res.qweight, self.qcfg.act_quant, linear))
 
+    def restore_layer(self, layer_idx: int, layer, stats: list[dict]) -> None:
+        self.stats.extend(stats)
+        self.any_g_idx |= any(m.g_idx is not None for m in layer.modules() if isinstance(m, QuantLinear))
+
     def record(self) -> dict:
         # desc_act in the checkpoint sense: the columns carry a g_idx (act-order without static groups, with
         # groups: a per-channel layer has one group per row, so its visiting order leaves no g_idx behind)
@@ -257,19 +261,42 @@ def main(argv: list[str] | None = None) -> None:
 
     ap = cli.parser("quantize.gptq", __doc__)
     add_gptq_args(ap)
+    ap.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue an interrupted run with the same arguments: its finished layers (kept in OUT.layers.partial) "
+        "are restored, not recomputed; the result equals an uninterrupted run's",
+    )
     args = ap.parse_args(argv)
     qcfg = cli.quant_config(ap, args)
     gcfg = gptq_config(ap, args)
     model, tokenizer, path, source = cli.load(ap, args, qcfg)
+    store = cli.layer_store(args, "quantize.gptq")  # after every argument check: a bad one leaves nothing behind
     tokens = cli.calibration_tokens(ap, args, tokenizer)
     algo = GPTQ(qcfg, gcfg, log=cli.log)
     start = time.perf_counter()
-    calibrate(model, tokens, algo, args.batch_size, qcfg.lm_head, source, progress=lambda m: cli.log(f"gptq {m}"))
+    try:
+        calibrate(
+            model,
+            tokens,
+            algo,
+            args.batch_size,
+            qcfg.lm_head,
+            source,
+            progress=lambda m: cli.log(f"gptq {m}"),
+            store=store,
+        )
+    except KeyboardInterrupt:
+        cli.interrupted_calibration(store, len(model.layers))
     seconds = time.perf_counter() - start
     qcfg.extra.update(algo.record(), calib=args.calib, nsamples=args.nsamples, seqlen=args.seqlen, seed=args.seed)
     stats = {"quantize_seconds": round(seconds, 1), "layers": algo.stats}
     cli.finish(args, model, tokenizer, path, qcfg, "quantize.gptq", stats, argv)
+    if store is not None:
+        store.remove()  # the checkpoint is complete: the kept layers are no longer needed
 
 
 if __name__ == "__main__":
-    main()
+    from quantize.cli import EXPECTED_ERRORS, run
+
+    run(main, expected=EXPECTED_ERRORS)

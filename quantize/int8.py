@@ -34,7 +34,7 @@ def quantize_model(model, w8a8: bool = False, modules=None, lm_head: bool = Fals
     from quantize import rtn
 
     cfg = int8_config(w8a8, modules, lm_head)
-    return rtn.quantize_model(model, cfg, progress=progress), cfg
+    return rtn.quantize_model(model, cfg, progress=progress, label="w8a8" if w8a8 else "int8"), cfg
 
 
 def int8_config(w8a8: bool, modules=None, lm_head: bool = False) -> QuantConfig:
@@ -135,4 +135,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from quantize.cli import EXPECTED_ERRORS, run
+
+    run(main, expected=EXPECTED_ERRORS)

@@ -39,18 +39,22 @@ def to_int32(words: Tensor) -> Tensor:
 
 
 def pack_codes(codes: Tensor, bits: int) -> Tensor:
-    """codes [n, cols] (integers in [0, 2**bits)) -> int32 [n * bits / 32, cols], packed along dim 0."""
+    """codes [n, cols] (integers in [0, 2**bits)) -> int32 [n * bits / 32, cols], packed along dim 0.
+
+    Works in int32 throughout: torch's left shift of a signed int wraps like an unsigned one, so a code
+    shifted into bit 31 lands as the word's sign bit, which is exactly the stored bit pattern (int64 and a
+    final wrap cost 3-4x more time and memory: this runs for every layer on every save and load)."""
     n, cols = codes.shape
     per_block, words_per_block = block_shape(bits)
     n_words = packed_length(n, bits)
-    v = codes.to(torch.int64).reshape(n // per_block, per_block, cols)  # [blocks, codes, cols]
-    out = torch.zeros(n // per_block, words_per_block, cols, dtype=torch.int64, device=codes.device)
+    v = codes.to(torch.int32).reshape(n // per_block, per_block, cols)  # [blocks, codes, cols]
+    out = torch.zeros(n // per_block, words_per_block, cols, dtype=torch.int32, device=codes.device)
     for j in range(per_block):
         word, shift = divmod(j * bits, 32)
-        out[:, word] |= (v[:, j] << shift) & 0xFFFFFFFF
+        out[:, word] |= v[:, j] << shift
         if shift + bits > 32:  # the code's high bits spill into the next word (3-bit only)
             out[:, word + 1] |= v[:, j] >> (32 - shift)
-    return to_int32(out.reshape(n_words, cols))
+    return out.reshape(n_words, cols)
 
 
 def unpack_codes(packed: Tensor, bits: int, n: int) -> Tensor:

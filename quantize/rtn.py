@@ -37,18 +37,21 @@ def quantize_weight(
 
 
 @torch.no_grad()
-def quantize_model(model: nn.Module, cfg: QuantConfig, mse: bool = False, progress: bool = False) -> nn.Module:
-    """Replace every targeted linear of a runtime.model.Transformer by an RTN QuantLinear (in place)."""
+def quantize_model(
+    model: nn.Module, cfg: QuantConfig, mse: bool = False, progress: bool = False, label: str = "rtn"
+) -> nn.Module:
+    """Replace every targeted linear of a runtime.model.Transformer by an RTN QuantLinear (in place);
+    progress logs one line per decoder layer, tagged with label."""
     names = cfg.targets(model)
     for i, name in enumerate(names):
         layer = model.get_submodule(name)
         set_module(
             model, name, quant_linear(quantize_weight(layer.weight, cfg, layer.bias, mse, name), cfg.act_quant, layer)
         )
-        if progress:
+        if progress and (i + 1 == len(names) or not names[i + 1].startswith(name.rsplit(".", 2)[0] + ".")):
             from quantize.cli import log
 
-            log(f"rtn {i + 1}/{len(names)} {name}")
+            log(f"{label} {i + 1}/{len(names)} linears ({name.rsplit('.', 2)[0]} done)")
     if cfg.lm_head and model.config.tie_word_embeddings:
         tie_quantized_embedding(model)  # the embedding reads the quantized head's rows: no full-precision copy
     return model
@@ -68,4 +71,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from quantize.cli import EXPECTED_ERRORS, run
+
+    run(main, expected=EXPECTED_ERRORS)

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from runtime.cliutil import UsageError
+
 # HF architecture name -> our family name. Everything else is refused with an error naming it.
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -18,7 +20,7 @@ SUPPORTED_ARCHITECTURES = {
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
-class UnsupportedModelError(ValueError):
+class UnsupportedModelError(UsageError):
     """The checkpoint's architecture or a config feature is not implemented by runtime.model."""
 
 

@@ -6,23 +6,43 @@ decoding is speculate.generate (built by speculate.cli).
 
 from __future__ import annotations
 
-import argparse
+import json
 import sys
+from collections.abc import Callable
 
 import torch
 
+from runtime.cliutil import ArgumentParser, UsageError, run
 from runtime.compiled import COMPILE_MODES
-from runtime.config import DTYPES
+from runtime.config import DTYPES, ModelConfig
 from runtime.decoding import encode_prompt, generate
 from runtime.kernels import cpu_decode
 from runtime.layout import device_of
-from runtime.loader import DEFAULT_MODEL, load_model, load_tokenizer
+from runtime.loader import DEFAULT_MODEL, check_model_spec, load_model, load_tokenizer, resolve
 from runtime.sampling import SamplingParams
 from speculate.cli import add_speculator_args, generate_speculative
 
 
+def stream_printer(tokenizer, n_prompts: int) -> Callable[[int, int], None]:
+    """on_token(row, token) that prints a single prompt's text as it is generated (batches print at the end)."""
+    streamed: list[int] = []
+    printed = 0
+
+    def on_token(row: int, tok: int) -> None:
+        nonlocal printed
+        if n_prompts > 1:
+            return
+        streamed.append(tok)
+        text = tokenizer.decode(streamed, skip_special_tokens=True)
+        sys.stdout.write(text[printed:])
+        sys.stdout.flush()
+        printed = len(text)
+
+    return on_token
+
+
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m runtime.generate", description=__doc__.splitlines()[0])
+    ap = ArgumentParser(prog="python -m runtime.generate", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=DEFAULT_MODEL, help="registry name, checkpoint dir, .gguf or hub id")
     ap.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for a batch)")
     ap.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
@@ -33,13 +53,22 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     ap.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda where available)")
     ap.add_argument(
         "--compile", default="auto", choices=COMPILE_MODES, help="compiled decode step (auto: on CUDA only)"
     )
     add_speculator_args(ap)
     args = ap.parse_args(argv)
-
+    # every check that needs no model runs here, before the tokenizer and the weights are loaded
+    for i, p in enumerate(args.prompt):
+        if not p.strip():
+            ap.error("--prompt is empty" if len(args.prompt) == 1 else f"--prompt number {i + 1} is empty")
+    if args.max_tokens < 1:
+        ap.error(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    if args.speculator and args.num_speculative_tokens < 1:
+        ap.error(f"--num-speculative-tokens/-k must be >= 1, got {args.num_speculative_tokens}")
+    if args.device not in (None, "cpu") and not args.device.startswith("cuda"):
+        ap.error(f"--device {args.device!r}: choose cpu or cuda[:N]")
     try:
         params = SamplingParams(
             temperature=args.temperature,
@@ -51,27 +80,30 @@ def main(argv: list[str] | None = None) -> None:
         )
     except ValueError as err:
         ap.error(str(err))
-    model, _, path = load_model(args.model, dtype=DTYPES[args.dtype], device=args.device)
-    if device_of(model).type == "cpu":
-        cpu_decode.extension()  # built (once per machine) before the clock starts, not inside the first token
+    check_model_spec(args.model)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    path = resolve(args.model)
+    config = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
     tokenizer = load_tokenizer(str(path))
     prompts = [encode_prompt(tokenizer, p, args.chat) for p in args.prompt]
+    for i, p in enumerate(prompts):
+        which = "the prompt" if len(prompts) == 1 else f"prompt {i + 1}"
+        if not p:
+            raise UsageError(f"{which} encodes to no tokens")
+        if len(p) + args.max_tokens > config.max_position_embeddings:
+            raise UsageError(
+                f"{which} is {len(p)} tokens; with --max-tokens {args.max_tokens} that is {len(p) + args.max_tokens}, "
+                f"beyond the model's context of {config.max_position_embeddings} positions"
+            )
+
+    model, _, path = load_model(args.model, dtype=DTYPES[args.dtype], device=device)
+    if device_of(model).type == "cpu":
+        cpu_decode.extension()  # built (once per machine) before the clock starts, not inside the first token
+    on_token = stream_printer(tokenizer, len(prompts))
 
     if args.speculator:
-        generate_speculative(model, path, tokenizer, prompts, params, args)
+        generate_speculative(model, path, tokenizer, prompts, params, args, on_token=on_token)
         return
-
-    streamed: list[list[int]] = [[] for _ in prompts]
-    printed = [0] * len(prompts)
-
-    def on_token(row: int, tok: int) -> None:
-        if len(prompts) > 1:
-            return
-        streamed[row].append(tok)
-        text = tokenizer.decode(streamed[row], skip_special_tokens=True)
-        sys.stdout.write(text[printed[row] :])
-        sys.stdout.flush()
-        printed[row] = len(text)
 
     result = generate(model, prompts, params, tokenizer=tokenizer, on_token=on_token, compile=args.compile)
     if len(prompts) > 1:
@@ -82,11 +114,11 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"\n[qspec] {n_new} tokens, TTFT {result.ttft_s * 1e3:.1f} ms, TPOT {result.tpot_s * 1e3:.1f} ms, "
         f"decode {len(result.step_times_s) * len(prompts) / max(decode_time, 1e-9):.1f} tok/s "
-        f"({args.dtype}, {args.device}, compile {result.compile}, batch {len(prompts)}, "
+        f"({args.dtype}, {device}, compile {result.compile}, batch {len(prompts)}, "
         f"finish: {','.join(result.finish_reasons)})",
         file=sys.stderr,
     )
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -21,12 +21,15 @@ from pathlib import Path
 
 import torch
 
+from runtime.cliutil import UsageError
 from runtime.config import ModelConfig
 from runtime.model import Transformer
 from runtime.paths import qspec_home
 
+PARTIAL = ".partial"  # suffix of a directory being written: renamed to its real name only once complete
 
-class ModelSpecError(ValueError):
+
+class ModelSpecError(UsageError):
     """A model spec that cannot be resolved to a checkpoint."""
 
 
@@ -62,22 +65,35 @@ def package_file(module: str, filename: str, install_hint: str) -> Path:
 
 
 def is_checkpoint_dir(path: Path) -> bool:
-    return (path / "config.json").is_file() and (
-        (path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file()
+    return (
+        not path.name.endswith(PARTIAL)
+        and (path / "config.json").is_file()
+        and ((path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file())
     )
 
 
-def resolve(spec: str) -> Path:
-    """Model spec -> local HF-style directory (converting or downloading once if needed)."""
+def looks_like_path(spec: str) -> bool:
+    return spec.startswith((".", "/", "~")) or spec.count("/") != 1 and "/" in spec or spec.endswith("/")
+
+
+def check_model_spec(spec: str) -> str:
+    """Cheap checks of a model spec (nothing imported, loaded or converted): its kind, "registry", "gguf",
+    "dir" or "hub", or a ModelSpecError naming what is wrong. CLIs call it right after parsing arguments."""
+    if not spec or not spec.strip():
+        raise ModelSpecError("--model is empty")
     if spec in REGISTRY:
-        entry = REGISTRY[spec]
-        gguf_path = package_file(entry.module, entry.filename, entry.package)
-        return convert_gguf(gguf_path, qspec_home() / "models" / spec)
+        return "registry"
     path = Path(spec).expanduser()
+    if path.name.endswith(PARTIAL) or (not path.exists() and path.with_name(path.name + PARTIAL).is_dir()):
+        complete = path.with_name(path.name.removesuffix(PARTIAL))
+        raise ModelSpecError(
+            f"{complete}{PARTIAL} is an unfinished save (interrupted or still running), not a checkpoint: "
+            f"rerun the command that writes {complete}"
+        )
     if path.suffix == ".gguf":
         if not path.is_file():
             raise ModelSpecError(f"GGUF file not found: {path}")
-        return convert_gguf(path, qspec_home() / "models" / path.stem)
+        return "gguf"
     if path.exists():
         if not path.is_dir():
             raise ModelSpecError(f"model path {path} is a file, not a checkpoint directory or .gguf")
@@ -85,13 +101,38 @@ def resolve(spec: str) -> Path:
             raise ModelSpecError(f"{path} is not a checkpoint: config.json is missing")
         if not is_checkpoint_dir(path):
             raise ModelSpecError(f"{path} is not a checkpoint: no model.safetensors or model.safetensors.index.json")
-        return path
-    if spec.count("/") == 1 and not spec.startswith((".", "/", "~")):
-        return download_hub(spec)
+        return "dir"
+    if looks_like_path(spec):
+        raise ModelSpecError(f"no such directory: {spec}")
+    if spec.count("/") == 1:
+        return "hub"
     raise ModelSpecError(
-        f"unknown model spec {spec!r}: not a registry name ({', '.join(REGISTRY)}), "
-        "an existing checkpoint directory, a .gguf file or a hub id"
+        f"unknown model spec {spec!r}: no directory {path.resolve()}, and not a registry name "
+        f"({', '.join(REGISTRY)}), a .gguf file or an org/name hub id"
     )
+
+
+def check_model_arg(ap, spec: str) -> None:
+    """check_model_spec for a CLI's --model: a bad spec is the parser's one-line error (exit code 2)."""
+    try:
+        check_model_spec(spec)
+    except ModelSpecError as err:
+        ap.error(str(err))
+
+
+def resolve(spec: str) -> Path:
+    """Model spec -> local HF-style directory (converting or downloading once if needed)."""
+    kind = check_model_spec(spec)
+    if kind == "registry":
+        entry = REGISTRY[spec]
+        gguf_path = package_file(entry.module, entry.filename, entry.package)
+        return convert_gguf(gguf_path, qspec_home() / "models" / spec)
+    path = Path(spec).expanduser()
+    if kind == "gguf":
+        return convert_gguf(path, qspec_home() / "models" / path.stem)
+    if kind == "dir":
+        return path
+    return download_hub(spec)
 
 
 def download_hub(repo_id: str) -> Path:
@@ -100,7 +141,10 @@ def download_hub(repo_id: str) -> Path:
 
         return Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"]))
     except Exception as err:  # offline machines land here
-        raise ModelSpecError(f"hub id {repo_id!r} could not be fetched ({type(err).__name__}: {err})") from err
+        raise ModelSpecError(
+            f"{repo_id!r} is neither a local directory (./{repo_id} does not exist) nor a hub id that could be "
+            f"fetched ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
+        ) from err
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
@@ -215,20 +259,23 @@ def save_checkpoint(
     extra_config: dict | None = None,
     tokenizer_from: Path | None = None,
     state_dict: dict[str, torch.Tensor] | None = None,
+    extra_files: dict[str, str] | None = None,
 ) -> Path:
     """Save a Transformer as an HF-style directory (unfused HF tensor names; sharded with an index when
     max_shard_bytes is given), loadable by transformers and by ``--model DIR`` everywhere in qspec.
-    state_dict: tensors to write instead of ``model.hf_state_dict()`` (packed quantized checkpoints)."""
+    state_dict: tensors to write instead of ``model.hf_state_dict()`` (packed quantized checkpoints).
+    extra_files: {name: text} written alongside. Atomic: everything goes to ``OUT.partial``, renamed to OUT
+    only when complete, so an interrupted save never leaves a directory that loads as a checkpoint."""
     from safetensors.torch import save_file
 
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    tmp = begin_atomic_dir(out)
     state = model.hf_state_dict() if state_dict is None else state_dict
     hf_config = {**model.config.to_hf(), "torch_dtype": str(next(iter(state.values())).dtype).removeprefix("torch.")}
     hf_config.update(extra_config or {})
-    (out / "config.json").write_text(json.dumps(hf_config, indent=2))
+    (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
     if max_shard_bytes is None:
-        save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+        save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
     else:
         shards: list[dict[str, torch.Tensor]] = [{}]
         size = 0
@@ -242,13 +289,45 @@ def save_checkpoint(
         weight_map = {}
         for i, shard in enumerate(shards):
             fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, out / fname, metadata={"format": "pt"})
+            save_file(shard, tmp / fname, metadata={"format": "pt"})
             weight_map.update({name: fname for name in shard})
-        (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+        (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     if tokenizer_from is not None:
         import shutil
 
         for f in Path(tokenizer_from).iterdir():
             if f.name.startswith(("tokenizer", "special_tokens", "chat_template", "generation_config")):
-                shutil.copy(f, out / f.name)
+                shutil.copy(f, tmp / f.name)
+    for name, text in (extra_files or {}).items():
+        (tmp / name).write_text(text)
+    return finish_atomic_dir(tmp, out)
+
+
+def begin_atomic_dir(out: Path, marker: str = "config.json") -> Path:
+    """A fresh ``OUT.partial`` to write a directory into (see finish_atomic_dir). An existing OUT may be replaced
+    only if it is empty or holds what is being saved (its `marker` file): anything else is never deleted."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir()) and not (out / marker).is_file()):
+        raise UsageError(f"{out} exists and is not a checkpoint directory: choose a new output directory")
+    tmp = out.with_name(out.name + PARTIAL)
+    if tmp.exists():
+        import shutil
+
+        shutil.rmtree(tmp)  # left by an interrupted save
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def finish_atomic_dir(tmp: Path, out: Path) -> Path:
+    """Rename a completed ``OUT.partial`` to OUT (replacing an older OUT: renamed aside first, then deleted)."""
+    import shutil
+
+    old = None
+    if out.exists():
+        old = out.with_name(out.name + ".old" + PARTIAL)
+        if old.exists():
+            shutil.rmtree(old)
+        out.rename(old)
+    tmp.rename(out)
+    if old is not None:
+        shutil.rmtree(old)
     return out

@@ -20,7 +20,6 @@ the engine serves on.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import hashlib
 import hmac
@@ -35,7 +34,9 @@ from dataclasses import dataclass, replace
 
 from aiohttp import web
 
+from runtime.cliutil import ArgumentParser, run
 from runtime.engine import EngineConfig, LLMEngine, RequestOutput
+from runtime.loader import check_model_arg
 from runtime.sampling import SamplingParams, TokenLogprob
 from runtime.scheduler import RequestRejectedError
 
@@ -781,7 +782,7 @@ def main(argv: list[str] | None = None) -> None:
     from runtime.loader import DEFAULT_MODEL, load_model, load_tokenizer
     from speculate.cli import add_speculator_args, speculator_from_args  # entry point: composes the layers
 
-    ap = argparse.ArgumentParser(prog="python -m runtime.server", description=__doc__.splitlines()[0])
+    ap = ArgumentParser(prog="python -m runtime.server", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=DEFAULT_MODEL, help="registry name, checkpoint dir, .gguf or hub id")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
@@ -822,6 +823,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     add_speculator_args(ap)  # --speculator {ngram,draft,medusa,quant-draft}: speculation in the engine step
     args = ap.parse_args(argv)
+    if args.model:
+        check_model_arg(ap, args.model)  # before anything loads: a bad spec is one line, not a traceback
     names = (
         "port",
         "block_size",
@@ -874,4 +877,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

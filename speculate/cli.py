@@ -16,6 +16,7 @@ from pathlib import Path
 
 from quantize.qlinear import FAST_CPU_BITS
 from speculate.base import Speculator, SpeculatorError, check_k
+from speculate.generate import speculative_generate
 
 SPECULATORS = ("ngram", "draft", "medusa", "quant-draft")
 
@@ -111,17 +112,17 @@ def speculator_from_args(model, path, args) -> Speculator:
         raise SystemExit(2) from None
 
 
-def generate_speculative(model, path, tokenizer, prompts: list[list[int]], params, args):
-    """Entry point of ``python -m runtime.generate --speculator NAME``: build, generate, print, return."""
-    from speculate.generate import speculative_generate
-
+def generate_speculative(model, path, tokenizer, prompts: list[list[int]], params, args, on_token=None):
+    """Entry point of ``python -m runtime.generate --speculator NAME``: build, generate (streaming through
+    on_token(row, token) like plain generation), print, return."""
     spec = speculator_from_args(model, path, args)
     out = speculative_generate(
-        model, prompts, params, spec, tokenizer=tokenizer, compile=getattr(args, "compile", "auto")
+        model, prompts, params, spec, tokenizer=tokenizer, compile=getattr(args, "compile", "auto"), on_token=on_token
     )
     for i, toks in enumerate(out.tokens):
         text = tokenizer.decode(toks, skip_special_tokens=True)
-        print(text if len(prompts) == 1 else f"--- [{i}] {text}")
+        if on_token is None or len(prompts) > 1:  # a single prompt was streamed already
+            print(text if len(prompts) == 1 else f"--- [{i}] {text}")
     n_new = sum(len(t) for t in out.tokens)
     mode = "lossless" if spec.lossless else "APPROXIMATE (typical acceptance)"
     print(

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -139,6 +140,7 @@ def speculative_generate(
     speculator: Speculator,
     tokenizer=None,
     compile: str = "auto",
+    on_token: Callable[[int, int], None] | None = None,
 ) -> SpecOutput:
     """Generate for a batch of token-id prompts with ``speculator`` proposing and the one verifier deciding.
 
@@ -146,7 +148,7 @@ def speculative_generate(
     with its own params' seed (draft samples, acceptance tests, residual and bonus samples), so a row's
     tokens do not depend on its batch mates, and equal the serving engine's for the same request.
     compile: "off" | "auto" | "on" (runtime.compiled): chain verifications of up to 32 tokens through the
-    compiled step; trees and longer chains run eager."""
+    compiled step; trees and longer chains run eager. on_token(row, token) streams each committed token."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
     B = len(prompts)
@@ -178,6 +180,8 @@ def speculative_generate(
             out.tokens[b].append(tok)
             seqs[b].append(tok)
             kept += 1
+            if on_token is not None:
+                on_token(b, tok)
             stats.generated += 1
             reason = stops[b].check(out.tokens[b])
             if reason is not None:

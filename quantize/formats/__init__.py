@@ -182,7 +182,7 @@ def quantized_layers(model) -> list[tuple[str, QuantLinear]]:
 
 
 def is_symmetric(layer: QuantLinear) -> bool:
-    return bool((layer.qweight().zeros == 2 ** (layer.bits - 1)).all())
+    return bool((layer.zeros.float() == 2 ** (layer.bits - 1)).all())  # the buffer: no unpacking
 
 
 def check_expressible(model, fmt: str) -> None:
@@ -330,9 +330,9 @@ def save_quantized(
         extra_config=extra,
         tokenizer_from=tokenizer_from,
         state_dict=state,
+        # AutoGPTQ-era loaders read quantize_config.json rather than config.json; written before the atomic rename
+        extra_files={"quantize_config.json": json.dumps(qconfig, indent=2)} if fmt in ("gptq", "gptq_v2") else {},
     )
-    if fmt in ("gptq", "gptq_v2"):  # AutoGPTQ-era loaders read this file rather than config.json
-        (out / "quantize_config.json").write_text(json.dumps(qconfig, indent=2))
     return out
 
 

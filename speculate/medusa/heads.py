@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from runtime.loader import begin_atomic_dir, finish_atomic_dir
+
 CONFIG_NAME = "medusa_config.json"
 WEIGHTS_NAME = "medusa_heads.safetensors"
 
@@ -100,13 +102,11 @@ class MedusaHeads(nn.Module):
         from safetensors.torch import save_file
 
         out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
+        tmp = begin_atomic_dir(out, marker=CONFIG_NAME)  # OUT.partial, renamed once complete
         state = {k: v.detach().float().contiguous() for k, v in self.state_dict().items()}
-        tmp = out / (WEIGHTS_NAME + ".partial")
-        save_file(state, tmp)
-        tmp.rename(out / WEIGHTS_NAME)
-        (out / CONFIG_NAME).write_text(json.dumps(asdict(self.config), indent=2))
-        return out
+        save_file(state, tmp / WEIGHTS_NAME)
+        (tmp / CONFIG_NAME).write_text(json.dumps(asdict(self.config), indent=2))
+        return finish_atomic_dir(tmp, out)
 
 
 def load_medusa(path: str | Path, model) -> MedusaHeads:
@@ -114,6 +114,8 @@ def load_medusa(path: str | Path, model) -> MedusaHeads:
     from safetensors.torch import load_file
 
     path = Path(path).expanduser()
+    if path.name.endswith(".partial"):
+        raise MedusaCheckpointError(f"{path} is an unfinished save (interrupted or still running), not Medusa heads")
     if not (path / CONFIG_NAME).is_file() or not (path / WEIGHTS_NAME).is_file():
         raise MedusaCheckpointError(
             f"{path} is not a Medusa checkpoint (needs {CONFIG_NAME} and {WEIGHTS_NAME}); "

@@ -14,7 +14,6 @@ windows and stored in the checkpoint; ``speculate.medusa.tree`` builds the candi
 
 from __future__ import annotations
 
-import argparse
 import math
 import random
 import shlex
@@ -25,6 +24,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from runtime.cliutil import ArgumentParser, interrupted, run
+from runtime.loader import check_model_arg
 from speculate.medusa.heads import MedusaConfig, MedusaHeads, model_fingerprint
 
 MAX_TOP = 10  # accuracy table width: candidates per head the tree may use
@@ -109,7 +110,7 @@ def topk_accuracy(heads: MedusaHeads, model, windows: list[list[int]], batch_siz
 def main(argv: list[str] | None = None) -> None:
     from runtime.loader import DEFAULT_MODEL, load_model, load_tokenizer
 
-    ap = argparse.ArgumentParser(prog="python -m speculate.medusa.train", description=__doc__.splitlines()[0])
+    ap = ArgumentParser(prog="python -m speculate.medusa.train", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=DEFAULT_MODEL, help="base model spec (frozen)")
     ap.add_argument("--out", default=None, help="checkpoint directory (default $QSPEC_HOME/medusa/MODEL)")
     ap.add_argument("--num-heads", type=int, default=3)
@@ -136,16 +137,22 @@ def main(argv: list[str] | None = None) -> None:
         "--no-bf16", dest="bf16", action="store_false", help="train in fp32 (default: bf16 autocast, ~2x on CPU)"
     )
     args = ap.parse_args(argv)
+    if args.model:
+        check_model_arg(ap, args.model)  # before anything loads: a bad spec is one line, not a traceback
     if args.num_heads < 1:
         ap.error(f"--num-heads must be >= 1, got {args.num_heads}")
     if args.minutes <= 0:
         ap.error(f"--minutes must be > 0, got {args.minutes}")
+    for name in ("seqlen", "batch_size", "max_steps", "save_every", "eval_windows", "train_tokens"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
 
     torch.manual_seed(args.seed)
     model, cfg, path = load_model(args.model, dtype=torch.float32)
     model.requires_grad_(False)
     tokenizer = load_tokenizer(str(path))
     out = Path(args.out) if args.out else default_output_dir(args.model)
+    print(f"[medusa] tokenizing up to {args.train_tokens:,} tokens of the training split", file=sys.stderr, flush=True)
     windows = training_windows(tokenizer, args.seqlen, args.train_tokens, args.seed)
     if len(windows) <= args.eval_windows:
         ap.error(f"only {len(windows)} windows of {args.seqlen} tokens; raise --train-tokens")
@@ -195,34 +202,41 @@ def main(argv: list[str] | None = None) -> None:
         heads.train()
 
     heads.train()
-    while step < args.max_steps and time.perf_counter() - t0 < budget:
-        batch_ids = [train_windows[(step * args.batch_size + j) % len(train_windows)] for j in range(args.batch_size)]
-        batch = torch.tensor(batch_ids)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
-            with torch.no_grad():
-                hidden = model(batch, hidden_only=True)
-            loss, top1 = distill_loss(heads, model, hidden, args.candidates)
-        warmup = min(1.0, (step + 1) / 20)
-        progress = (time.perf_counter() - t0) / budget
-        for g in opt.param_groups:  # linear warmup, cosine decay over the time budget
-            g["lr"] = args.lr * warmup * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        step += 1
-        tokens_seen += batch.numel()
-        loss = loss.item()
-        history.append({"step": step, "loss": round(loss, 4), "top1": [round(a, 3) for a in top1]})
-        if step % 10 == 0 or step == 1:
-            elapsed = time.perf_counter() - t0
-            print(
-                f"[medusa] step {step} loss {loss:.3f} top1 {' '.join(f'{a:.2f}' for a in top1)} "
-                f"{tokens_seen / elapsed:.0f} tok/s {elapsed / 60:.1f} min",
-                file=sys.stderr,
-                flush=True,
-            )
-        if step % args.save_every == 0:
-            save(final=False)
+    try:
+        while step < args.max_steps and time.perf_counter() - t0 < budget:
+            n = len(train_windows)
+            batch_ids = [train_windows[(step * args.batch_size + j) % n] for j in range(args.batch_size)]
+            batch = torch.tensor(batch_ids)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
+                with torch.no_grad():
+                    hidden = model(batch, hidden_only=True)
+                loss, top1 = distill_loss(heads, model, hidden, args.candidates)
+            warmup = min(1.0, (step + 1) / 20)
+            progress = (time.perf_counter() - t0) / budget
+            for g in opt.param_groups:  # linear warmup, cosine decay over the time budget
+                g["lr"] = args.lr * warmup * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            step += 1
+            tokens_seen += batch.numel()
+            loss = loss.item()
+            history.append({"step": step, "loss": round(loss, 4), "top1": [round(a, 3) for a in top1]})
+            if step % 10 == 0 or step <= 5:
+                elapsed = time.perf_counter() - t0
+                print(
+                    f"[medusa] step {step} loss {loss:.3f} top1 {' '.join(f'{a:.2f}' for a in top1)} "
+                    f"{tokens_seen / elapsed:.0f} tok/s {elapsed / 60:.1f} of {args.minutes:g} min",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            if step % args.save_every == 0:
+                save(final=False)
+    except KeyboardInterrupt:
+        if step == 0:
+            interrupted("no training step finished, nothing saved")
+        save(final=False)
+        interrupted(f"heads after {step} steps ({tokens_seen} tokens) saved to {out} (no accuracy table: not final)")
     save(final=True)
     acc = config.accuracy
     print(
@@ -233,4 +247,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -1,0 +1,43 @@
+"""The flagship report re-rendered from recorded records: comparable quality axis, one baseline per speedup."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from experiments.report import main, short_baseline, table_rows
+
+RECORDS = Path(__file__).resolve().parent.parent / "notes" / "issue-7" / "lossless_records.jsonl"
+
+
+def test_report_from_records(tmp_path):
+    main([str(RECORDS), "--out", str(tmp_path)])
+    records = [json.loads(line) for line in RECORDS.read_text().splitlines()]
+    rows = {r["row"]: r for r in table_rows(records)}
+    table = (tmp_path / "table.md").read_text()
+    summary = (tmp_path / "summary.md").read_text()
+    assert (tmp_path / "speedup_vs_quality.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert table.startswith("# lossless: what does each speedup cost in quality, and what does it buy?")
+    for name, r in rows.items():
+        line = next(line for line in table.splitlines() if line.startswith(f"| {name} |"))
+        if r["scored_on"] == "engine greedy outputs":  # own outputs: kept off the teacher-forced column
+            assert "| n/a ¹ |" in line and f"{r['perplexity']:.3f}" not in line
+        elif r["perplexity_delta"] is not None:
+            assert f"{r['perplexity_delta']:+.3f} ({r['perplexity']:.3f})" in line
+        if r["speedup"] is not None:  # every speedup names its own baseline
+            assert f"{r['speedup']:.2f}x ({r['baseline']})" in line
+    assert "| fp32 reference | yes (exact) | baseline |" in summary
+    gptq = rows["GPTQ4 g128"]
+    assert (
+        f"| GPTQ4 g128 | no (approximate) | {gptq['speedup']:.2f}x (bf16 model) | {gptq['perplexity_delta']:+.3f}"
+        in (summary)
+    )
+    n_greedy = rows["spec n-gram (greedy)"]["speedup"]
+    n_sampled = rows["spec n-gram (sampled)"]["speedup"]
+    assert f"| spec n-gram (greedy / sampled) | yes (same distribution) | {n_greedy:.2f}x / {n_sampled:.2f}x" in summary
+
+
+def test_short_baselines():
+    assert short_baseline("full recompute of the sequence every step (no cache)") == "no KV cache"
+    assert short_baseline("plain decoding, batch 1, temperature 0.7") == "plain decoding, T=0.7"
+    assert short_baseline(None) == ""
