@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from runtime.generate import StopChecker
+from runtime.grammar import Grammar, chain_masks, row_masks
 from runtime.model import Transformer
 from runtime.paged_cache import SCRATCH_BLOCK, BlockManager, PagedAttentionMetadata, PagedKVCache
 from runtime.sampling import SamplingParams, logits_to_probs, make_generator, sample_rows
@@ -75,6 +76,7 @@ class RequestOutput:
     num_cached_tokens: int  # prompt tokens served by the prefix cache
     arrival_time: float = 0.0
     token_times: list[float] = field(default_factory=list)  # perf_counter time of each output token
+    grammar_incomplete: bool = False  # finished under a grammar before its text was complete (e.g. max_tokens)
 
 
 class Speculator(Protocol):
@@ -128,9 +130,14 @@ class LLMEngine:
     # ---- requests ----------------------------------------------------------------------------------
 
     def add_request(
-        self, prompt: list[int] | str, params: SamplingParams | None = None, request_id: str | None = None
+        self,
+        prompt: list[int] | str,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        grammar: Grammar | None = None,
     ) -> str:
-        """Queue a request; raises RequestRejectedError when it can never fit."""
+        """Queue a request; raises RequestRejectedError when it can never fit. grammar: every token it gets
+        is sampled under the grammar's mask (runtime.grammar)."""
         params = params or SamplingParams()
         if isinstance(prompt, str):
             if self.tokenizer is None:
@@ -146,6 +153,12 @@ class LLMEngine:
         seq = Sequence(request_id, list(prompt), len(prompt), params)
         seq.generator = make_generator(params.seed, self.device)
         seq.stop_checker = StopChecker(params, self.eos_ids, self.tokenizer)
+        if grammar is not None:
+            if grammar.vocab_size != vocab:
+                raise ValueError(f"the grammar was compiled for {grammar.vocab_size} tokens, the model has {vocab}")
+            if params.ignore_eos:
+                raise ValueError("ignore_eos cannot be combined with a grammar: the grammar ends the output with EOS")
+            seq.constraint = grammar.matcher()
         self.scheduler.add(seq)  # admission control raises here
         self.seqs[request_id] = seq
         return request_id
@@ -195,7 +208,10 @@ class LLMEngine:
         if sampling:
             seqs = [s for s, _ in sampling]
             logits = self.model.logits(torch.stack([h for _, h in sampling]))  # [N, V]
-            probs = torch.stack([logits_to_probs(logits[i], s.params) for i, s in enumerate(seqs)])
+            masks = row_masks([s.constraint for s in seqs], logits.shape[-1], self.device)
+            probs = torch.stack(
+                [logits_to_probs(logits[i], s.params, None if masks is None else masks[i]) for i, s in enumerate(seqs)]
+            )
             tokens = sample_rows(probs, [s.params for s in seqs], [s.generator for s in seqs]).tolist()
             for seq, tok in zip(seqs, tokens):
                 outputs.append(self._append_tokens(seq, [tok]))
@@ -245,14 +261,31 @@ class LLMEngine:
             list(d)[: max(0, min(k, s.max_total_tokens - s.num_tokens - 1))]
             for s, d in zip(seqs, self.speculator.propose(seqs, k))
         ]
+        # under a grammar: the target's masks after each prefix of the drafts; n-gram drafts are deterministic,
+        # so each is cut at the first token the grammar refuses (lossless, see runtime.grammar.chain_masks)
+        V = self.model.config.vocab_size
+        masks = [None] * len(seqs)
+        for i, (seq, d) in enumerate(zip(seqs, drafts)):
+            if seq.constraint is not None:
+                masks[i], usable = chain_masks(seq.constraint, d, deterministic=True)
+                del d[usable:]
         for seq, d in zip(seqs, drafts):  # room for the drafts' KV, or no drafts for this row
             if not self.block_manager.can_allocate(seq, seq.num_tokens + len(d)):
                 d.clear()
             self.block_manager.allocate(seq, seq.num_tokens + len(d))
         work = [ScheduledWork(s, 1) for s in seqs]
         hidden = self._forward(work, extra=drafts)  # [B, 1 + max k, H]
+        T = hidden.shape[1]
+        full = torch.ones(T, V, dtype=torch.bool)
         probs = torch.stack(
-            [logits_to_probs(self.model.logits(hidden[b]), s.params) for b, s in enumerate(seqs)]
+            [
+                logits_to_probs(
+                    self.model.logits(hidden[b]),
+                    s.params,
+                    None if m is None else torch.cat([m[: len(drafts[b]) + 1], full[len(drafts[b]) + 1 :]]),
+                )
+                for b, (s, m) in enumerate(zip(seqs, masks))
+            ]
         )  # [B, 1 + max k, V]
         accepted = self.speculator.verify(seqs, drafts, probs)
         outputs = []
@@ -271,6 +304,8 @@ class LLMEngine:
         new = []
         reason = None
         for tok in tokens:
+            if seq.constraint is not None and not seq.constraint.accept(tok):
+                raise RuntimeError(f"{seq.request_id}: token {tok} is not allowed by its grammar")
             seq.token_ids.append(tok)
             seq.token_times.append(now)
             new.append(tok)
@@ -302,6 +337,9 @@ class LLMEngine:
             num_cached_tokens=seq.num_cached_tokens,
             arrival_time=seq.arrival_time,
             token_times=list(seq.token_times),
+            grammar_incomplete=seq.status is SequenceStatus.FINISHED
+            and seq.constraint is not None
+            and not seq.constraint.complete,
         )
 
     # ---- conveniences ------------------------------------------------------------------------------

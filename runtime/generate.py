@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from runtime.grammar import Grammar, row_masks
 from runtime.kv_cache import KVCache
 from runtime.model import AttentionMetadata, Transformer
 from runtime.sampling import SamplingParams, logits_to_probs, make_generator, sample_rows
@@ -27,6 +28,8 @@ class GenerationOutput:
     finish_reasons: list[str]  # "eos" | "stop" | "length"
     ttft_s: float = 0.0  # time to first token (prefill + first sample)
     step_times_s: list[float] = field(default_factory=list)  # wall time of each decode step
+    # per row: constrained by a grammar and stopped (max_tokens, a stop string) before its text was complete
+    grammar_incomplete: list[bool] = field(default_factory=list)
 
     @property
     def tpot_s(self) -> float:
@@ -74,8 +77,10 @@ def generate(
     tokenizer=None,
     use_cache: bool = True,
     on_token: Callable[[int, int], None] | None = None,
+    grammar: Grammar | list[Grammar | None] | None = None,
 ) -> GenerationOutput:
-    """Generate for a batch of token-id prompts; on_token(row, token) streams each new token."""
+    """Generate for a batch of token-id prompts; on_token(row, token) streams each new token. grammar (one
+    for the batch or one per row): every token is sampled under its mask (runtime.grammar)."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
     B = len(prompts)
@@ -90,6 +95,7 @@ def generate(
         raise ValueError(f"prompt + max_tokens = {total} exceeds the model's {cfg.max_position_embeddings} positions")
     generators = [make_generator(p.seed, device) for p in row_params]
     stops = [StopChecker(p, cfg.eos_token_ids, tokenizer) for p in row_params]
+    constraints = row_constraints(grammar, B, cfg.vocab_size, row_params)
 
     tokens = torch.zeros(B, total, dtype=torch.long, device=device)
     for b, p in enumerate(prompts):
@@ -109,7 +115,10 @@ def generate(
     step = 0
     while True:
         logits = model.logits(last)
-        probs = torch.stack([logits_to_probs(logits[b], row_params[b]) for b in range(B)])
+        masks = row_masks(constraints, cfg.vocab_size, device)
+        probs = torch.stack(
+            [logits_to_probs(logits[b], row_params[b], None if masks is None else masks[b]) for b in range(B)]
+        )
         next_tokens = sample_rows(probs, row_params, generators)
         if step == 0:
             out.ttft_s = time.perf_counter() - t0
@@ -118,6 +127,8 @@ def generate(
                 continue
             tok = int(next_tokens[b])
             out.tokens[b].append(tok)
+            if constraints[b] is not None and not constraints[b].accept(tok):
+                raise RuntimeError(f"row {b}: sampled token {tok} that its grammar does not allow")
             if on_token is not None:
                 on_token(b, tok)
             reason = stops[b].check(out.tokens[b])
@@ -138,7 +149,23 @@ def generate(
         positions += 1
         step += 1
         out.step_times_s.append(time.perf_counter() - t_step)
+    out.grammar_incomplete = [c is not None and not c.complete for c in constraints]
     return out
+
+
+def row_constraints(
+    grammar: Grammar | list[Grammar | None] | None, B: int, vocab_size: int, params: list[SamplingParams]
+) -> list:
+    """One fresh grammar matcher per row (None for unconstrained rows)."""
+    grammars = grammar if isinstance(grammar, list) else [grammar] * B
+    if len(grammars) != B:
+        raise ValueError(f"{len(grammars)} grammars for {B} prompts")
+    for g, p in zip(grammars, params):
+        if g is not None and g.vocab_size != vocab_size:
+            raise ValueError(f"the grammar was compiled for {g.vocab_size} tokens, the model has {vocab_size}")
+        if g is not None and p.ignore_eos:
+            raise ValueError("ignore_eos cannot be combined with a grammar: the grammar ends the output with EOS")
+    return [None if g is None else g.matcher() for g in grammars]
 
 
 def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
@@ -187,6 +214,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--ngram-fixed", action="store_true", help="n-gram: always draft k tokens (default: up to 2**match length)"
     )
+    constrain = ap.add_mutually_exclusive_group()
+    constrain.add_argument("--json-schema", metavar="FILE", help="constrain the output to JSON matching this schema")
+    constrain.add_argument("--json-object", action="store_true", help="constrain the output to any JSON object")
+    constrain.add_argument("--regex", metavar="PATTERN", help="constrain the output to this regular expression")
+    constrain.add_argument("--grammar", metavar="FILE", help="constrain the output to this EBNF grammar (root ::= ...)")
     args = ap.parse_args(argv)
 
     try:
@@ -207,11 +239,12 @@ def main(argv: list[str] | None = None) -> None:
         cpu_decode.extension()  # built (once per machine) before the clock starts, not inside the first token
     tokenizer = load_tokenizer(str(path))
     prompts = [encode_prompt(tokenizer, p, args.chat) for p in args.prompt]
+    grammar = cli_grammar(ap, args, tokenizer, model.config)
 
     if args.speculator:
         from speculate.cli import generate_speculative  # speculative decoding lives in speculate/
 
-        generate_speculative(model, path, tokenizer, prompts, params, args)
+        generate_speculative(model, path, tokenizer, prompts, params, args, grammar=grammar)
         return
 
     streamed: list[list[int]] = [[] for _ in prompts]
@@ -226,7 +259,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.stdout.flush()
         printed[row] = len(text)
 
-    result = generate(model, prompts, params, tokenizer=tokenizer, on_token=on_token)
+    result = generate(model, prompts, params, tokenizer=tokenizer, on_token=on_token, grammar=grammar)
     if len(prompts) > 1:
         for i, toks in enumerate(result.tokens):
             print(f"--- [{i}] {tokenizer.decode(toks, skip_special_tokens=True)}")
@@ -238,6 +271,41 @@ def main(argv: list[str] | None = None) -> None:
         f"({args.dtype}, {args.device}, batch {len(prompts)}, finish: {','.join(result.finish_reasons)})",
         file=sys.stderr,
     )
+    report_incomplete(result.grammar_incomplete, result.finish_reasons)
+
+
+def cli_grammar(ap: argparse.ArgumentParser, args, tokenizer, config) -> Grammar | None:
+    """The grammar of --json-schema / --json-object / --regex / --grammar, or None; bad input is an argparse error."""
+    from pathlib import Path
+
+    from runtime.grammar import GrammarError, GrammarSpec
+
+    try:
+        if args.json_schema:
+            spec = GrammarSpec("json_schema", Path(args.json_schema).read_text())
+        elif args.grammar:
+            spec = GrammarSpec("ebnf", Path(args.grammar).read_text())
+        elif args.regex:
+            spec = GrammarSpec("regex", args.regex)
+        elif args.json_object:
+            spec = GrammarSpec("json_object")
+        else:
+            return None
+        return Grammar(spec, tokenizer, config.vocab_size, config.eos_token_ids)
+    except OSError as err:
+        ap.error(f"cannot read the grammar file: {err}")
+    except GrammarError as err:
+        ap.error(str(err))
+
+
+def report_incomplete(incomplete: list[bool], finish_reasons: list[str]) -> None:
+    for i, (bad, reason) in enumerate(zip(incomplete, finish_reasons)):
+        if bad:
+            print(
+                f"[qspec] output {i} is INCOMPLETE: it stopped ({reason}) before the grammar was satisfied, so it is "
+                "not valid under the grammar",
+                file=sys.stderr,
+            )
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from runtime.engine import EngineConfig, LLMEngine, RequestOutput
+from runtime.grammar import GrammarError, ResponseFormats
 from runtime.sampling import SamplingParams
 from runtime.scheduler import RequestRejectedError
 
@@ -61,12 +62,12 @@ class EngineThread:
         self.commands.put(("wake",))
         self.thread.join(timeout=10)
 
-    async def add(self, prompt_ids: list[int], params: SamplingParams) -> tuple[str, asyncio.Queue]:
+    async def add(self, prompt_ids: list[int], params: SamplingParams, grammar=None) -> tuple[str, asyncio.Queue]:
         loop = asyncio.get_running_loop()
         accepted: asyncio.Future = loop.create_future()
         outputs: asyncio.Queue = asyncio.Queue()
         request_id = f"cmpl-{uuid.uuid4().hex[:24]}"
-        self.commands.put(("add", request_id, prompt_ids, params, loop, outputs, accepted))
+        self.commands.put(("add", request_id, prompt_ids, params, loop, outputs, accepted, grammar))
         await accepted  # raises RequestRejectedError from the engine's admission control
         return request_id, outputs
 
@@ -98,9 +99,9 @@ class EngineThread:
         if cmd is None or cmd[0] == "wake":
             return
         if cmd[0] == "add":
-            _, rid, prompt_ids, params, loop, outputs, accepted = cmd
+            _, rid, prompt_ids, params, loop, outputs, accepted, grammar = cmd
             try:
-                self.engine.add_request(prompt_ids, params, request_id=rid)
+                self.engine.add_request(prompt_ids, params, request_id=rid, grammar=grammar)
             except (RequestRejectedError, ValueError) as err:
                 loop.call_soon_threadsafe(_set_exception, accepted, RequestRejectedError(str(err)))
                 return
@@ -274,6 +275,7 @@ class Server:
         self.engine_thread = EngineThread(engine)
         self.tokenizer, self.model_name = tokenizer, model_name
         self.vocab_size = engine.model.config.vocab_size
+        self.grammars = ResponseFormats(tokenizer, engine.model.config)  # response_format -> Grammar
         self.default_max_tokens = 16
         self.http_counts: dict[int, int] = {}
         self.started = time.time()
@@ -301,6 +303,8 @@ class Server:
             response = await handler(request)
         except BadRequest as err:
             response = error_response(400, str(err), err.param)
+        except GrammarError as err:
+            response = error_response(400, str(err), "response_format")
         except RequestRejectedError as err:
             response = error_response(400, str(err), "prompt", code="context_length_exceeded")
         except web.HTTPException as err:
@@ -322,18 +326,20 @@ class Server:
         body = await self._json_body(request)
         params, stream, include_usage = parse_sampling(body, self.default_max_tokens, chat=False)
         prompt_ids = parse_prompt(body, self.tokenizer, self.vocab_size)
-        return await self._serve(request, prompt_ids, params, stream, include_usage, chat=False)
+        grammar = self.grammars.parse(body)
+        return await self._serve(request, prompt_ids, params, stream, include_usage, chat=False, grammar=grammar)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._json_body(request)
         params, stream, include_usage = parse_sampling(body, self.default_max_tokens, chat=True)
         prompt_ids = parse_messages(body, self.tokenizer)
-        return await self._serve(request, prompt_ids, params, stream, include_usage, chat=True)
+        grammar = self.grammars.parse(body)
+        return await self._serve(request, prompt_ids, params, stream, include_usage, chat=True, grammar=grammar)
 
-    async def _serve(self, request, prompt_ids, params, stream, include_usage, chat) -> web.StreamResponse:
+    async def _serve(self, request, prompt_ids, params, stream, include_usage, chat, grammar=None):
         if self.engine_thread.error is not None:
             return error_response(500, f"engine failed: {self.engine_thread.error!r}")
-        rid, outputs = await self.engine_thread.add(prompt_ids, params)
+        rid, outputs = await self.engine_thread.add(prompt_ids, params, grammar)
         finished = False
         try:
             assembler = TextAssembler(self.tokenizer, params.stop)
@@ -349,6 +355,8 @@ class Server:
                         break
                 text = assembler.text(out.output_ids, final=True)
                 choice = {"index": 0, "finish_reason": finish_reason(out, assembler)}
+                if grammar is not None and (out.grammar_incomplete or assembler.stopped):
+                    choice["grammar_incomplete"] = True  # cut (max_tokens, stop) before the grammar was satisfied
                 if chat:
                     choice["message"] = {"role": "assistant", "content": text}
                 else:
@@ -383,10 +391,13 @@ class Server:
                 delta = assembler.delta(out.output_ids, final=out.finished)
                 reason = finish_reason(out, assembler) if out.finished else None
                 if delta or reason:
+                    flag = {"grammar_incomplete": True} if reason and grammar is not None and (
+                        out.grammar_incomplete or assembler.stopped) else {}  # fmt: skip
                     if chat:
-                        await send({"index": 0, "delta": {"content": delta} if delta else {}, "finish_reason": reason})
+                        delta_obj = {"content": delta} if delta else {}
+                        await send({"index": 0, "delta": delta_obj, "finish_reason": reason, **flag})
                     else:
-                        await send({"index": 0, "text": delta, "logprobs": None, "finish_reason": reason})
+                        await send({"index": 0, "text": delta, "logprobs": None, "finish_reason": reason, **flag})
                 if out.finished:
                     if include_usage:
                         await send(None, {"usage": usage(out)})

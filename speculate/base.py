@@ -28,6 +28,9 @@ class SpecState:
     active: Tensor  # [B] bool: rows still generating
     params: SamplingParams
     generator: torch.Generator
+    # per row: its grammar matcher (runtime.grammar.TokenConstraint) or None; None: no row is constrained.
+    # Positioned after the committed tokens; a speculator may advance it through its drafts but must roll back.
+    constraints: list | None = None
 
 
 @dataclass
@@ -35,12 +38,15 @@ class Proposal:
     """Chain: tokens [B, k] drafts following each row's last committed token, num_drafted [B] <= k valid
     drafts per row (None: all k), draft_probs [B, k, V] the draft distributions q the drafts were sampled
     from (None: deterministic drafts, q = one-hot).
-    Tree: tokens [B, N] one token per tree node, node 0 = each row's last committed token."""
+    Tree: tokens [B, N] one token per tree node, node 0 = each row's last committed token.
+    masks [B, k+1, V]: under a grammar, the allowed tokens after each prefix of the drafts, when the speculator
+    computed them already (a draft model masks its own distributions); None: the loop computes them."""
 
     tokens: Tensor
     num_drafted: Tensor | None = None
     draft_probs: Tensor | None = None
     tree: CandidateTree | None = None
+    masks: Tensor | None = None
 
 
 class Speculator:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from runtime.generate import report_incomplete
 from speculate.base import Speculator, SpeculatorError, check_k
 
 SPECULATORS = ("ngram", "draft", "medusa", "quant-draft")
@@ -74,7 +75,7 @@ def build_speculator(
     return MedusaSpeculator(model, heads, tree, acceptance=acceptance)
 
 
-def generate_speculative(model, path, tokenizer, prompts: list[list[int]], params, args):
+def generate_speculative(model, path, tokenizer, prompts: list[list[int]], params, args, grammar=None):
     """Entry point of ``python -m runtime.generate --speculator NAME``: build, generate, print, return."""
     from speculate.generate import speculative_generate
 
@@ -94,7 +95,7 @@ def generate_speculative(model, path, tokenizer, prompts: list[list[int]], param
     except (SpeculatorError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
-    out = speculative_generate(model, prompts, params, spec, tokenizer=tokenizer)
+    out = speculative_generate(model, prompts, params, spec, tokenizer=tokenizer, grammar=grammar)
     for i, toks in enumerate(out.tokens):
         text = tokenizer.decode(toks, skip_special_tokens=True)
         print(text if len(prompts) == 1 else f"--- [{i}] {text}")
@@ -106,4 +107,5 @@ def generate_speculative(model, path, tokenizer, prompts: list[list[int]], param
         f"finish: {','.join(out.finish_reasons)})\n[qspec] {out.stats.summary()}",
         file=sys.stderr,
     )
+    report_incomplete(out.grammar_incomplete, out.finish_reasons)
     return out

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from runtime.generate import decode_meta
+from runtime.grammar import row_masks
 from runtime.kv_cache import KVCache
 from runtime.model import AttentionMetadata, Transformer
 from runtime.sampling import logits_to_probs, sample
@@ -103,20 +104,37 @@ class DraftModelSpeculator(Speculator):
         feed = torch.stack([state.tokens[rows, L - 2], state.tokens[rows, L - 1]], 1)  # [B, 2]
         positions = torch.stack([L - 2, L - 1], 1)
         logits = self.draft(feed, AttentionMetadata.causal(positions, kv_len=int(L.max())), self.cache)[:, -1]
-        drafts, probs = [], []
+        drafts, probs, masks = [], [], []
+        cons = state.constraints  # under a grammar: mask each draft distribution, advancing through the drafts
+        advanced = [0] * len(rows)
         for j in range(self.k):
+            mask = None if cons is None else row_masks(cons, logits.shape[-1], logits.device)
+            q = logits_to_probs(logits, state.params, mask)  # the one sampler, same params and mask as the target
             if state.params.greedy:
-                tok = logits.argmax(-1)
+                tok = q.argmax(-1)
             else:
-                q = logits_to_probs(logits, state.params)  # the one sampler, same params as the target
                 tok = sample(q, state.generator)
                 probs.append(q)
             drafts.append(tok)
+            if cons is not None:
+                masks.append(mask)
+                for b, c in enumerate(cons):  # a row stops advancing once a draft is refused (after its EOS)
+                    if c is not None and advanced[b] == j and c.accept(int(tok[b])):
+                        advanced[b] += 1
             if j < self.k - 1:
                 logits = self.draft(tok[:, None], decode_meta(L + j), self.cache)[:, 0]
         tokens = torch.stack(drafts, 1)
+        if cons is not None:  # the target's mask after the last draft, then back to the committed state
+            masks.append(row_masks(cons, logits.shape[-1], logits.device))
+            for c, n in zip(cons, advanced):
+                if c is not None:
+                    c.rollback(n)
         # Greedy drafts are deterministic (q = one-hot of the argmax), so no probabilities are needed.
-        return Proposal(tokens=tokens, draft_probs=torch.stack(probs, 1) if probs else None)
+        return Proposal(
+            tokens=tokens,
+            draft_probs=torch.stack(probs, 1) if probs else None,
+            masks=torch.stack(masks, 1) if masks else None,
+        )
 
     def describe(self) -> dict:
         cfg = self.draft.config

@@ -17,7 +17,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import Tensor
 
-from runtime.generate import StopChecker, prefill_meta
+from runtime.generate import StopChecker, prefill_meta, row_constraints
+from runtime.grammar import Grammar, chain_masks, row_masks
 from runtime.kv_cache import KVCache
 from runtime.model import AttentionMetadata, Transformer
 from runtime.sampling import SamplingParams, logits_to_probs, make_generator, sample
@@ -95,6 +96,7 @@ class SpecOutput:
     ttft_s: float = 0.0
     decode_s: float = 0.0  # wall time of the speculative loop (after the first token)
     speculator: dict = field(default_factory=dict)
+    grammar_incomplete: list[bool] = field(default_factory=list)  # as GenerationOutput.grammar_incomplete
 
 
 def _record(stats: SpecStats, depth: int, offered: int, accepted: int) -> None:
@@ -139,11 +141,14 @@ def speculative_generate(
     params: SamplingParams,
     speculator: Speculator,
     tokenizer=None,
+    grammar: Grammar | list[Grammar | None] | None = None,
 ) -> SpecOutput:
     """Generate for a batch of token-id prompts with ``speculator`` proposing and the one verifier deciding.
 
     One SamplingParams for the batch; one seeded generator drives every draw of the batch (draft samples,
-    acceptance tests, residual and bonus samples)."""
+    acceptance tests, residual and bonus samples). grammar (one, or one per row): the target's distribution
+    at every position is masked by the row's grammar state after the committed tokens and the drafts before
+    it, so the output has the distribution of constrained plain sampling."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
     B = len(prompts)
@@ -160,6 +165,7 @@ def speculative_generate(
         )
     generator = make_generator(params.seed, device)
     stops = [StopChecker(params, cfg.eos_token_ids, tokenizer) for _ in range(B)]
+    constraints = row_constraints(grammar, B, cfg.vocab_size, [params] * B)
     tokens = torch.zeros(B, capacity, dtype=torch.long, device=device)
     for b, p in enumerate(prompts):
         tokens[b, : len(p)] = torch.tensor(p, device=device)
@@ -174,6 +180,8 @@ def speculative_generate(
         start = int(lengths[b])
         for i, tok in enumerate(new):
             out.tokens[b].append(tok)
+            if constraints[b] is not None and not constraints[b].accept(tok):
+                raise RuntimeError(f"row {b}: committed token {tok} that its grammar does not allow")
             tokens[b, start + i] = tok
             lengths[b] += 1
             stats.generated += 1
@@ -187,12 +195,13 @@ def speculative_generate(
     T = int(lengths.max())
     hidden = model(tokens[:, :T], prefill_meta(B, T, device), cache, hidden_only=True)
     last_hidden = hidden[rows, lengths - 1]  # [B, H]
-    probs = logits_to_probs(model.logits(last_hidden), params)
+    probs = logits_to_probs(model.logits(last_hidden), params, row_masks(constraints, cfg.vocab_size, device))
     first = probs.argmax(-1) if params.greedy else sample(probs, generator)
     for b in range(B):
         commit(b, [int(first[b])])
     out.ttft_s = time.perf_counter() - t0
     state = SpecState(tokens, lengths, last_hidden, active, params, generator)
+    state.constraints = None if all(c is None for c in constraints) else constraints
     speculator.start(state)
 
     t1 = time.perf_counter()
@@ -223,7 +232,53 @@ def speculative_generate(
         state.hidden = last_hidden
     out.decode_s = time.perf_counter() - t1
     out.speculator = speculator.describe()
+    out.grammar_incomplete = [c is not None and not c.complete for c in constraints]
     return out
+
+
+def _chain_target_masks(state: SpecState, drafts: Tensor, num: Tensor | None, deterministic: bool):
+    """Grammar masks [B, w+1, V] for the target after each prefix of each row's drafts, and the drafts each
+    row keeps [B] (deterministic drafts are cut at the first one the grammar rejects; see chain_masks)."""
+    B, w = drafts.shape
+    V = next(c for c in state.constraints if c is not None).grammar.vocab_size
+    masks = torch.ones(B, w + 1, V, dtype=torch.bool)
+    counts = [w] * B if num is None else num.tolist()
+    rows = drafts.tolist()
+    for b, c in enumerate(state.constraints):
+        if c is None or not bool(state.active[b]):
+            continue
+        m, counts[b] = chain_masks(c, rows[b][: counts[b]], deterministic)
+        masks[b, : m.shape[0]] = m
+    return masks.to(drafts.device), torch.tensor(counts, device=drafts.device)
+
+
+def _tree_target_masks(state: SpecState, tree: CandidateTree, node_tokens: Tensor) -> Tensor:
+    """Grammar masks [B, N, V] after each tree node's path (all-True below a node the grammar rejects: the
+    target gives that node probability 0, so nothing under it is ever accepted)."""
+    B, N = node_tokens.shape
+    V = next(c for c in state.constraints if c is not None).grammar.vocab_size
+    masks = torch.ones(B, N, V, dtype=torch.bool)
+    toks = node_tokens.tolist()
+    paths = []
+    for i in range(N):
+        path, node = [], i
+        while node != 0:
+            path.append(node)
+            node = tree.parents[node]
+        paths.append(path[::-1])
+    for b, c in enumerate(state.constraints):
+        if c is None or not bool(state.active[b]):
+            continue
+        for i, path in enumerate(paths):
+            advanced = 0
+            for node in path:
+                if not c.accept(toks[b][node]):
+                    break
+                advanced += 1
+            if advanced == len(path):
+                masks[b, i] = c.mask()
+            c.rollback(advanced)
+    return masks.to(node_tokens.device)
 
 
 def _chain_step(model, cache, state: SpecState, proposal: Proposal, acceptance: str):
@@ -235,15 +290,22 @@ def _chain_step(model, cache, state: SpecState, proposal: Proposal, acceptance: 
     drafts = proposal.tokens[:, :width]
     q = None if proposal.draft_probs is None else proposal.draft_probs[:, :width]
     num = None if num is None else num.clamp(max=width) * state.active
+    masks = None
+    if state.constraints is not None:
+        if proposal.masks is not None:  # the draft masked its own distributions along the same prefixes
+            masks = proposal.masks[:, : width + 1]
+        else:
+            masks, num = _chain_target_masks(state, drafts, num, deterministic=q is None)
+            num = num * state.active
     feed = torch.cat([state.tokens[rows, state.lengths - 1][:, None], drafts], 1)  # [B, width + 1]
     hidden = model(feed, chain_metadata(state.lengths, width + 1), cache, hidden_only=True)
     logits = model.logits(hidden)  # [B, width + 1, V]
     if acceptance == "typical" and not state.params.greedy:
         res: ChainResult = typical_accept_chain(
-            drafts, logits_to_probs(logits, state.params), num_drafted=num, generator=state.generator
+            drafts, logits_to_probs(logits, state.params, masks), num_drafted=num, generator=state.generator
         )
     else:
-        res = verify_chain(drafts, logits, state.params, q, num, state.generator)
+        res = verify_chain(drafts, logits, state.params, q, num, state.generator, mask=masks)
     n = res.num_accepted
     return n.tolist(), res.next_token, hidden[rows, n]
 
@@ -253,12 +315,13 @@ def _tree_step(model, cache: KVCache, state: SpecState, proposal: Proposal, acce
     B = state.tokens.shape[0]
     hidden = model(proposal.tokens, tree_metadata(tree, state.lengths), cache, hidden_only=True)  # [B, N, H]
     logits = model.logits(hidden)
+    masks = None if state.constraints is None else _tree_target_masks(state, tree, proposal.tokens)
     if acceptance == "typical" and not state.params.greedy:
         res: TreeResult = typical_accept_tree(
-            tree, proposal.tokens, logits_to_probs(logits, state.params), generator=state.generator
+            tree, proposal.tokens, logits_to_probs(logits, state.params, masks), generator=state.generator
         )
     else:
-        res = verify_tree(tree, proposal.tokens, logits, state.params, state.generator)
+        res = verify_tree(tree, proposal.tokens, logits, state.params, state.generator, mask=masks)
     for b in range(B):
         path = res.path[b]
         if len(path) > 1:  # accepted nodes' k/v to consecutive slots after the root
