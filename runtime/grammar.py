@@ -71,8 +71,8 @@ class Grammar:
         try:
             if spec.kind == "json_schema":
                 self.compiled = compiler.compile_json_schema(spec.source)
-            elif spec.kind == "json_object":
-                self.compiled = compiler.compile_builtin_json_grammar()
+            elif spec.kind == "json_object":  # any object (xgrammar's builtin JSON grammar allows any value)
+                self.compiled = compiler.compile_json_schema('{"type": "object"}')
             elif spec.kind == "regex":
                 self.compiled = compiler.compile_regex(spec.source)
             else:

@@ -47,6 +47,15 @@ def oracle_mask(prefix: tuple[int, ...]) -> torch.Tensor:
     return m
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Many small ops: one thread (two collapse on a busy 2-core machine), restored afterwards."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def grammar() -> Grammar:
     return Grammar(GrammarSpec("regex", REGEX), VOCAB, V, [EOS])
