@@ -69,10 +69,12 @@ class Grammar:
         self.spec, self.vocab_size, self.stop_ids = spec, vocab_size, sorted(set(stop_ids))
         compiler = _compiler(tokenizer, vocab_size, tuple(self.stop_ids))
         try:
+            # JSON without free whitespace (", " and ": " separators): small models otherwise wander into
+            # endless runs of whitespace tokens, which the grammar would allow
             if spec.kind == "json_schema":
-                self.compiled = compiler.compile_json_schema(spec.source)
+                self.compiled = compiler.compile_json_schema(spec.source, any_whitespace=False)
             elif spec.kind == "json_object":  # any object (xgrammar's builtin JSON grammar allows any value)
-                self.compiled = compiler.compile_json_schema('{"type": "object"}')
+                self.compiled = compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
             elif spec.kind == "regex":
                 self.compiled = compiler.compile_regex(spec.source)
             else:
