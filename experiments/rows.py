@@ -21,6 +21,9 @@ import torch
 
 from evals.fidelity import Scorer, batched_scorer, cached_scorer, greedy_outputs, model_scorer
 from evals.naive_attention import naive_attention
+from quantize.fp8 import float_config
+from quantize.fp8 import quantize_model as float_quantize_model
+from quantize.fplinear import FPLinear
 from runtime.sampling import SamplingParams
 
 
@@ -44,7 +47,6 @@ class Variant:
 
 def weight_bytes(model) -> int:
     """Bytes of the model's weights as stored: packed size for quantized layers, tied tensors once."""
-    from quantize.fplinear import FPLinear
     from quantize.qlinear import QuantLinear
 
     total, seen = 0, set()
@@ -234,19 +236,16 @@ def float_quant_row(ctx, params: dict) -> Variant:
     exact fp32 math on weights dequantized once (FPLinear's dense path). Speed column: the layers' own path in
     bf16 (torch._scaled_mm for W8A8 on an FP8 GPU; elsewhere dequantize each forward, since this CPU has no FP8
     or FP4 matmul) against the unquantized model in bf16. FP4 is emulated: its speed is not FP4's."""
-    from quantize.fp8 import float_config, quantize_model
-    from quantize.fplinear import FPLinear
-
     fmt = params.get("format", "e4m3")
     try:
         cfg = float_config(fmt, int(params.get("block_size", 0)), bool(params.get("w8a8", False)))
     except ValueError as err:
         raise ValueError(f"rows.params: {err}") from err
-    m = quantize_model(copy.deepcopy(ctx.model), cfg)
+    m = float_quantize_model(copy.deepcopy(ctx.model), cfg)
     for layer in m.modules():
         if isinstance(layer, FPLinear):
             layer.set_path("dense")
-    fast = quantize_model(copy.deepcopy(ctx.model), cfg).set_dtype(torch.bfloat16, mixed=True)
+    fast = float_quantize_model(copy.deepcopy(ctx.model), cfg).set_dtype(torch.bfloat16, mixed=True)
     for layer in fast.modules():
         if isinstance(layer, FPLinear):
             layer.auto = True  # picks scaled_mm / dequant at the first forward on its device

@@ -18,15 +18,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from quantize.config import QuantConfig
+from quantize import cli
+from quantize.config import DECODER_LINEARS, QuantConfig
 from quantize.fplinear import FORMATS, FP4_BLOCK, FPLinear, quantize_fp4, quantize_fp8
 from quantize.qlinear import set_module
 
 
 def float_config(fmt: str, block_size: int = 0, w8a8: bool = False, modules=None, lm_head: bool = False):
     """The QuantConfig recording these settings (bits 8 / 4; group_size = input columns per scale)."""
-    from quantize.config import DECODER_LINEARS
-
     if fmt not in FORMATS:
         raise ValueError(f"unknown format {fmt!r}; choose from {FORMATS}")
     if w8a8 and (fmt != "e4m3" or block_size):
@@ -68,15 +67,11 @@ def quantize_model(model: nn.Module, cfg: QuantConfig, progress: bool = False) -
         q = FPLinear(fw, act_quant=cfg.act_quant, compute_dtype=layer.weight.dtype, path="reference")
         set_module(model, name, q.to(layer.weight.device))
         if progress:
-            from quantize.cli import log
-
-            log(f"{fmt} {i + 1} {name}")
+            cli.log(f"{fmt} {i + 1} {name}")
     return model
 
 
 def main(argv: list[str] | None = None) -> None:
-    from quantize import cli
-
     ap = cli.parser("quantize.fp8", __doc__, calibration=False, bits=8, group_size=-1)
     ap.add_argument("--format", default="e4m3", choices=FORMATS, help="element format (mxfp4/nvfp4: emulated)")
     ap.add_argument("--block-size", type=int, default=0, help="e4m3: square weight blocks per scale (0 = per-channel)")
@@ -96,6 +91,9 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(str(err))
     model, tokenizer, path, _ = cli.load(ap, args, cfg)
     quantize_model(model, cfg, progress=True)
+    for layer in model.modules():  # evaluate on weights dequantized once: bit-identical to reference, faster
+        if isinstance(layer, FPLinear):
+            layer.set_path("dense")
     cli.finish(args, model, tokenizer, path, cfg, "quantize.fp8", argv=argv)
 
 

@@ -12,11 +12,12 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from runtime.grammar import Grammar, row_masks
+from runtime.grammar import Grammar, GrammarError, GrammarSpec, row_masks
 from runtime.kv_cache import KVCache
 from runtime.model import AttentionMetadata, Transformer
 from runtime.sampling import SamplingParams, logits_to_probs, make_generator, sample_rows
@@ -276,10 +277,6 @@ def main(argv: list[str] | None = None) -> None:
 
 def cli_grammar(ap: argparse.ArgumentParser, args, tokenizer, config) -> Grammar | None:
     """The grammar of --json-schema / --json-object / --regex / --grammar, or None; bad input is an argparse error."""
-    from pathlib import Path
-
-    from runtime.grammar import GrammarError, GrammarSpec
-
     try:
         if args.json_schema:
             spec = GrammarSpec("json_schema", Path(args.json_schema).read_text())
