@@ -83,3 +83,17 @@ def test_response_format_json_object_and_errors(server):  # noqa: F811
         status, out = post(server + "/v1/completions", {"prompt": "x", "response_format": bad})
         assert status == 400 and out["error"]["param"] == "response_format", out
         assert message in out["error"]["message"]
+
+
+def test_streamed_cut_output_is_flagged(server):  # noqa: F811
+    body = {"prompt": "x", "response_format": {"type": "json_object"}, "max_tokens": 2, "stream": True}
+    req = urllib.request.Request(
+        server + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=120) as r:
+        events = [line[6:] for line in r.read().decode().splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e)["choices"][0] for e in events[:-1]]
+    assert chunks[-1]["finish_reason"] == "length" and chunks[-1]["grammar_incomplete"] is True
+    assert all("grammar_incomplete" not in c for c in chunks[:-1])
+    assert "".join(c["text"] for c in chunks).startswith("{")
