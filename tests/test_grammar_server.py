@@ -86,7 +86,8 @@ def test_response_format_json_object_and_errors(server):  # noqa: F811
 
 
 def test_streamed_cut_output_is_flagged(server):  # noqa: F811
-    body = {"prompt": "x", "response_format": {"type": "json_object"}, "max_tokens": 2, "stream": True}
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}}  # needs > 2 tokens
+    body = {"prompt": "x", "response_format": fmt, "max_tokens": 2, "stream": True, "seed": 0}
     req = urllib.request.Request(
         server + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
     )
