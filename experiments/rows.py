@@ -21,6 +21,9 @@ import torch
 
 from evals.fidelity import Scorer, batched_scorer, cached_scorer, greedy_outputs, model_scorer
 from evals.naive_attention import naive_attention
+from quantize.fp8 import float_config
+from quantize.fp8 import quantize_model as float_quantize_model
+from quantize.fplinear import FPLinear
 from runtime.sampling import SamplingParams
 
 
@@ -48,8 +51,8 @@ def weight_bytes(model) -> int:
 
     total, seen = 0, set()
     for module in model.modules():
-        if isinstance(module, QuantLinear):
-            total += module.qweight().weight_bytes()
+        if isinstance(module, QuantLinear | FPLinear):
+            total += module.qweight().weight_bytes() if isinstance(module, QuantLinear) else module.weight_bytes()
             seen.update(id(b) for b in module.buffers(recurse=False))
             continue
         for p in module.parameters(recurse=False):
@@ -223,6 +226,33 @@ def quantized_row(ctx, params: dict) -> Variant:
     return variant
 
 
+def float_quant_row(ctx, params: dict) -> Variant:
+    """FP8 (e4m3, per-channel or per-block, optionally W8A8) and emulated FP4 (mxfp4 / nvfp4) weights from
+    quantize.fp8, quantized in memory (round to nearest, no calibration, nothing to cache). Quality columns: the
+    exact fp32 math on weights dequantized once (FPLinear's dense path). Speed column: the layers' own path in
+    bf16 (torch._scaled_mm for W8A8 on an FP8 GPU; elsewhere dequantize each forward, since this CPU has no FP8
+    or FP4 matmul) against the unquantized model in bf16. FP4 is emulated: its speed is not FP4's."""
+    fmt = params.get("format", "e4m3")
+    try:
+        cfg = float_config(fmt, int(params.get("block_size", 0)), bool(params.get("w8a8", False)))
+    except ValueError as err:
+        raise ValueError(f"rows.params: {err}") from err
+    m = float_quantize_model(copy.deepcopy(ctx.model), cfg)
+    for layer in m.modules():
+        if isinstance(layer, FPLinear):
+            layer.set_path("dense")
+    fast = float_quantize_model(copy.deepcopy(ctx.model), cfg).set_dtype(torch.bfloat16, mixed=True)
+    for layer in fast.modules():
+        if isinstance(layer, FPLinear):
+            layer.auto = True  # picks scaled_mm / dequant at the first forward on its device
+    bf16_base = copy.deepcopy(ctx.model).set_dtype(torch.bfloat16, mixed=True)
+    variant = model_variant(ctx, m, quant_config=cfg.to_dict(), emulated=fmt != "e4m3")
+    variant.timed = plain_generate(fast)
+    variant.baseline_timed = plain_generate(bf16_base)
+    variant.baseline_name = "the unquantized model in bf16 (mixed); both sides bf16 activations, batch 1"
+    return variant
+
+
 # ---- serving engine (issue 6) -----------------------------------------------------------------------
 
 
@@ -383,6 +413,7 @@ ROWS: dict[str, Callable] = {
     "attention": attention_row,
     "dtype": dtype_row,
     "quantized": quantized_row,
+    "float_quant": float_quant_row,
     "engine": engine_row,
     "speculative": speculative_row,
 }

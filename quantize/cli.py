@@ -31,8 +31,10 @@ def log(msg: str) -> None:
 
 
 def parser(
-    module: str, doc: str, calibration: bool = True, bits: int = 4, group_size: int = 64
+    module: str, doc: str, calibration: bool = True, bits: int = 4, group_size: int = 64, checkpoint: bool = True
 ) -> argparse.ArgumentParser:
+    """The options every quantizer shares; checkpoint=False leaves out --format / --dense-dtype (a quantizer
+    whose --out is not implemented, which may then use --format for its own element format)."""
     ap = ArgumentParser(
         prog=f"python -m {module}", description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -45,19 +47,20 @@ def parser(
         "--lm-head", action="store_true", help="quantize the output head too (tied: the embedding reads its rows)"
     )
     ap.add_argument("--out", default=None, help="output checkpoint directory (loadable with --model DIR)")
-    ap.add_argument(
-        "--format",
-        choices=FORMATS,
-        default=None,
-        help="checkpoint format of --out; default: what most loaders read for the method (gptq, rtn, int8: "
-        "gptq v1; awq: awq GEMM; int8 --w8a8: compressed-tensors). notes/formats.md lists who reads what",
-    )
-    ap.add_argument(
-        "--dense-dtype",
-        choices=("bf16", "fp32"),
-        default="bf16",
-        help="dtype of the unquantized tensors (embeddings, norms, biases) in --out; config.json declares it",
-    )
+    if checkpoint:
+        ap.add_argument(
+            "--format",
+            choices=FORMATS,
+            default=None,
+            help="checkpoint format of --out; default: what most loaders read for the method (gptq, rtn, int8: "
+            "gptq v1; awq: awq GEMM; int8 --w8a8: compressed-tensors). notes/formats.md lists who reads what",
+        )
+        ap.add_argument(
+            "--dense-dtype",
+            choices=("bf16", "fp32"),
+            default="bf16",
+            help="dtype of the unquantized tensors (embeddings, norms, biases) in --out; config.json declares it",
+        )
     ap.set_defaults(quantizer=module.rsplit(".", 1)[-1])
     if calibration:
         ap.add_argument("--calib", default="wiki", help="calibration text: wiki | wiki-es | wiki-fr (calib split)")
@@ -160,6 +163,8 @@ def load(ap: argparse.ArgumentParser, args, cfg: QuantConfig):
 def check_format(ap: argparse.ArgumentParser, args, cfg: QuantConfig, model) -> None:
     """Resolve --format (the method's default when not given) and, with --out, refuse before quantizing a
     setting the format cannot hold (ragged groups, act-order g_idx, bits, W8A8): one argparse error."""
+    if not hasattr(args, "dense_dtype"):  # a parser without checkpoint options (parser(checkpoint=False))
+        return
     act_quant = cfg.act_quant or getattr(args, "w8a8", False)
     args.format = args.format or default_format(args.quantizer, act_quant, cfg.bits, cfg.sym)
     if args.out is None:

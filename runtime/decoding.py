@@ -15,10 +15,11 @@ from dataclasses import dataclass, field
 import torch
 
 from runtime.compiled import compiled_decoder, resolve_compile
+from runtime.grammar import Grammar, mask_logits, row_constraints
 from runtime.kv_cache import KVCache
 from runtime.layout import device_of
 from runtime.model import AttentionMetadata, Transformer, decode_meta, prefill_meta
-from runtime.sampling import SamplingParams, logits_to_probs, make_generator, sample_rows
+from runtime.sampling import SamplingParams, logits_to_probs, make_generator, process_logits, sample_rows
 from runtime.stopping import StopChecker
 
 
@@ -29,6 +30,8 @@ class GenerationOutput:
     ttft_s: float = 0.0  # time to first token (prefill + first sample)
     step_times_s: list[float] = field(default_factory=list)  # wall time of each decode step
     compile: str = "off"  # what ran the decode steps: off (eager) | inductor | cudagraphs (runtime.compiled)
+    # per row: constrained by a grammar and stopped (max_tokens, a stop string) before its text was complete
+    grammar_incomplete: list[bool] = field(default_factory=list)
 
     @property
     def tpot_s(self) -> float:
@@ -44,8 +47,10 @@ def generate(
     use_cache: bool = True,
     on_token: Callable[[int, int], None] | None = None,
     compile: str = "auto",
+    grammar: Grammar | list[Grammar | None] | None = None,
 ) -> GenerationOutput:
-    """Generate for a batch of token-id prompts; on_token(row, token) streams each new token.
+    """Generate for a batch of token-id prompts; on_token(row, token) streams each new token. grammar (one
+    for the batch or one per row): every token is drawn under its mask (runtime.grammar).
 
     compile: "off" | "auto" | "on" (runtime.compiled): decode steps through a compiled step over a static cache."""
     if not prompts or any(len(p) == 0 for p in prompts):
@@ -62,6 +67,9 @@ def generate(
         raise ValueError(f"prompt + max_tokens = {total} exceeds the model's {cfg.max_position_embeddings} positions")
     generators = [make_generator(p.seed, device) for p in row_params]
     stops = [StopChecker(p, cfg.eos_token_ids, tokenizer) for p in row_params]
+    constraints = row_constraints(grammar, row_params, cfg.vocab_size)
+    adjusted = any(c is not None for c in constraints) or any(p.adjusts_logits for p in row_params)
+    stop_ids = [sorted(s.stop_ids) if p.min_tokens else [] for s, p in zip(stops, row_params)]
 
     tokens = torch.zeros(B, total, dtype=torch.long, device=device)
     for b, p in enumerate(prompts):
@@ -87,6 +95,16 @@ def generate(
     step = 0
     while True:
         logits = model.logits(last)
+        if adjusted:  # per-row sequence-dependent adjustments (penalties, logit_bias, min_tokens), then grammars
+            logits = torch.stack(
+                [
+                    mask_logits(
+                        process_logits(logits[b], p, prompts[b], out.tokens[b], stop_ids[b]),
+                        None if c is None else c.mask(),
+                    )
+                    for b, (p, c) in enumerate(zip(row_params, constraints))
+                ]
+            )
         if all_greedy:  # the argmax sample_rows takes of one-hot rows, without B small ops per step
             next_tokens = logits.argmax(-1)
         else:
@@ -100,6 +118,8 @@ def generate(
                 continue
             tok = next_list[b]
             out.tokens[b].append(tok)
+            if constraints[b] is not None and not constraints[b].accept(tok):
+                raise RuntimeError(f"row {b}: sampled token {tok} that its grammar does not allow")
             if on_token is not None:
                 on_token(b, tok)
             reason = stops[b].check(out.tokens[b])
@@ -122,6 +142,7 @@ def generate(
         positions += 1
         step += 1
         out.step_times_s.append(time.perf_counter() - t_step)
+    out.grammar_incomplete = [c is not None and not c.complete for c in constraints]
     return out
 
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from runtime.grammar import Grammar, mask_logits, row_constraints
 from runtime.layout import device_of
 from runtime.model import Transformer
 from runtime.paged_cache import BlockManager, PagedKVCache, paged_metadata
@@ -98,6 +99,8 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None  # per output token, when params.logprobs is set
     prompt_logprobs: list[TokenLogprob | None] | None = None  # per prompt token (the first is None)
     error: str | None = None  # what failed, when finish_reason == "error"
+    constrained: bool = False  # generated under a grammar
+    grammar_incomplete: bool = False  # finished under a grammar before its text was complete (e.g. max_tokens)
 
     @property
     def cumulative_logprob(self) -> float:
@@ -145,9 +148,14 @@ class LLMEngine:
     # ---- requests ----------------------------------------------------------------------------------
 
     def add_request(
-        self, prompt: list[int] | str, params: SamplingParams | None = None, request_id: str | None = None
+        self,
+        prompt: list[int] | str,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        grammar: Grammar | None = None,
     ) -> str:
-        """Queue a request; raises RequestRejectedError when it can never fit."""
+        """Queue a request; raises RequestRejectedError when it can never fit. grammar: every token it gets
+        is drawn under the grammar's mask (runtime.grammar), also under speculation."""
         params = params or SamplingParams()
         if isinstance(prompt, str):
             if self.tokenizer is None:
@@ -163,6 +171,7 @@ class LLMEngine:
         seq = Sequence(request_id, list(prompt), len(prompt), params)
         seq.generator = make_generator(params.seed, self.device)
         seq.stop_checker = StopChecker(params, self.eos_ids, self.tokenizer)
+        seq.constraint = row_constraints(grammar, [params], vocab)[0]
         self.scheduler.check_admissible(len(prompt), params.max_tokens)  # before any work for it
         if params.prompt_logprobs is not None:
             seq.prompt_logprobs = self._prompt_logprobs(prompt, params.prompt_logprobs)
@@ -255,6 +264,7 @@ class LLMEngine:
         adjusted = process_logits(
             logits, p, seq.token_ids[: seq.num_prompt_tokens], seq.output_ids, self._stop_ids(seq)
         )
+        adjusted = mask_logits(adjusted, None if seq.constraint is None else seq.constraint.mask())
         tok = int(sample_rows(logits_to_probs(adjusted, p)[None], [p], [seq.generator])[0])
         lps = token_logprobs(logits[None], [tok], p.logprobs) if p.logprobs is not None else None
         return self._append_tokens(seq, [tok], lps)
@@ -332,6 +342,7 @@ class LLMEngine:
             params=[s.params for s in seqs],
             generators=[s.generator for s in seqs],
             device=self.device,
+            constraints=[s.constraint for s in seqs] if any(s.constraint is not None for s in seqs) else None,
         )
         budgets = [draft_budget(len(s.output_ids), s.params.max_tokens) for s in seqs]
         proposal = spec.propose(state).within(budgets)
@@ -410,6 +421,8 @@ class LLMEngine:
         new = []
         reason = None
         for i, tok in enumerate(tokens):
+            if seq.constraint is not None and not seq.constraint.accept(tok):
+                raise RuntimeError(f"{seq.request_id}: token {tok} is not allowed by its grammar")
             seq.token_ids.append(tok)
             seq.token_times.append(now)
             if logprobs is not None:
@@ -447,6 +460,10 @@ class LLMEngine:
             logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
             prompt_logprobs=seq.prompt_logprobs,
             error=seq.error,
+            constrained=seq.constraint is not None,
+            grammar_incomplete=seq.status is SequenceStatus.FINISHED
+            and seq.constraint is not None
+            and not seq.constraint.complete,
         )
 
     # ---- conveniences ------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from runtime.cliutil import ArgumentParser, UsageError, run
 from runtime.compiled import COMPILE_MODES
 from runtime.config import DTYPES, ModelConfig
 from runtime.decoding import encode_prompt, generate
+from runtime.grammar import add_grammar_args, cli_grammar, report_incomplete
 from runtime.kernels import cpu_decode
 from runtime.layout import device_of
 from runtime.loader import DEFAULT_MODEL, check_model_spec, load_model, load_tokenizer, resolve
@@ -58,6 +59,7 @@ def main(argv: list[str] | None = None) -> None:
         "--compile", default="auto", choices=COMPILE_MODES, help="compiled decode step (auto: on CUDA only)"
     )
     add_speculator_args(ap)
+    add_grammar_args(ap)
     args = ap.parse_args(argv)
     # every check that needs no model runs here, before the tokenizer and the weights are loaded
     for i, p in enumerate(args.prompt):
@@ -100,12 +102,15 @@ def main(argv: list[str] | None = None) -> None:
     if device_of(model).type == "cpu":
         cpu_decode.extension()  # built (once per machine) before the clock starts, not inside the first token
     on_token = stream_printer(tokenizer, len(prompts))
+    grammar = cli_grammar(ap, args, tokenizer, model.config)
 
     if args.speculator:
-        generate_speculative(model, path, tokenizer, prompts, params, args, on_token=on_token)
+        generate_speculative(model, path, tokenizer, prompts, params, args, on_token=on_token, grammar=grammar)
         return
 
-    result = generate(model, prompts, params, tokenizer=tokenizer, on_token=on_token, compile=args.compile)
+    result = generate(
+        model, prompts, params, tokenizer=tokenizer, on_token=on_token, compile=args.compile, grammar=grammar
+    )
     if len(prompts) > 1:
         for i, toks in enumerate(result.tokens):
             print(f"--- [{i}] {tokenizer.decode(toks, skip_special_tokens=True)}")
@@ -118,6 +123,7 @@ def main(argv: list[str] | None = None) -> None:
         f"finish: {','.join(result.finish_reasons)})",
         file=sys.stderr,
     )
+    report_incomplete(result.grammar_incomplete, result.finish_reasons)
 
 
 if __name__ == "__main__":

@@ -103,13 +103,17 @@ def process_logits(
     return logits
 
 
-def logits_to_probs(logits: Tensor, params: SamplingParams) -> Tensor:
+def logits_to_probs(logits: Tensor, params: SamplingParams, mask: Tensor | None = None) -> Tensor:
     """[..., V] logits -> [..., V] fp32 probabilities after temperature, top-k and top-p.
 
     top-k keeps the k largest logits (ties at the boundary kept); top-p keeps the smallest set of
     highest-probability tokens whose mass reaches p (the token that crosses p is kept).
+    mask: bool [..., V], True where a token is allowed (a grammar's, runtime.grammar); the others get
+    probability 0 before everything else (greedy: the argmax among the allowed). Each row needs one allowed.
     """
     logits = logits.float()
+    if mask is not None:
+        logits = logits.masked_fill(~mask.to(logits.device), float("-inf"))
     if params.greedy:
         return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
     logits = logits / params.temperature

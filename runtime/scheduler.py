@@ -50,6 +50,7 @@ class Sequence:
     finish_reason: str | None = None
     generator: torch.Generator | None = None
     stop_checker: object | None = None
+    constraint: object | None = None  # runtime.grammar.TokenConstraint when the request has a grammar
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)
     last_hidden: torch.Tensor | None = None  # [H] the target's hidden state behind the last token (speculation)

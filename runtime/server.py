@@ -36,6 +36,7 @@ from aiohttp import web
 
 from runtime.cliutil import ArgumentParser, run
 from runtime.engine import EngineConfig, LLMEngine, RequestOutput
+from runtime.grammar import Grammar, GrammarError, ResponseFormats
 from runtime.loader import check_model_arg
 from runtime.sampling import SamplingParams, TokenLogprob
 from runtime.scheduler import RequestRejectedError
@@ -51,13 +52,13 @@ MAX_LOGIT_BIAS = 300  # entries (OpenAI's limit)
 COMMON_PARAMS = {
     "model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n",
     "best_of", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "stop_token_ids",
-    "min_tokens", "ignore_eos", "logprobs", "user",
+    "min_tokens", "ignore_eos", "logprobs", "user", "response_format",
 }  # fmt: skip
 COMPLETION_PARAMS = COMMON_PARAMS | {"prompt", "echo"}
 CHAT_PARAMS = COMMON_PARAMS | {"messages", "max_completion_tokens", "top_logprobs"}
 # known OpenAI / vLLM parameters this server does not implement, and the values that mean "not used"
 UNSUPPORTED = {
-    "suffix": (None, ""), "response_format": (None, {"type": "text"}), "tools": (None, []),
+    "suffix": (None, ""), "tools": (None, []),
     "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
     "parallel_tool_calls": (None,), "use_beam_search": (None, False), "length_penalty": (None, 1, 1.0),
     "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
@@ -119,12 +120,15 @@ class EngineThread:
         self.commands.put(("wake",))
         self.thread.join(timeout=10)
 
-    async def add(self, request_ids: list[str], prompt_ids: list[int], params: list[SamplingParams]) -> Mailbox:
-        """Queue one engine request per choice; raises what the engine's admission control raised."""
+    async def add(
+        self, request_ids: list[str], prompt_ids: list[int], params: list[SamplingParams], grammar: Grammar | None
+    ) -> Mailbox:
+        """Queue one engine request per choice (each with its own matcher of the grammar); raises what the
+        engine's admission control raised."""
         loop = asyncio.get_running_loop()
         accepted: asyncio.Future = loop.create_future()
         mailbox = Mailbox()
-        self.commands.put(("add", request_ids, prompt_ids, params, loop, mailbox, accepted))
+        self.commands.put(("add", request_ids, prompt_ids, params, loop, mailbox, accepted, grammar))
         await accepted
         return mailbox
 
@@ -169,11 +173,11 @@ class EngineThread:
         if cmd is None or cmd[0] == "wake":
             return
         if cmd[0] == "add":
-            _, rids, prompt_ids, params, loop, mailbox, accepted = cmd
+            _, rids, prompt_ids, params, loop, mailbox, accepted, grammar = cmd
             added = []
             try:
                 for rid, p in zip(rids, params):
-                    self.engine.add_request(prompt_ids, p, request_id=rid)
+                    self.engine.add_request(prompt_ids, p, request_id=rid, grammar=grammar)
                     added.append(rid)
             except Exception as err:  # admission control, or a failure for this request alone
                 for rid in added:
@@ -482,6 +486,7 @@ class Server:
         self.api_key = api_key or None
         self.allowed_hosts = {h.lower() for h in allowed_hosts} if allowed_hosts else None
         self.vocab_size = engine.model.config.vocab_size
+        self.grammars = ResponseFormats(tokenizer, engine.model.config)  # response_format -> compiled Grammar
         bm = engine.block_manager
         # the longest sequence one request can have: the context, or what the whole KV pool holds
         self.max_len = min(engine.scheduler.config.max_model_len, bm.num_usable_blocks * bm.block_size)
@@ -515,6 +520,8 @@ class Server:
             response = await handler(request)
         except BadRequest as err:
             response = error_response(err.status, str(err), err.param, err.code)
+        except GrammarError as err:
+            response = error_response(400, str(err), "response_format")
         except RequestRejectedError as err:  # the scheduler's limits: context length and KV pool size
             response = error_response(400, str(err), "prompt", code="context_length_exceeded")
         except web.HTTPException as err:
@@ -557,7 +564,7 @@ class Server:
         body = await self._json_body(request)
         req = parse_sampling(body, False, self.vocab_size, self.default_max_tokens)
         prompt_ids, prompt_text = parse_prompt(body, self.tokenizer, self.vocab_size)
-        return await self._serve(request, prompt_ids, prompt_text, req, chat=False)
+        return await self._serve(request, prompt_ids, prompt_text, req, False, self.grammars.parse(body))
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._json_body(request)
@@ -571,15 +578,17 @@ class Server:
                     "messages", code="context_length_exceeded",
                 )  # fmt: skip
             req.params = replace(req.params, max_tokens=rest)
-        return await self._serve(request, prompt_ids, None, req, chat=True)
+        return await self._serve(request, prompt_ids, None, req, True, self.grammars.parse(body))
 
-    async def _serve(self, request, prompt_ids, prompt_text, req: ParsedRequest, chat: bool) -> web.StreamResponse:
+    async def _serve(
+        self, request, prompt_ids, prompt_text, req: ParsedRequest, chat: bool, grammar: Grammar | None
+    ) -> web.StreamResponse:
         if self.engine_thread.error is not None:
             return error_response(503, f"engine failed: {self.engine_thread.error!r}")
         cid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         rids = [f"{cid}-{i}" for i in range(req.best_of)]
         try:
-            mailbox = await self.engine_thread.add(rids, prompt_ids, choice_params(req.params, req.best_of))
+            mailbox = await self.engine_thread.add(rids, prompt_ids, choice_params(req.params, req.best_of), grammar)
         except RequestRejectedError:
             raise
         except ValueError as err:  # the engine refused the request's values
@@ -614,6 +623,8 @@ class Server:
             text = assembler.text(ids, final=True)
             lps = (out.logprobs or [])[: len(ids)]
             choice = {"index": index, "finish_reason": "length" if req.zero_tokens else finish_reason(out, assembler)}
+            if out.grammar_incomplete or (assembler.stopped and out.constrained):
+                choice["grammar_incomplete"] = True  # cut (max_tokens, stop) before the grammar was satisfied
             if chat:
                 choice["message"] = {"role": "assistant", "content": text}
                 choice["logprobs"] = None if req.logprobs is None else {"content": self._chat_logprobs(lps)}
@@ -669,13 +680,16 @@ class Server:
                 sent_tokens[i] = len(ids)
                 if not (delta or reason or new_lps):
                     continue
+                flag = {}
+                if reason and (out.grammar_incomplete or (assemblers[i].stopped and out.constrained)):
+                    flag = {"grammar_incomplete": True}
                 if chat:
                     lp = {"content": self._chat_logprobs(new_lps)} if req.logprobs is not None else None
                     await send_choice({"index": i, "delta": {"content": delta} if delta else {}, "logprobs": lp,
-                                       "finish_reason": reason})  # fmt: skip
+                                       "finish_reason": reason, **flag})  # fmt: skip
                 else:
                     lp = self._completion_logprobs([], [], new_lps) if req.logprobs is not None else None
-                    await send_choice({"index": i, "text": delta, "logprobs": lp, "finish_reason": reason})
+                    await send_choice({"index": i, "text": delta, "logprobs": lp, "finish_reason": reason, **flag})
         if not failed and req.include_usage:
             await send_choice(None, {"usage": usage(list(final.values()), req.zero_tokens)})
         await response.write(b"data: [DONE]\n\n")

@@ -108,6 +108,9 @@ class SpecState:
     params: list[SamplingParams]  # [B] each row's own sampling parameters
     generators: list[torch.Generator]  # [B] each row's own generator (every draw of the row uses it)
     device: torch.device | str = "cpu"  # the target's device (proposal tensors live there)
+    # [B] each row's grammar matcher (runtime.grammar.TokenConstraint) or None; None: no row is constrained.
+    # Positioned after the committed tokens; a speculator may advance one through its drafts but rolls it back.
+    constraints: list | None = None
 
     def __post_init__(self):
         B = len(self.ids)
@@ -117,8 +120,9 @@ class SpecState:
     def row(self, b: int) -> SpecState:
         """Sequence b alone (a batch of one)."""
         hidden = None if self.hidden is None else self.hidden[b : b + 1]
+        constraints = None if self.constraints is None else [self.constraints[b]]
         return SpecState(
-            [self.ids[b]], [self.token_ids[b]], hidden, [self.params[b]], [self.generators[b]], self.device
+            [self.ids[b]], [self.token_ids[b]], hidden, [self.params[b]], [self.generators[b]], self.device, constraints
         )
 
 
@@ -128,12 +132,15 @@ class Proposal:
     drafts per row (None: all k); draft_probs [B, k, V] the distributions q the drafts were sampled from
     (None: deterministic drafts, q = one-hot).
     Tree: tokens [B, N] one token per tree node, node 0 = each row's last committed token; num_drafted [B]
-    is N - 1 where the row offers the tree and 0 where it offers nothing this step (None: all offer)."""
+    is N - 1 where the row offers the tree and 0 where it offers nothing this step (None: all offer).
+    masks [B, k+1, V]: under a grammar, the allowed tokens after each prefix of a chain, when the speculator
+    computed them already (a draft model masks its own distributions); None: verification computes them."""
 
     tokens: Tensor
     num_drafted: Tensor | None = None
     draft_probs: Tensor | None = None
     tree: CandidateTree | None = None
+    masks: Tensor | None = None
 
     def row(self, b: int) -> Proposal:
         """Row b alone (a batch of one)."""
@@ -142,7 +149,11 @@ class Proposal:
             return None if t is None else t[b : b + 1]
 
         return replace(
-            self, tokens=one(self.tokens), num_drafted=one(self.num_drafted), draft_probs=one(self.draft_probs)
+            self,
+            tokens=one(self.tokens),
+            num_drafted=one(self.num_drafted),
+            draft_probs=one(self.draft_probs),
+            masks=one(self.masks),
         )
 
     def drafted(self) -> list[int]:

@@ -9,6 +9,7 @@ from collections.abc import Hashable
 
 from torch import Tensor
 
+from runtime.grammar import chain_masks, mask_logits, tree_masks
 from runtime.sampling import logits_to_probs
 from runtime.speculation import Proposal, SpecState, Verdict
 from speculate.verify import typical_accept_chain, typical_accept_tree, verify_chain, verify_tree
@@ -44,15 +45,20 @@ class Speculator:
 
     def verify(self, state: SpecState, proposal: Proposal, target_logits: Tensor) -> Verdict:
         """Each row on its own (so its draws come from its own generator, in the same order in every loop):
-        greedy / rejection sampling of its drafts or tree, or typical acceptance where configured."""
+        greedy / rejection sampling of its drafts or tree, or typical acceptance where configured. Under a
+        grammar (state.constraints) the target's logits at each position are masked by the row's grammar
+        state after the drafts before it, so the output is distributed as constrained plain sampling."""
         offered = proposal.drafted()
         tree = proposal.tree
         verdict = Verdict(tokens=[], last=[], paths=[], offered=[])
         for b, (params, gen) in enumerate(zip(state.params, state.generators)):
             typical = self.acceptance == "typical" and not params.greedy
+            constraint = None if state.constraints is None else state.constraints[b]
             if tree is not None and offered[b] > 0:
                 nodes = proposal.tokens[b : b + 1]  # [1, N]
                 logits = target_logits[b : b + 1, : len(tree)]
+                if constraint is not None:
+                    logits = mask_logits(logits, tree_masks(constraint, nodes[0].tolist(), tree.parents)[None])
                 if typical:
                     res = typical_accept_tree(tree, nodes, logits_to_probs(logits, params), generator=gen)
                 else:
@@ -62,16 +68,23 @@ class Speculator:
                 verdict.offered.append(tree.max_depth)
             else:  # a chain, or a row that withdrew its tree (root only: a plain step)
                 n = offered[b] if tree is None else 0
-                drafts = proposal.tokens[b : b + 1, :n]  # [1, n]
-                logits = target_logits[b : b + 1, : n + 1]
+                verdict.offered.append(n)
                 q = None if proposal.draft_probs is None or n == 0 else proposal.draft_probs[b : b + 1, :n]
+                logits = target_logits[b : b + 1, : n + 1]
+                if constraint is not None:
+                    if proposal.masks is not None:  # the draft masked its own distributions on the same prefixes
+                        masks = proposal.masks[b, : n + 1]
+                    else:  # deterministic drafts are cut at the first one the grammar refuses (chain_masks)
+                        masks, n = chain_masks(constraint, proposal.tokens[b, :n].tolist(), deterministic=q is None)
+                        q = None if q is None else q[:, :n]
+                    logits = mask_logits(target_logits[b : b + 1, : n + 1], masks[: n + 1][None])
+                drafts = proposal.tokens[b : b + 1, :n]  # [1, n]
                 if typical:
                     res = typical_accept_chain(drafts, logits_to_probs(logits, params), generator=gen)
                 else:
                     res = verify_chain(drafts, logits, params, q, None, gen)
                 accepted = drafts[0, : int(res.num_accepted[0])].tolist()
                 path = list(range(len(accepted) + 1))
-                verdict.offered.append(n)
             verdict.tokens.append(accepted + [int(res.next_token[0])])
             verdict.paths.append(path)
             verdict.last.append(path[-1])

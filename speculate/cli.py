@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from quantize.qlinear import FAST_CPU_BITS
+from runtime.grammar import report_incomplete
 from speculate.base import Speculator, SpeculatorError, check_k
 from speculate.generate import speculative_generate
 
@@ -112,12 +113,19 @@ def speculator_from_args(model, path, args) -> Speculator:
         raise SystemExit(2) from None
 
 
-def generate_speculative(model, path, tokenizer, prompts: list[list[int]], params, args, on_token=None):
+def generate_speculative(model, path, tokenizer, prompts: list[list[int]], params, args, on_token=None, grammar=None):
     """Entry point of ``python -m runtime.generate --speculator NAME``: build, generate (streaming through
     on_token(row, token) like plain generation), print, return."""
     spec = speculator_from_args(model, path, args)
     out = speculative_generate(
-        model, prompts, params, spec, tokenizer=tokenizer, compile=getattr(args, "compile", "auto"), on_token=on_token
+        model,
+        prompts,
+        params,
+        spec,
+        tokenizer=tokenizer,
+        compile=getattr(args, "compile", "auto"),
+        on_token=on_token,
+        grammar=grammar,
     )
     for i, toks in enumerate(out.tokens):
         text = tokenizer.decode(toks, skip_special_tokens=True)
@@ -132,4 +140,5 @@ def generate_speculative(model, path, tokenizer, prompts: list[list[int]], param
         f"finish: {','.join(out.finish_reasons)})\n[qspec] {out.stats.summary()}",
         file=sys.stderr,
     )
+    report_incomplete(out.grammar_incomplete, out.finish_reasons)
     return out

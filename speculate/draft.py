@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import Tensor, nn
 
+from runtime.grammar import row_masks
 from runtime.layout import device_of
 from runtime.model import Transformer
 from runtime.paged_cache import BlockManager, PagedKVCache, paged_metadata
@@ -150,19 +151,40 @@ class DraftModelSpeculator(Speculator):
             feeds.append(seq[n:])
             index.append(list(range(n, len(seq))))
         logits = self._forward(rows, feeds, index)
-        drafts, probs = [], []
+        cons = state.constraints  # under a grammar: each draft distribution masked, advancing through the drafts
+        cons = None if cons is None or all(c is None for c in cons) else cons
+        V = logits.shape[-1]
+        advanced = [0] * len(rows)
+        drafts, probs, masks = [], [], []
         for j in range(self.k):
-            q = torch.stack([logits_to_probs(logits[b], p) for b, p in enumerate(state.params)])  # the one sampler
+            mask = None if cons is None else row_masks(cons, V, logits.device)
+            q = torch.stack(
+                [logits_to_probs(logits[b], p, None if mask is None else mask[b]) for b, p in enumerate(state.params)]
+            )  # the one sampler, with the target's params and mask
             tok = sample_rows(q, state.params, state.generators)  # greedy rows: the argmax (q is its one-hot)
             drafts.append(tok)
             probs.append(q)
+            if cons is not None:
+                masks.append(mask)
+                for b, c in enumerate(cons):  # a row stops advancing at a refused token (past its EOS)
+                    if c is not None and advanced[b] == j and c.accept(int(tok[b])):
+                        advanced[b] += 1
             if j < self.k - 1:
                 feeds = [[t] for t in tok.tolist()]
                 logits = self._forward(rows, feeds, [[len(seq) + j] for seq in state.token_ids])
+        if cons is not None:  # the target's mask after the last draft, then back to the committed state
+            masks.append(row_masks(cons, V, logits.device))
+            for c, n in zip(cons, advanced):
+                if c is not None:
+                    c.rollback(n)
         tokens = torch.stack(drafts, 1)  # [B, k]
         for row, seq, d in zip(rows, state.token_ids, tokens.tolist()):
             row.tokens, row.committed = list(seq) + d[: self.k - 1], len(seq)
-        return Proposal(tokens=tokens.to(state.device), draft_probs=torch.stack(probs, 1).to(state.device))
+        return Proposal(
+            tokens=tokens.to(state.device),
+            draft_probs=torch.stack(probs, 1).to(state.device),
+            masks=torch.stack(masks, 1).to(state.device) if masks else None,
+        )
 
     def describe(self) -> dict:
         cfg = self.draft.config

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from runtime.compiled import CompiledDecoder, bucket, compiled_decoder, resolve_compile
+from runtime.grammar import Grammar, mask_logits, row_constraints
 from runtime.kv_cache import KVCache
 from runtime.layout import device_of
 from runtime.model import AttentionMetadata, Transformer, prefill_meta
@@ -94,6 +95,7 @@ class SpecOutput:
     ttft_s: float = 0.0
     decode_s: float = 0.0  # wall time of the speculative loop (after the first token)
     compile: str = "off"  # what ran the chain verifications: off (eager) | inductor | cudagraphs (runtime.compiled)
+    grammar_incomplete: list[bool] = field(default_factory=list)  # as GenerationOutput.grammar_incomplete
     speculator: dict = field(default_factory=dict)
 
 
@@ -141,6 +143,7 @@ def speculative_generate(
     tokenizer=None,
     compile: str = "auto",
     on_token: Callable[[int, int], None] | None = None,
+    grammar: Grammar | list[Grammar | None] | None = None,
 ) -> SpecOutput:
     """Generate for a batch of token-id prompts with ``speculator`` proposing and the one verifier deciding.
 
@@ -148,13 +151,21 @@ def speculative_generate(
     with its own params' seed (draft samples, acceptance tests, residual and bonus samples), so a row's
     tokens do not depend on its batch mates, and equal the serving engine's for the same request.
     compile: "off" | "auto" | "on" (runtime.compiled): chain verifications of up to 32 tokens through the
-    compiled step; trees and longer chains run eager. on_token(row, token) streams each committed token."""
+    compiled step; trees and longer chains run eager. on_token(row, token) streams each committed token.
+    grammar (one, or one per row): the target's distribution at every position is masked by the row's grammar
+    state after the committed tokens and the drafts before it (the verifier does it), so the output has the
+    distribution of constrained plain sampling."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
     B = len(prompts)
     row_params = params if isinstance(params, list) else [params] * B
     if len(row_params) != B:
         raise ValueError(f"{len(row_params)} SamplingParams for {B} prompts")
+    if any(sp.adjusts_logits for sp in row_params):
+        raise ValueError(
+            "penalties, logit_bias and min_tokens apply in plain decoding and the serving engine (runtime.engine, "
+            "also with a speculator), not in the static speculative loop"
+        )
     device = device_of(model)
     cfg = model.config
     lengths = torch.tensor([len(p) for p in prompts], device=device)
@@ -164,6 +175,7 @@ def speculative_generate(
     capacity = longest + speculator.max_tokens_per_step() + 1
     generators = [make_generator(sp.seed, device) for sp in row_params]
     stops = [StopChecker(sp, cfg.eos_token_ids, tokenizer) for sp in row_params]
+    constraints = row_constraints(grammar, row_params, cfg.vocab_size)
     seqs = [list(p) for p in prompts]  # committed tokens per row
     keys = [("speculative_generate", next(_RUNS), b) for b in range(B)]  # this call's rows, for the speculator
     backend = resolve_compile(compile, device)
@@ -177,6 +189,8 @@ def speculative_generate(
         """Append tokens to row b up to its first stop condition (one device write per row and step)."""
         kept = 0
         for tok in new:
+            if constraints[b] is not None and not constraints[b].accept(tok):
+                raise RuntimeError(f"row {b}: committed token {tok} that its grammar does not allow")
             out.tokens[b].append(tok)
             seqs[b].append(tok)
             kept += 1
@@ -196,7 +210,12 @@ def speculative_generate(
     hidden = model(tokens, prefill_meta(B, T, device), cache, hidden_only=True)
     last_hidden = hidden[torch.arange(B, device=device), lengths - 1]  # [B, H]
     logits = model.logits(last_hidden)
-    probs = torch.stack([logits_to_probs(logits[b], sp) for b, sp in enumerate(row_params)])
+    probs = torch.stack(
+        [
+            logits_to_probs(mask_logits(logits[b], None if c is None else c.mask()), sp)
+            for b, (sp, c) in enumerate(zip(row_params, constraints))
+        ]
+    )
     for b, tok in enumerate(sample_rows(probs, row_params, generators).tolist()):
         commit(b, [tok])
     out.ttft_s = time.perf_counter() - t0
@@ -212,6 +231,7 @@ def speculative_generate(
                 params=[row_params[b] for b in rows],
                 generators=[generators[b] for b in rows],
                 device=device,
+                constraints=[constraints[b] for b in rows] if any(c is not None for c in constraints) else None,
             )
             budgets = [draft_budget(len(out.tokens[b]), row_params[b].max_tokens) for b in rows]
             proposal = speculator.propose(state).within(budgets)
@@ -232,6 +252,7 @@ def speculative_generate(
         speculator.release(keys)
     out.decode_s = time.perf_counter() - t1
     out.speculator = speculator.describe()
+    out.grammar_incomplete = [c is not None and not c.complete for c in constraints]
     return out
 
 

@@ -119,11 +119,15 @@ def verify_chain(
     draft_probs: Tensor | None = None,
     num_drafted: Tensor | None = None,
     generator: torch.Generator | None = None,
+    mask: Tensor | None = None,
 ) -> ChainResult:
-    """Lossless verification from the target's logits [B, k+1, V] under ``params`` (the one sampler)."""
-    if params.greedy:
+    """Lossless verification from the target's logits [B, k+1, V] under ``params`` (the one sampler); mask
+    [B, k+1, V] (a grammar's allowed tokens at each position) applies to the target's distributions."""
+    if params.greedy and mask is None:
         return greedy_verify(draft_tokens, target_logits.argmax(-1), num_drafted)
-    target_probs = logits_to_probs(target_logits, params)
+    target_probs = logits_to_probs(target_logits, params, mask)
+    if params.greedy:  # one-hot on the allowed argmax
+        return greedy_verify(draft_tokens, target_probs.argmax(-1), num_drafted)
     return rejection_sample(draft_tokens, target_probs, draft_probs, num_drafted, generator)
 
 
@@ -207,11 +211,14 @@ def verify_tree(
     target_logits: Tensor,
     params: SamplingParams,
     generator: torch.Generator | None = None,
+    mask: Tensor | None = None,
 ) -> TreeResult:
-    """Lossless tree verification from the target's logits [B, N, V] under ``params``."""
+    """Lossless tree verification from the target's logits [B, N, V] under ``params`` (mask [B, N, V]: the
+    allowed tokens after each node, as in verify_chain)."""
+    probs = None if params.greedy and mask is None else logits_to_probs(target_logits, params, mask)
     if params.greedy:
-        return tree_greedy_verify(tree, node_tokens, target_logits.argmax(-1))
-    return tree_rejection_sample(tree, node_tokens, logits_to_probs(target_logits, params), generator)
+        return tree_greedy_verify(tree, node_tokens, (target_logits if probs is None else probs).argmax(-1))
+    return tree_rejection_sample(tree, node_tokens, probs, generator)
 
 
 # ---- approximate: Medusa typical acceptance -----------------------------------------------------------

@@ -92,7 +92,7 @@ def test_server_rejects_a_bad_speculator_option(tiny_checkpoint, capsys):
         (["--speculator", "ngram", "-k", "0"], "must be >= 1"),
         (["--speculator", "eagle"], "invalid choice: 'eagle'"),
         (["--speculator", "medusa", "--medusa-heads", "/nonexistent"], "not a Medusa checkpoint"),
-        (["--speculator", "quant-draft", "--quant-bits", "3"], "quant-draft supports 8 or 4 bits, got 3"),
+        (["--speculator", "quant-draft", "--quant-bits", "3"], "quant-draft supports 4 or 8 bits, got 3"),
     ]:
         with pytest.raises(SystemExit) as exit_info:
             server_main(["--model", str(tiny_checkpoint), *args])
