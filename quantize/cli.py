@@ -12,6 +12,7 @@ import torch
 
 from quantize.config import DECODER_LINEARS, QuantConfig, QuantConfigError
 from quantize.formats import save_quantized
+from quantize.rotation import rotate_model, rotation_record
 from runtime.layout import decoder_linear_names
 from runtime.provenance import module_command
 from runtime.provenance import provenance as record_provenance
@@ -38,8 +39,24 @@ def parser(
         "--lm-head", action="store_true", help="quantize the output head too (tied: the embedding reads its rows)"
     )
     ap.add_argument("--out", default=None, help="output checkpoint directory (loadable with --model DIR)")
+    ap.add_argument(
+        "--rotate",
+        action="store_true",
+        help="QuaRot-style Hadamard rotation first (norms folded, residual stream rotated, head untied; "
+        "float model unchanged): see quantize/rotation.py",
+    )
+    ap.add_argument(
+        "--no-online-hadamard",
+        action="store_true",
+        help="with --rotate: skip the online Hadamard on down_proj's input (residual rotation only)",
+    )
     if calibration:
-        ap.add_argument("--calib", default="wiki", help="calibration text: wiki | wiki-es | wiki-fr (calib split)")
+        ap.add_argument(
+            "--calib",
+            default="wiki",
+            help="calibration texts (calib split, documents >= 5000): wiki | wiki-es | wiki-fr | wiki-desc, or a "
+            "mixture with proportions: wiki:0.5,wiki-fr:0.25,wiki-es:0.25",
+        )
         ap.add_argument("--nsamples", type=int, default=128, help="calibration windows")
         ap.add_argument("--seqlen", type=int, default=512, help="tokens per calibration window")
         ap.add_argument("--batch-size", type=int, default=8, help="windows per forward in the calibration pass")
@@ -97,6 +114,14 @@ def load(ap: argparse.ArgumentParser, args, cfg: QuantConfig):
             cfg.targets(model)
     except (ModelSpecError, QuantConfigError, KeyError) as err:
         ap.error(str(err).strip("'\""))
+    if getattr(args, "rotate", False):
+        if source is not None:
+            ap.error("--rotate needs the whole float model in memory; drop --layer-by-layer")
+        try:
+            rotate_model(model, seed=args.seed, online=not args.no_online_hadamard)
+        except ValueError as err:
+            ap.error(f"--rotate: {err}")
+        log(f"rotated (seed {args.seed}, online Hadamard on down_proj: {not args.no_online_hadamard})")
     return model, CachedTokenizer(load_tokenizer(str(path))), path, source
 
 
@@ -136,14 +161,16 @@ class CachedTokenizer:
 
 
 def calibration_tokens(ap: argparse.ArgumentParser, args, tokenizer) -> torch.Tensor:
-    """[nsamples, seqlen] token ids from the calibration split."""
-    from runtime.data import LANGUAGES, calibration_windows
+    """[nsamples, seqlen] token ids from the calibration split of --calib (one text, or a weighted mixture:
+    each text's share of the windows is its proportion, largest remainders rounded up)."""
+    from runtime.data import mixed_calibration_windows, parse_mixture
 
-    lang = "en" if args.calib == "wiki" else args.calib.removeprefix("wiki-")
-    if lang not in LANGUAGES or not args.calib.startswith("wiki"):
-        ap.error(f"--calib {args.calib!r}: choose wiki or wiki-LANG with LANG in {sorted(LANGUAGES)}")
     try:
-        windows = calibration_windows(tokenizer, args.nsamples, args.seqlen, args.seed, lang)
+        parse_mixture(args.calib)
+    except ValueError as err:
+        ap.error(f"--calib {args.calib!r}: {err}")
+    try:
+        windows = mixed_calibration_windows(tokenizer, args.calib, args.nsamples, args.seqlen, args.seed)
     except ValueError as err:
         ap.error(f"calibration data: {err}")
     return torch.tensor(windows, dtype=torch.long)
@@ -177,6 +204,8 @@ def finish(
     argv: list[str] | None = None,
 ) -> dict:
     """Evaluate (if asked), save (if asked) and write the result record."""
+    if getattr(args, "rotate", False):
+        cfg.extra["rotation"] = rotation_record(args.seed, not args.no_online_hadamard)
     record = {
         "quant_config": cfg.to_dict(),
         "model": args.model,

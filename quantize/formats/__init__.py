@@ -20,6 +20,7 @@ from quantize.formats import awq, gptq
 from quantize.formats.errors import CheckpointError, check_safetensors_file
 from quantize.qembedding import shares_quantized_head, tie_quantized_embedding
 from quantize.qlinear import QuantizedWeight, QuantLinear, set_module
+from quantize.rotation import install_online_hadamard
 from runtime import layout
 from runtime.loader import register_quantized_format
 
@@ -217,6 +218,8 @@ def load_quantized_into(model, path: str | Path, quantization_config: dict, dtyp
     used: set[str] = set()
     cfg = model.config
     quantized_head = "lm_head.qweight" in tensors
+    if (quantization_config.get("rotation") or {}).get("online_down"):
+        install_online_hadamard(model)  # the weights on disk were rotated for it (quantize.rotation)
     for module_name, parts in linear_layout(model, quantized_head):
         module = model.get_submodule(module_name)
         in_features = module.in_features
