@@ -46,6 +46,13 @@ def parser(
         "float model unchanged): see quantize/rotation.py",
     )
     ap.add_argument(
+        "--rotation-mode",
+        default="online",
+        choices=["online", "residual"],
+        help="with --rotate: online = Hadamard on each norm's output (norm weights kept: measured better on "
+        "SmolLM2); residual = QuaRot's folded norms and rotated residual stream (untied head)",
+    )
+    ap.add_argument(
         "--no-online-hadamard",
         action="store_true",
         help="with --rotate: skip the online Hadamard on down_proj's input (residual rotation only)",
@@ -67,7 +74,10 @@ def parser(
         )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
-        "--eval", default=None, help="after quantizing, perplexity on these texts: wiki,wiki-fr or wiki:64,wiki-fr:32"
+        "--eval",
+        default=None,
+        help="after quantizing, perplexity on these texts (wiki, wiki-es, wiki-fr, wiki-desc, chat): wiki,wiki-fr "
+        "or wiki:64,wiki-fr:32",
     )
     ap.add_argument("--eval-windows", type=int, default=64, help="first N eval-split windows of 512 tokens (default)")
     ap.add_argument("--record", default=None, help="append a JSON result record to this file")
@@ -118,10 +128,13 @@ def load(ap: argparse.ArgumentParser, args, cfg: QuantConfig):
         if source is not None:
             ap.error("--rotate needs the whole float model in memory; drop --layer-by-layer")
         try:
-            rotate_model(model, seed=args.seed, online=not args.no_online_hadamard)
+            rotate_model(model, seed=args.seed, online=not args.no_online_hadamard, mode=args.rotation_mode)
         except ValueError as err:
             ap.error(f"--rotate: {err}")
-        log(f"rotated (seed {args.seed}, online Hadamard on down_proj: {not args.no_online_hadamard})")
+        log(
+            f"rotated ({args.rotation_mode}, seed {args.seed}, "
+            f"online Hadamard on down_proj: {not args.no_online_hadamard})"
+        )
     return model, CachedTokenizer(load_tokenizer(str(path))), path, source
 
 
@@ -205,7 +218,7 @@ def finish(
 ) -> dict:
     """Evaluate (if asked), save (if asked) and write the result record."""
     if getattr(args, "rotate", False):
-        cfg.extra["rotation"] = rotation_record(args.seed, not args.no_online_hadamard)
+        cfg.extra["rotation"] = rotation_record(args.seed, not args.no_online_hadamard, args.rotation_mode)
     record = {
         "quant_config": cfg.to_dict(),
         "model": args.model,

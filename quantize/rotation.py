@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from quantize.qlinear import QuantLinear
-from runtime.model import MLP, Linear, Transformer
+from runtime.model import MLP, Linear, RMSNorm, Transformer
 
 
 def paley12() -> Tensor:
@@ -120,6 +120,19 @@ class HadamardMLP(MLP):
         return self.down_proj(self.rotation(F.silu(gate) * up))
 
 
+class RotatedRMSNorm(RMSNorm):
+    """RMSNorm whose output is rotated by a Hadamard R (x -> norm(x) R): the readers' weights carry R (W R).
+    The norm's weight stays on the activation side, before the rotation (see rotate_model's mode "online")."""
+
+    def __init__(self, norm: RMSNorm):
+        nn.Module.__init__(self)
+        self.eps, self.weight = norm.eps, norm.weight
+        self.rotation = HadamardRotation(norm.weight.shape[0]).to(norm.weight.device)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.rotation(super().forward(x))
+
+
 def _set(param: Tensor, value: Tensor) -> None:
     param.data = value.to(param.dtype).contiguous()
 
@@ -144,44 +157,71 @@ def fold_norms(model: Transformer) -> Transformer:
     return model
 
 
+MODES = ("residual", "online")
+
+
 @torch.no_grad()
-def rotate_model(model: Transformer, seed: int = 0, online: bool = True) -> Transformer:
-    """Fold norms, rotate the residual stream (and, with online, down_proj's input), in place; the float
-    function is unchanged up to rounding (products are formed in fp64). Needs plain float linears."""
+def rotate_model(model: Transformer, seed: int = 0, online: bool = True, mode: str = "residual") -> Transformer:
+    """Rotate in place; the float function is unchanged up to rounding (products are formed in fp64).
+
+    mode "residual" (QuaRot): fold norms, rotate the residual stream by a random Hadamard Q (offline), untie
+    the head. mode "online": leave the residual stream and the norms as they are and rotate each norm's output
+    online (RotatedRMSNorm; qkv_proj and gate_up_proj get W R): the norm weights keep damping the channels
+    they damp (folding them into W exposes SmolLM2's two massive residual channels to the weights' rounding
+    error). Either way, ``online`` adds the Hadamard on down_proj's input (HadamardMLP)."""
+    if mode not in MODES:
+        raise ValueError(f"unknown rotation mode {mode!r}; choose from {MODES}")
     for name, module in model.named_modules():
         if isinstance(module, QuantLinear):
             raise ValueError(f"rotate before quantizing: {name} is already quantized")
-    if any(isinstance(layer.mlp, HadamardMLP) for layer in model.layers):
+    if any(
+        isinstance(layer.mlp, HadamardMLP) or isinstance(layer.input_layernorm, RotatedRMSNorm)
+        for layer in model.layers
+    ):
         raise ValueError("the model is already rotated")
-    # q/k norms (Qwen3) act after qkv_proj on head vectors: the residual rotation does not reach them
-    fold_norms(model)
-    Q = random_hadamard(model.config.hidden_size, seed)
-    emb = model.embed_tokens.weight
-    _set(emb, emb.double() @ Q)
-    for layer in model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        for reader in (attn.qkv_proj, mlp.gate_up_proj):
-            _set(reader.weight, reader.weight.double() @ Q)
-        for writer in (attn.o_proj, mlp.down_proj):
-            _set(writer.weight, Q.t() @ writer.weight.double())
-            if writer.bias is not None:
-                _set(writer.bias, writer.bias.double() @ Q)
-        if online:
+    # q/k norms (Qwen3) act after qkv_proj on head vectors: neither rotation reaches them
+    if mode == "online":
+        for layer in model.layers:
+            layer.input_layernorm = RotatedRMSNorm(layer.input_layernorm)
+            layer.post_attention_layernorm = RotatedRMSNorm(layer.post_attention_layernorm)
+            for norm, reader in (
+                (layer.input_layernorm, layer.self_attn.qkv_proj),
+                (layer.post_attention_layernorm, layer.mlp.gate_up_proj),
+            ):
+                _set(reader.weight, reader.weight.double() @ norm.rotation.matrix())
+    else:
+        fold_norms(model)
+        Q = random_hadamard(model.config.hidden_size, seed)
+        emb = model.embed_tokens.weight
+        _set(emb, emb.double() @ Q)
+        for layer in model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            for reader in (attn.qkv_proj, mlp.gate_up_proj):
+                _set(reader.weight, reader.weight.double() @ Q)
+            for writer in (attn.o_proj, mlp.down_proj):
+                _set(writer.weight, Q.t() @ writer.weight.double())
+                if writer.bias is not None:
+                    _set(writer.bias, writer.bias.double() @ Q)
+        _set(model.lm_head.weight, model.lm_head.weight.double() @ Q)
+    if online:
+        for layer in model.layers:
+            mlp = layer.mlp
             layer.mlp = HadamardMLP(mlp)
-            R = layer.mlp.rotation.matrix()
-            _set(mlp.down_proj.weight, mlp.down_proj.weight.double() @ R)
-    _set(model.lm_head.weight, model.lm_head.weight.double() @ Q)
+            _set(mlp.down_proj.weight, mlp.down_proj.weight.double() @ layer.mlp.rotation.matrix())
     return model
 
 
-def install_online_hadamard(model: Transformer) -> Transformer:
-    """Give every layer a HadamardMLP around its (already rotated) linears: loading a rotated checkpoint."""
+def install_online_hadamard(model: Transformer, rotation: dict) -> Transformer:
+    """Re-install the online rotations a checkpoint's weights were rotated for (loading a rotated checkpoint)."""
     for layer in model.layers:
-        if not isinstance(layer.mlp, HadamardMLP):
+        if rotation.get("online_down") and not isinstance(layer.mlp, HadamardMLP):
             layer.mlp = HadamardMLP(layer.mlp)
+        if rotation.get("mode") == "online" and not isinstance(layer.input_layernorm, RotatedRMSNorm):
+            layer.input_layernorm = RotatedRMSNorm(layer.input_layernorm)
+            layer.post_attention_layernorm = RotatedRMSNorm(layer.post_attention_layernorm)
     return model
 
 
-def rotation_record(seed: int, online: bool) -> dict:
+def rotation_record(seed: int, online: bool, mode: str = "residual") -> dict:
     """What a checkpoint's quantization_config says about its rotation (the loader re-installs online ones)."""
-    return {"method": "quarot-hadamard", "residual": True, "online_down": online, "seed": seed, "untied_head": True}
+    return {"method": "hadamard", "mode": mode, "online_down": online, "seed": seed, "untied_head": mode == "residual"}

@@ -227,28 +227,34 @@ def test_gptq_per_channel_act_order_saves_and_reloads(tiny_checkpoint, tmp_path)
     assert torch.isfinite(model(torch.tensor([[1, 2, 3]]))).all()
 
 
-def test_rotated_rtn_cli_saves_reloads_and_keeps_the_float_model(tiny_checkpoint, tmp_path):
-    """--rotate: the saved checkpoint (untied head, online Hadamard re-installed by the loader) gives the
-    in-memory rotated+quantized model's logits; rotating alone leaves the float model's logits."""
-    from quantize.rotation import HadamardMLP, rotate_model
+@pytest.mark.parametrize("mode", ["residual", "online"])
+def test_rotated_rtn_cli_saves_reloads_and_keeps_the_float_model(tiny_checkpoint, tmp_path, mode):
+    """--rotate: the saved checkpoint (online rotations re-installed by the loader; residual mode: untied head)
+    gives the in-memory rotated+quantized model's logits; rotating alone leaves the float model's logits."""
+    from quantize.rotation import HadamardMLP, RotatedRMSNorm, rotate_model
 
     out = tmp_path / "rot"
     rec = tmp_path / "rec.jsonl"
     argv = ["--model", str(tiny_checkpoint), "--group-size", "32", "--rotate", "--out", str(out), "--record", str(rec)]
-    rtn.main(argv)
+    rtn.main([*argv, "--rotation-mode", mode])
     record = json.loads(rec.read_text())
     assert record["quant_config"]["rotation"]["online_down"] is True
+    assert record["quant_config"]["rotation"]["mode"] == mode
     loaded, config, _ = load_model(str(out))
-    assert not config.tie_word_embeddings and isinstance(loaded.layers[0].mlp, HadamardMLP)
+    assert isinstance(loaded.layers[0].mlp, HadamardMLP)
+    assert isinstance(loaded.layers[0].input_layernorm, RotatedRMSNorm) == (mode == "online")
+    assert config.tie_word_embeddings == (TINY.tie_word_embeddings and mode == "online")
     float_model = random_model(TINY, seed=0)
-    reference = rtn.quantize_model(rotate_model(random_model(TINY, seed=0)), rtn.QuantConfig(bits=4, group_size=32))
+    reference = rtn.quantize_model(
+        rotate_model(random_model(TINY, seed=0), mode=mode), rtn.QuantConfig(bits=4, group_size=32)
+    )
     for mod in reference.modules():
         if isinstance(mod, QuantLinear):
             mod.scales = mod.scales.half().float()  # what the checkpoint holds
     tokens = torch.randint(0, VOCAB, (2, 12))
     with torch.no_grad():
         torch.testing.assert_close(loaded(tokens), reference(tokens), rtol=1e-5, atol=1e-5)
-        assert (rotate_model(random_model(TINY, seed=0))(tokens) - float_model(tokens)).abs().max() <= 1e-4
+        assert (rotate_model(random_model(TINY, seed=0), mode=mode)(tokens) - float_model(tokens)).abs().max() <= 1e-4
 
 
 @pytest.mark.parametrize("main", [gptq.main, int8.main])
@@ -258,7 +264,7 @@ def test_rotate_with_calibrated_quantizers(tiny_checkpoint, tmp_path, main):
     argv = ["--model", str(tiny_checkpoint), "--rotate", "--nsamples", "4", "--seqlen", "16", "--eval", "wiki:2"]
     main([*argv, "--record", str(rec), *extra])
     record = json.loads(rec.read_text())
-    assert record["quant_config"]["rotation"]["method"] == "quarot-hadamard"
+    assert record["quant_config"]["rotation"]["method"] == "hadamard"
     from quantize.cli import evaluate
     from runtime.data import wiki_text
 

@@ -13,7 +13,14 @@ from quantize import rtn
 from quantize.awq import scale_producer
 from quantize.config import QuantConfig
 from quantize.qlinear import QuantLinear
-from quantize.rotation import HadamardMLP, HadamardRotation, hadamard, random_hadamard, rotate_model
+from quantize.rotation import (
+    HadamardMLP,
+    HadamardRotation,
+    RotatedRMSNorm,
+    hadamard,
+    random_hadamard,
+    rotate_model,
+)
 from runtime.config import ModelConfig
 from runtime.model import random_model
 
@@ -85,21 +92,26 @@ def test_online_rotation_equals_its_dense_matrix(n):
 
 @pytest.mark.parametrize("name", list(TINY))
 @pytest.mark.parametrize("online", [True, False])
-def test_rotated_model_has_the_same_logits(name, online):
+@pytest.mark.parametrize("mode", ["residual", "online"])
+def test_rotated_model_has_the_same_logits(name, online, mode):
     model = random_model(TINY[name], seed=1)
     tokens = torch.randint(0, TINY[name].vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ref = model(tokens)
-        rotated = rotate_model(copy.deepcopy(model), seed=0, online=online)
+        rotated = rotate_model(copy.deepcopy(model), seed=0, online=online, mode=mode)
         out = rotated(tokens)
     assert (out - ref).abs().max() <= 1e-4
-    assert not rotated.config.tie_word_embeddings and rotated.lm_head.weight is not rotated.embed_tokens.weight
-    assert all(
-        torch.equal(layer.input_layernorm.weight, torch.ones(TINY[name].hidden_size)) for layer in rotated.layers
-    )
+    if mode == "residual":  # norms folded (unit weights), the head untied from the rotated embedding
+        assert not rotated.config.tie_word_embeddings and rotated.lm_head.weight is not rotated.embed_tokens.weight
+        ones = torch.ones(TINY[name].hidden_size)
+        assert all(torch.equal(layer.input_layernorm.weight, ones) for layer in rotated.layers)
+    else:  # the norms keep their weights and rotate their outputs; embedding and head untouched
+        assert rotated.config.tie_word_embeddings == TINY[name].tie_word_embeddings
+        assert all(isinstance(layer.post_attention_layernorm, RotatedRMSNorm) for layer in rotated.layers)
+        assert torch.equal(rotated.embed_tokens.weight, model.embed_tokens.weight)
     assert all(isinstance(layer.mlp, HadamardMLP) == online for layer in rotated.layers)
-    # the rotation really changed the weights (a no-op would pass the logits check too)
-    assert not torch.allclose(rotated.layers[0].mlp.down_proj.weight, model.layers[0].mlp.down_proj.weight)
+    changed = rotated.layers[0].self_attn.qkv_proj.weight  # a no-op would pass the logits check too
+    assert not torch.allclose(changed, model.layers[0].self_attn.qkv_proj.weight)
 
 
 def test_rotation_spreads_an_outlier_channel():
@@ -123,23 +135,27 @@ def test_rotate_after_quantizing_or_twice_is_an_error():
     model = rotate_model(random_model(cfg, seed=0))
     with pytest.raises(ValueError, match="already rotated"):
         rotate_model(model)
+    with pytest.raises(ValueError, match="unknown rotation mode 'spin'"):
+        rotate_model(random_model(cfg, seed=0), mode="spin")
 
 
-def test_rotated_rtn_model_quantizes_every_linear_and_awq_skips_down_proj_scaling():
+@pytest.mark.parametrize("mode", ["residual", "online"])
+def test_rotated_rtn_model_quantizes_every_linear_and_awq_skips_scales_a_rotation_would_cross(mode):
     cfg = TINY["untied-gqa-sylvester"]
-    model = rotate_model(random_model(cfg, seed=0))
+    model = rotate_model(random_model(cfg, seed=0), mode=mode)
     rtn.quantize_model(model, QuantConfig(bits=4, group_size=32))
     layer = model.layers[0]
     assert isinstance(layer.mlp.down_proj, QuantLinear) and isinstance(layer.mlp, HadamardMLP)
     assert scale_producer(layer, "down_proj") is None  # the rotation sits between the up rows and down_proj
-    assert scale_producer(layer, "gate_up_proj") is not None
+    assert (scale_producer(layer, "gate_up_proj") is None) == (mode == "online")
 
 
 @pytest.mark.slow
-def test_default_model_rotated_logits_within_1e4(default_model):
+@pytest.mark.parametrize("mode", ["residual", "online"])
+def test_default_model_rotated_logits_within_1e4(default_model, mode):
     model = default_model[0]
     tokens = torch.randint(0, model.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ref = model(tokens)
-        out = rotate_model(copy.deepcopy(model), seed=0)(tokens)
+        out = rotate_model(copy.deepcopy(model), seed=0, mode=mode)(tokens)
     assert (out - ref).abs().max() <= 1e-4

@@ -218,8 +218,8 @@ def load_quantized_into(model, path: str | Path, quantization_config: dict, dtyp
     used: set[str] = set()
     cfg = model.config
     quantized_head = "lm_head.qweight" in tensors
-    if (quantization_config.get("rotation") or {}).get("online_down"):
-        install_online_hadamard(model)  # the weights on disk were rotated for it (quantize.rotation)
+    if quantization_config.get("rotation"):
+        install_online_hadamard(model, quantization_config["rotation"])  # the weights were rotated for it
     for module_name, parts in linear_layout(model, quantized_head):
         module = model.get_submodule(module_name)
         in_features = module.in_features
