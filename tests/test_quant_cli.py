@@ -274,7 +274,7 @@ def test_rotate_with_calibrated_quantizers(tiny_checkpoint, tmp_path, main):
 
 
 def test_rotate_with_layer_by_layer_is_an_error(tiny_checkpoint, capsys):
-    argv = ["--model", str(tiny_checkpoint), "--eval", "wiki", "--rotate", "--layer-by-layer"]
+    argv = ["--model", str(tiny_checkpoint), "--eval", "wiki", "--group-size", "32", "--rotate", "--layer-by-layer"]
     assert "--rotate needs the whole float model in memory" in run_error(gptq.main, argv, capsys)
 
 
