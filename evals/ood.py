@@ -48,9 +48,12 @@ def gap_closed(ppl: float, rtn: float, fp32: float) -> float:
     return 100.0 * (rtn - ppl) / (rtn - fp32)
 
 
-def table(results: dict[str, dict], rtn: str, fp32: str = "fp32", held_out: str | None = None) -> str:
+def table(
+    results: dict[str, dict], rtn: str, fp32: str = "fp32", held_out: str | None = None, delta: bool = False
+) -> str:
     """Markdown: one row per recipe, perplexity and gap closed per text, and the mean gap closed out of domain
-    (every text but wiki and the held-out one). Windows are cut to the fewest any recipe has for that text."""
+    (every text but wiki and the held-out one). Windows are cut to the fewest any recipe has for that text.
+    delta=True shows the perplexity change vs fp32 instead (8-bit rows), and the worst text's."""
     texts = sorted({t for r in results.values() for t in r}, key=lambda t: (t != "wiki", t == held_out, t))
     common = {t: min(r[t]["windows"] for r in results.values() if t in r) for t in texts}
     ood = [t for t in texts if t not in ("wiki", held_out)]
@@ -59,7 +62,8 @@ def table(results: dict[str, dict], rtn: str, fp32: str = "fp32", held_out: str 
         r = results.get(label, {}).get(text)
         return None if r is None else ppl_of(r["nlls"][: common[text]])
 
-    head = "| recipe | " + " | ".join(f"{t} ({common[t]}w)" for t in texts) + " | mean gap closed, OOD |"
+    last = "worst abs. change vs fp32" if delta else "mean gap closed, OOD"
+    head = "| recipe | " + " | ".join(f"{t} ({common[t]}w)" for t in texts) + f" | {last} |"
     lines = [head, "|" + "---|" * (len(texts) + 2)]
     rows = []
     for label in results:
@@ -69,6 +73,11 @@ def table(results: dict[str, dict], rtn: str, fp32: str = "fp32", held_out: str 
             if p is None:
                 cells.append("–")
                 continue
+            if delta and top is not None and label != fp32:
+                d = 100.0 * (p / top - 1)
+                cells.append(f"{p:.3f} ({d:+.2f} %)")
+                gaps.append(-abs(d))
+                continue
             if base is None or top is None or label in (rtn, fp32):
                 cells.append(f"{p:.3f}")
                 continue
@@ -76,11 +85,15 @@ def table(results: dict[str, dict], rtn: str, fp32: str = "fp32", held_out: str 
             cells.append(f"{p:.3f} ({g:+.1f} %)")
             if t in ood:
                 gaps.append(g)
-        mean = sum(gaps) / len(gaps) if gaps and len(gaps) == len(ood) else None
+        if delta:
+            mean = min(gaps) if gaps else None  # the worst |change| over every text
+        else:
+            mean = sum(gaps) / len(gaps) if gaps and len(gaps) == len(ood) else None
         rows.append((label, cells, mean))
     rows.sort(key=lambda r: (r[0] != fp32, r[0] != rtn, -(r[2] if r[2] is not None else -1e9)))
     for label, cells, mean in rows:
-        lines.append(f"| {label} | " + " | ".join(cells) + f" | {'–' if mean is None else f'{mean:+.1f} %'} |")
+        shown = "–" if mean is None else (f"{-mean:.2f} %" if delta else f"{mean:+.1f} %")
+        lines.append(f"| {label} | " + " | ".join(cells) + f" | {shown} |")
     return "\n".join(lines)
 
 
@@ -99,6 +112,7 @@ def main(argv: list[str] | None = None) -> None:
     t.add_argument("--fp32", default="fp32", help="label of the float baseline")
     t.add_argument("--held-out", default=None, help="text left out of the out-of-domain mean (reported apart)")
     t.add_argument("--only", default=None, help="comma list of labels to show (default all)")
+    t.add_argument("--delta", action="store_true", help="perplexity change vs fp32 instead of gap closed (W8A8)")
     args = ap.parse_args(argv)
     if args.cmd == "score":
         if args.threads:
@@ -120,7 +134,7 @@ def main(argv: list[str] | None = None) -> None:
     for needed in (args.rtn, args.fp32):
         if needed not in results:
             ap.error(f"no {needed}.jsonl in {args.dir}")
-    print(table(results, args.rtn, args.fp32, args.held_out))
+    print(table(results, args.rtn, args.fp32, args.held_out, args.delta))
 
 
 if __name__ == "__main__":
