@@ -317,5 +317,6 @@ def test_mixed_calibration_takes_each_share_from_its_own_text(tiny_checkpoint, m
     ],
 )
 def test_bad_calibration_mixture_is_one_clear_error(tiny_checkpoint, capsys, calib, message):
-    err = run_error(gptq.main, ["--model", str(tiny_checkpoint), "--eval", "wiki", "--calib", calib], capsys)
+    argv = ["--model", str(tiny_checkpoint), "--eval", "wiki", "--group-size", "32", "--calib", calib]
+    err = run_error(gptq.main, argv, capsys)
     assert message in err and "--calib" in err, err
