@@ -51,6 +51,7 @@ def main() -> None:
     plain_x, rot_x = capture(model, tokens), capture(rotated, tokens)
     cfg = QuantConfig(bits=4, group_size=args.group_size)
 
+    @torch.no_grad()
     def rel(w, x) -> float:
         q = fake_quantize_weight(w, cfg, args.group_size)
         return float((x @ (w - q).t()).norm() / (x @ w.t()).norm())
