@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> None:
 
     ap = ArgumentParser(prog="python -m evals.perplexity", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=DEFAULT_MODEL)
-    ap.add_argument("--data", default="wiki", help="wiki | wiki-es | wiki-fr | path to a text file")
+    ap.add_argument("--data", default="wiki", help="text name (wiki, wiki-es, wiki-fr, wiki-desc, chat) or a text file")
     ap.add_argument("--split", default="eval", choices=["eval", "calib"])
     ap.add_argument("--seqlen", type=int, default=512)
     ap.add_argument("--max-windows", type=int, default=None, help="score only the first N windows (default: all)")

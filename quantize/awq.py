@@ -27,6 +27,7 @@ from quantize.calibration import LayerAlgorithm, Stage, run_layer
 from quantize.config import QuantConfig
 from quantize.grid import expand_groups, fake_quantize, find_params, group_bounds
 from quantize.qlinear import set_module
+from quantize.rotation import HadamardMLP, RotatedRMSNorm
 
 
 @dataclass
@@ -195,6 +196,10 @@ def scale_producer(layer: nn.Module, name: str) -> tuple[nn.Module, slice | None
     (None: a norm's whole weight). None for o_proj under GQA: an o_proj input channel is a q head's copy of a
     shared v channel, so a per-channel scale cannot be folded into the v rows (the reference skips it too)."""
     attn = layer.self_attn
+    if name == "down_proj" and isinstance(layer.mlp, HadamardMLP):
+        return None  # the online rotation sits between the up rows and down_proj: a channel scale cannot cross it
+    if name in ("qkv_proj", "gate_up_proj") and isinstance(layer.input_layernorm, RotatedRMSNorm):
+        return None  # likewise between the norm's weight and the linear
     return {
         "qkv_proj": (layer.input_layernorm, None),
         "o_proj": (attn.qkv_proj, slice(attn.q_size + attn.kv_size, None))

@@ -13,6 +13,7 @@ import torch
 
 from quantize.config import DECODER_LINEARS, QuantConfig, QuantConfigError
 from quantize.formats import DENSE_DTYPES, FORMATS, CheckpointError, default_format, refusal, save_quantized
+from quantize.rotation import rotate_model, rotation_record
 from runtime.cliutil import ArgumentParser, run  # noqa: F401 (run: the quantizers' __main__ entry)
 from runtime.config import ModelConfig, UnsupportedModelError
 from runtime.loader import ModelSpecError, check_model_spec, resolve
@@ -61,9 +62,32 @@ def parser(
             default="bf16",
             help="dtype of the unquantized tensors (embeddings, norms, biases) in --out; config.json declares it",
         )
+    ap.add_argument(
+        "--rotate",
+        action="store_true",
+        help="QuaRot-style Hadamard rotation first (norms folded, residual stream rotated, head untied; "
+        "float model unchanged): see quantize/rotation.py",
+    )
+    ap.add_argument(
+        "--rotation-mode",
+        default="online",
+        choices=["online", "residual"],
+        help="with --rotate: online = Hadamard on each norm's output (norm weights kept: measured better on "
+        "SmolLM2); residual = QuaRot's folded norms and rotated residual stream (untied head)",
+    )
+    ap.add_argument(
+        "--no-online-hadamard",
+        action="store_true",
+        help="with --rotate: skip the online Hadamard on down_proj's input (residual rotation only)",
+    )
     ap.set_defaults(quantizer=module.rsplit(".", 1)[-1])
     if calibration:
-        ap.add_argument("--calib", default="wiki", help="calibration text: wiki | wiki-es | wiki-fr (calib split)")
+        ap.add_argument(
+            "--calib",
+            default="wiki",
+            help="calibration texts (calib split, documents >= 5000): wiki | wiki-es | wiki-fr | wiki-desc, or a "
+            "mixture with proportions: wiki:0.5,wiki-fr:0.25,wiki-es:0.25",
+        )
         ap.add_argument("--nsamples", type=int, default=128, help="calibration windows")
         ap.add_argument("--seqlen", type=int, default=512, help="tokens per calibration window")
         ap.add_argument("--batch-size", type=int, default=8, help="windows per forward in the calibration pass")
@@ -74,7 +98,10 @@ def parser(
         )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
-        "--eval", default=None, help="after quantizing, perplexity on these texts: wiki,wiki-fr or wiki:64,wiki-fr:32"
+        "--eval",
+        default=None,
+        help="after quantizing, perplexity on these texts (wiki, wiki-es, wiki-fr, wiki-desc, chat): wiki,wiki-fr "
+        "or wiki:64,wiki-fr:32",
     )
     ap.add_argument("--eval-windows", type=int, default=64, help="first N eval-split windows of 512 tokens (default)")
     ap.add_argument("--record", default=None, help="append a JSON result record to this file")
@@ -156,6 +183,17 @@ def load(ap: argparse.ArgumentParser, args, cfg: QuantConfig):
             cfg.targets(model)
     except (ModelSpecError, QuantConfigError, KeyError) as err:
         ap.error(str(err).strip("'\""))
+    if getattr(args, "rotate", False):
+        if source is not None:
+            ap.error("--rotate needs the whole float model in memory; drop --layer-by-layer")
+        try:
+            rotate_model(model, seed=args.seed, online=not args.no_online_hadamard, mode=args.rotation_mode)
+        except ValueError as err:
+            ap.error(f"--rotate: {err}")
+        log(
+            f"rotated ({args.rotation_mode}, seed {args.seed}, "
+            f"online Hadamard on down_proj: {not args.no_online_hadamard})"
+        )
     check_format(ap, args, cfg, model)
     return model, CachedTokenizer(load_tokenizer(str(path))), path, source
 
@@ -169,6 +207,12 @@ def check_format(ap: argparse.ArgumentParser, args, cfg: QuantConfig, model) -> 
     args.format = args.format or default_format(args.quantizer, act_quant, cfg.bits, cfg.sym)
     if args.out is None:
         return
+    if getattr(args, "rotate", False) and args.rotation_mode == "online":
+        if args.format == "compressed-tensors":
+            ap.error("--rotate --rotation-mode online needs qspec's loader (it re-installs the online Hadamard), "
+                     "which reads gptq/awq files: use --rotation-mode residual for compressed-tensors")  # fmt: skip
+        log("note: online rotation: only qspec's loader re-installs the online Hadamard; other tools need "
+            "--rotation-mode residual (a pure weight transform)")  # fmt: skip
     names = cfg.target_names(model)
     # act-order leaves a g_idx on grouped layers unless groups are static (AWQ: only with --gptq)
     act_order = getattr(args, "act_order", False) and not getattr(args, "static_groups", False)
@@ -261,15 +305,17 @@ def interrupted_calibration(store, n_layers: int) -> None:
 
 
 def calibration_tokens(ap: argparse.ArgumentParser, args, tokenizer) -> torch.Tensor:
-    """[nsamples, seqlen] token ids from the calibration split."""
-    from runtime.data import LANGUAGES, calibration_windows
+    """[nsamples, seqlen] token ids from the calibration split of --calib (one text, or a weighted mixture:
+    each text's share of the windows is its proportion, largest remainders rounded up)."""
+    from runtime.data import mixed_calibration_windows, parse_mixture
 
-    lang = "en" if args.calib == "wiki" else args.calib.removeprefix("wiki-")
-    if lang not in LANGUAGES or not args.calib.startswith("wiki"):
-        ap.error(f"--calib {args.calib!r}: choose wiki or wiki-LANG with LANG in {sorted(LANGUAGES)}")
+    try:
+        parse_mixture(args.calib)
+    except ValueError as err:
+        ap.error(f"--calib {args.calib!r}: {err}")
     log(f"tokenizing the {args.calib} calibration split (cached under $QSPEC_HOME/token_cache after the first run)")
     try:
-        windows = calibration_windows(tokenizer, args.nsamples, args.seqlen, args.seed, lang)
+        windows = mixed_calibration_windows(tokenizer, args.calib, args.nsamples, args.seqlen, args.seed)
     except ValueError as err:
         ap.error(f"calibration data: {err}")
     return torch.tensor(windows, dtype=torch.long)
@@ -303,6 +349,8 @@ def finish(
     argv: list[str] | None = None,
 ) -> dict:
     """Evaluate (if asked), save (if asked) and write the result record."""
+    if getattr(args, "rotate", False):
+        cfg.extra["rotation"] = rotation_record(args.seed, not args.no_online_hadamard, args.rotation_mode)
     record = {
         "quant_config": cfg.to_dict(),
         "model": args.model,

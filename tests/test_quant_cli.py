@@ -300,3 +300,98 @@ def test_gptq_static_act_order_exports_to_compressed_tensors(tiny_checkpoint, tm
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     assert qc["config_groups"]["group_0"]["weights"]["actorder"] == "weight"
     assert isinstance(load_model(str(out))[0].layers[1].self_attn.o_proj, QuantLinear)
+
+
+@pytest.mark.parametrize("mode", ["residual", "online"])
+def test_rotated_rtn_cli_saves_reloads_and_keeps_the_float_model(tiny_checkpoint, tmp_path, mode):
+    """--rotate: the saved checkpoint (online rotations re-installed by the loader; residual mode: untied head)
+    gives the in-memory rotated+quantized model's logits; rotating alone leaves the float model's logits."""
+    from quantize.rotation import HadamardMLP, RotatedRMSNorm, rotate_model
+
+    out = tmp_path / "rot"
+    rec = tmp_path / "rec.jsonl"
+    argv = ["--model", str(tiny_checkpoint), "--group-size", "32", "--rotate", "--out", str(out), "--record", str(rec)]
+    rtn.main([*argv, "--rotation-mode", mode])
+    record = json.loads(rec.read_text())
+    assert record["quant_config"]["rotation"]["online_down"] is True
+    assert record["quant_config"]["rotation"]["mode"] == mode
+    loaded, config, _ = load_model(str(out))
+    assert isinstance(loaded.layers[0].mlp, HadamardMLP)
+    assert isinstance(loaded.layers[0].input_layernorm, RotatedRMSNorm) == (mode == "online")
+    assert config.tie_word_embeddings == (TINY.tie_word_embeddings and mode == "online")
+    float_model = random_model(TINY, seed=0)
+    reference = rtn.quantize_model(
+        rotate_model(random_model(TINY, seed=0), mode=mode), rtn.QuantConfig(bits=4, group_size=32)
+    )
+    for mod in reference.modules():
+        if isinstance(mod, QuantLinear):
+            mod.scales = mod.scales.half().float()  # what the checkpoint holds
+    tokens = torch.randint(0, VOCAB, (2, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(tokens), reference(tokens), rtol=1e-5, atol=1e-5)
+        assert (rotate_model(random_model(TINY, seed=0), mode=mode)(tokens) - float_model(tokens)).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("main", [gptq.main, int8.main])
+def test_rotate_with_calibrated_quantizers(tiny_checkpoint, tmp_path, main):
+    extra = ["--w8a8", "--smooth", "0.5"] if main is int8.main else ["--group-size", "32", "--act-order"]
+    rec = tmp_path / "rec.jsonl"
+    argv = ["--model", str(tiny_checkpoint), "--rotate", "--nsamples", "4", "--seqlen", "16", "--eval", "wiki:2"]
+    main([*argv, "--record", str(rec), *extra])
+    record = json.loads(rec.read_text())
+    assert record["quant_config"]["rotation"]["method"] == "hadamard"
+    from quantize.cli import evaluate
+    from runtime.data import wiki_text
+
+    float_ppl = evaluate(random_model(TINY, seed=0), WordTokenizer(), "wiki:2", 2)["perplexity"]["wiki"]
+    assert wiki_text("eval")  # the patched text the CLI scored too
+    assert abs(record["perplexity"]["wiki"] / float_ppl - 1) < 0.05  # quantized, still the same model
+
+
+def test_rotate_with_layer_by_layer_is_an_error(tiny_checkpoint, capsys):
+    argv = ["--model", str(tiny_checkpoint), "--eval", "wiki", "--group-size", "32", "--rotate", "--layer-by-layer"]
+    assert "--rotate needs the whole float model in memory" in run_error(gptq.main, argv, capsys)
+
+
+def test_mixed_calibration_takes_each_share_from_its_own_text(tiny_checkpoint, monkeypatch):
+    """--calib wiki:0.5,wiki-fr:0.25,wiki-es:0.25 with 8 windows: 4, 2, 2 windows, each from its language's
+    calibration text (each language gets its own vocabulary here, so a window shows where it came from)."""
+    import argparse
+
+    from quantize import cli
+
+    texts = {lang: " ".join(f"{lang}{i % 50}" for i in range(2000)) for lang in ("en", "fr", "es")}
+    monkeypatch.setattr("runtime.data.wiki_text", lambda split="calib", lang="en": texts[lang])
+
+    class LangTokenizer:
+        def __call__(self, text, add_special_tokens=True):
+            from types import SimpleNamespace
+
+            return SimpleNamespace(
+                input_ids=[{"en": 0, "fr": 1, "es": 2}[w[:2]] * 100 + int(w[2:]) for w in text.split()]
+            )
+
+    ap = argparse.ArgumentParser()
+    args = argparse.Namespace(calib="wiki:0.5,wiki-fr:0.25,wiki-es:0.25", nsamples=8, seqlen=16, seed=0)
+    tokens = cli.calibration_tokens(ap, args, LangTokenizer())
+    assert tokens.shape == (8, 16)
+    langs = [set((row // 100).tolist()) for row in tokens]
+    assert langs == [{0}] * 4 + [{1}] * 2 + [{2}] * 2
+    args.calib = "wiki,wiki-fr"  # bare names weigh 1 each
+    assert [int(r[0]) // 100 for r in cli.calibration_tokens(ap, args, LangTokenizer())] == [0] * 4 + [1] * 4
+
+
+@pytest.mark.parametrize(
+    "calib,message",
+    [
+        ("wiki:0.5,books:0.5", "calibration text 'books'"),
+        ("wiki:x", "calibration weight 'x' of 'wiki' is not a number"),
+        ("wiki:0", "calibration weight of 'wiki' must be > 0"),
+        ("wiki,wiki", "calibration text 'wiki' is listed twice"),
+        ("chat", "calibration text 'chat'"),
+    ],
+)
+def test_bad_calibration_mixture_is_one_clear_error(tiny_checkpoint, capsys, calib, message):
+    argv = ["--model", str(tiny_checkpoint), "--eval", "wiki", "--group-size", "32", "--calib", calib]
+    err = run_error(gptq.main, argv, capsys)
+    assert message in err and "--calib" in err, err

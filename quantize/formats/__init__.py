@@ -25,6 +25,7 @@ from quantize.formats import compressed_tensors as ct
 from quantize.formats.errors import CheckpointError, check_safetensors_file
 from quantize.qembedding import shares_quantized_head, tie_quantized_embedding
 from quantize.qlinear import QuantizedWeight, QuantLinear, set_module
+from quantize.rotation import install_online_hadamard
 from runtime import layout
 from runtime.loader import register_quantized_format
 
@@ -400,6 +401,8 @@ def load_quantized_into(model, path: str | Path, quantization_config: dict, dtyp
     cfg = model.config
     qkey = quantized_key(qc)
     quantized_head = "lm_head" + qkey in tensors
+    if quantization_config.get("rotation"):
+        install_online_hadamard(model, quantization_config["rotation"])  # the weights were rotated for it
     for module_name, parts in linear_layout(model, quantized_head):
         module = model.get_submodule(module_name)
         in_features = module.in_features
