@@ -45,7 +45,9 @@ import torch
 from runtime.config import ModelConfig
 from runtime.data import wiki_docs, wiki_split
 from runtime.decoding import generate
+from runtime.loader import DEFAULT_MODEL, load_model, load_tokenizer
 from runtime.model import random_model
+from runtime.paths import qspec_home
 from runtime.provenance import module_command, provenance
 from runtime.sampling import SamplingParams
 from speculate.base import Proposal, SpecState, Speculator, SpeculatorError
@@ -78,8 +80,15 @@ SMOKE_METHODS = [
 ]
 METHOD_OPTIONS = {"k", "fixed", "layers", "bits", "tree", "depth", "topk", "frontier"}
 SMOKE_CONFIG = ModelConfig(
-    vocab_size=96, hidden_size=128, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
-    max_position_embeddings=512, eos_token_ids=[1],
+    vocab_size=96,
+    hidden_size=128,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=32,
+    max_position_embeddings=512,
+    eos_token_ids=[1],
 )
 
 
@@ -134,31 +143,67 @@ def build_suite(per_category: int, seed: int = 0, min_chars: int = 300, max_char
         return [{"role": "user", "content": text}]
 
     for d in take(lambda d: bool(d.description)):
-        out.append(SuitePrompt("summarization", d.title, user(
-            f"Summarize the following passage in one sentence.\n\n{d.extract}"), reference=d.description))
+        out.append(
+            SuitePrompt(
+                "summarization",
+                d.title,
+                user(f"Summarize the following passage in one sentence.\n\n{d.extract}"),
+                reference=d.description,
+            )
+        )
     for d in take(lambda d: True):
-        out.append(SuitePrompt("qa", d.title, user(
-            f"Answer the question using only the passage.\n\nPassage: {d.extract}\n\n"
-            f"Question: What is {d.title}, and what is it known for?")))
+        out.append(
+            SuitePrompt(
+                "qa",
+                d.title,
+                user(
+                    f"Answer the question using only the passage.\n\nPassage: {d.extract}\n\n"
+                    f"Question: What is {d.title}, and what is it known for?"
+                ),
+            )
+        )
     for d in take(lambda d: True):
-        out.append(SuitePrompt("rewriting", d.title, user(
-            "Rewrite the following passage with correct capitalization and punctuation. Keep every word.\n\n"
-            f"{strip_edits(d.extract)}"), reference=d.extract))
+        out.append(
+            SuitePrompt(
+                "rewriting",
+                d.title,
+                user(
+                    "Rewrite the following passage with correct capitalization and punctuation. Keep every word.\n\n"
+                    f"{strip_edits(d.extract)}"
+                ),
+                reference=d.extract,
+            )
+        )
     for i, d in enumerate(take(lambda d: d.title in parallel["fr"] or d.title in parallel["es"])):
         lang = "fr" if d.title in parallel["fr"] and (i % 2 == 0 or d.title not in parallel["es"]) else "es"
         name = {"fr": "French", "es": "Spanish"}[lang]
-        out.append(SuitePrompt("translation", d.title, user(
-            f"Translate the following passage into {name}.\n\n{d.extract}"),
-            reference=parallel[lang][d.title].extract, language=lang))
+        out.append(
+            SuitePrompt(
+                "translation",
+                d.title,
+                user(f"Translate the following passage into {name}.\n\n{d.extract}"),
+                reference=parallel[lang][d.title].extract,
+                language=lang,
+            )
+        )
     for d in take(lambda d: True):
-        out.append(SuitePrompt("chat", d.title, [
-            {"role": "user", "content": f"Tell me about {d.title}."},
-            {"role": "assistant", "content": d.extract},
-            {"role": "user", "content": "Thanks! Can you explain that again in simpler words, for a child?"},
-        ]))
+        out.append(
+            SuitePrompt(
+                "chat",
+                d.title,
+                [
+                    {"role": "user", "content": f"Tell me about {d.title}."},
+                    {"role": "assistant", "content": d.extract},
+                    {"role": "user", "content": "Thanks! Can you explain that again in simpler words, for a child?"},
+                ],
+            )
+        )
     for d in take(lambda d: len(re.split(r"(?<=[.!?])\s+", d.extract)) >= 3):
-        out.append(SuitePrompt("continuation", d.title, user(
-            f"Continue the following text.\n\n{first_sentences(d.extract, 2)}")))
+        out.append(
+            SuitePrompt(
+                "continuation", d.title, user(f"Continue the following text.\n\n{first_sentences(d.extract, 2)}")
+            )
+        )
     return out
 
 
@@ -260,7 +305,11 @@ def build_method(name: str, kw: dict, model, heads_dir: dict[str, Path | None], 
         else:
             head = load_eagle(_need(heads_dir["eagle"], "eagle"), model)
         return EagleSpeculator(
-            model, head, depth=kw.get("depth", 4), topk=kw.get("topk", 4), frontier=kw.get("frontier", 4),
+            model,
+            head,
+            depth=kw.get("depth", 4),
+            topk=kw.get("topk", 4),
+            frontier=kw.get("frontier", 4),
             tree_size=kw.get("tree", 8),
         )
     raise SuiteError(f"no speculator for {name!r}")
@@ -350,8 +399,18 @@ def summarize(cell: Cell, base: Cell | None, lossless: bool) -> dict:
 def merge(cells: list[Cell]) -> Cell:
     total = Cell()
     for c in cells:
-        for f in ("seconds", "tokens", "rows", "exact_rows", "draft_s", "decode_s", "steps", "row_steps",
-                  "accepted", "drafted"):
+        for f in (
+            "seconds",
+            "tokens",
+            "rows",
+            "exact_rows",
+            "draft_s",
+            "decode_s",
+            "steps",
+            "row_steps",
+            "accepted",
+            "drafted",
+        ):
             setattr(total, f, getattr(total, f) + getattr(c, f))
         for j, (a, n) in enumerate(zip(c.accepted_at, c.proposed_at)):
             if j >= len(total.accepted_at):
@@ -365,9 +424,18 @@ def merge(cells: list[Cell]) -> Cell:
 
 
 def run_suite(
-    model, prompts: list[tuple[str, list[int]]], methods: list[str], batch_sizes: list[int], max_tokens: int,
-    heads_dir: dict[str, Path | None], smoke: bool = False, tokenizer=None, seed: int = 0, temperature: float = 0.0,
-    warmup: int = 1, log=print,
+    model,
+    prompts: list[tuple[str, list[int]]],
+    methods: list[str],
+    batch_sizes: list[int],
+    max_tokens: int,
+    heads_dir: dict[str, Path | None],
+    smoke: bool = False,
+    tokenizer=None,
+    seed: int = 0,
+    temperature: float = 0.0,
+    warmup: int = 1,
+    log=print,
 ) -> dict:
     parsed = [parse_method(m) for m in methods]
     if "plain" not in methods:
@@ -441,8 +509,10 @@ def run_suite(
 
 
 def print_tables(result: dict, out=sys.stderr) -> None:
-    head = (f"{'batch':>5s} {'category':14s} {'method':34s} {'tok/s':>8s} {'vs plain':>8s} {'tok/step':>8s} "
-            f"{'draft%':>6s} {'same':>6s} per-position acceptance")
+    head = (
+        f"{'batch':>5s} {'category':14s} {'method':34s} {'tok/s':>8s} {'vs plain':>8s} {'tok/step':>8s} "
+        f"{'draft%':>6s} {'same':>6s} per-position acceptance"
+    )
     print(head, file=out)
     for r in result["rows"]:
         print(
@@ -456,9 +526,6 @@ def print_tables(result: dict, out=sys.stderr) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from runtime.loader import DEFAULT_MODEL, load_model, load_tokenizer
-    from runtime.paths import qspec_home
-
     ap = argparse.ArgumentParser(prog="python -m evals.specbench", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--methods", nargs="+", default=None, help="methods (default: every speculator)")
@@ -489,8 +556,11 @@ def main(argv: list[str] | None = None) -> dict:
     tokenizer = None
     if args.smoke:
         model = random_model(SMOKE_CONFIG, seed=args.seed)
-        prompts = [(c, p) for c, p in smoke_suite(args.per_category, args.seed, SMOKE_CONFIG.vocab_size)
-                   if c in args.categories]
+        prompts = [
+            (c, p)
+            for c, p in smoke_suite(args.per_category, args.seed, SMOKE_CONFIG.vocab_size)
+            if c in args.categories
+        ]
         heads_dir: dict[str, Path | None] = {"medusa": None, "eagle": None}
         suite_meta = [{"category": c, "prompt_tokens": len(p)} for c, p in prompts]
     else:
@@ -510,15 +580,29 @@ def main(argv: list[str] | None = None) -> dict:
 
     try:
         result = run_suite(
-            model, prompts, methods, args.batch_sizes, args.max_tokens, heads_dir, smoke=args.smoke,
-            tokenizer=tokenizer, seed=args.seed, temperature=args.temperature, warmup=args.warmup, log=log,
+            model,
+            prompts,
+            methods,
+            args.batch_sizes,
+            args.max_tokens,
+            heads_dir,
+            smoke=args.smoke,
+            tokenizer=tokenizer,
+            seed=args.seed,
+            temperature=args.temperature,
+            warmup=args.warmup,
+            log=log,
         )
     except SuiteError as err:
         ap.error(str(err))
     record.update(
         suite={"per_category": args.per_category, "categories": args.categories, "prompts": suite_meta},
-        max_tokens=args.max_tokens, temperature=args.temperature, batch_sizes=args.batch_sizes, smoke=args.smoke,
-        load_average_end=os.getloadavg(), **result,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        batch_sizes=args.batch_sizes,
+        smoke=args.smoke,
+        load_average_end=os.getloadavg(),
+        **result,
     )
     print_tables(result)
     if args.out:

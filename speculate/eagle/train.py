@@ -28,13 +28,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from runtime.loader import DEFAULT_MODEL, load_model, load_tokenizer
+from runtime.paths import qspec_home
 from speculate.eagle.head import EagleConfig, EagleHead
 from speculate.medusa.train import training_windows
 
 
 def default_output_dir(model_spec: str) -> Path:
-    from runtime.paths import qspec_home
-
     return qspec_home() / "eagle" / Path(model_spec).name.removesuffix(".gguf")
 
 
@@ -118,8 +118,6 @@ def draft_accuracy(head: EagleHead, model, windows: list[list[int]], depth: int)
 
 
 def main(argv: list[str] | None = None) -> None:
-    from runtime.loader import DEFAULT_MODEL, load_model, load_tokenizer
-
     ap = argparse.ArgumentParser(prog="python -m speculate.eagle.train", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=DEFAULT_MODEL, help="base model spec (frozen)")
     ap.add_argument("--out", default=None, help="checkpoint directory (default $QSPEC_HOME/eagle/MODEL)")
