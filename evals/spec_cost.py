@@ -44,6 +44,7 @@ from runtime.paths import qspec_home
 from runtime.provenance import module_command, provenance
 from runtime.sampling import SamplingParams
 from speculate.base import SpecState, SpeculatorError
+from speculate.draft import default_draft_file
 from speculate.generate import chain_metadata
 
 
@@ -271,6 +272,38 @@ def predict_suite(
     return rows
 
 
+def draft_label(describe: dict) -> str | None:
+    """'draft(layers:8)' / 'quant-draft(int4+layers:15)' -> the --draft-model spec ('layers:8', 'int4+layers:15')."""
+    name = describe.get("name", "")
+    for prefix in ("draft(", "quant-draft("):
+        if name.startswith(prefix) and name.endswith(")"):
+            return name[len(prefix) : -1]
+    return None
+
+
+def choose_draft(suite: dict, profile: Profile, cfg=None, context: int = 512, batch: int = 1) -> tuple[dict, list]:
+    """The draft-model method with the best predicted speedup (measured acceptance per cost) on the suite
+    overall at ``batch``: (choice {draft, k, method, predicted_speedup}, every candidate's row)."""
+    describe = suite.get("speculators", {})
+    rows = [
+        r
+        for r in predict_suite(suite, profile, cfg, context)
+        if r["category"] == "overall" and r["batch"] == batch and draft_label(describe.get(r["method"], {}))
+    ]
+    if not rows:
+        raise CostError(f"the suite has no draft-model method measured overall at batch {batch}")
+    best = max(rows, key=lambda r: r["predicted_speedup"])
+    d = describe[best["method"]]
+    choice = {
+        "draft": draft_label(d),
+        "k": d.get("k"),
+        "method": best["method"],
+        "predicted_speedup": best["predicted_speedup"],
+        "profile": profile.name,
+    }
+    return choice, rows
+
+
 # ---- measuring this machine ----------------------------------------------------------------------------
 
 
@@ -328,6 +361,12 @@ def main(argv: list[str] | None = None) -> None:
     m.add_argument("--smoke", action="store_true", help="tiny random model")
     m.add_argument("--threads", type=int, default=None)
     m.add_argument("--out", required=True)
+    c = sub.add_parser("choose-draft", help="the default draft for this model, by measured acceptance per cost")
+    c.add_argument("--suite", required=True)
+    c.add_argument("--profile", required=True)
+    c.add_argument("--model", default=None)
+    c.add_argument("--context", type=int, default=512)
+    c.add_argument("--write", action="store_true", help="save it as the model's default draft ($QSPEC_HOME)")
     p = sub.add_parser("predict", help="predicted vs measured speedup per (batch, category, method)")
     p.add_argument("--suite", required=True, help="an evals.specbench JSON record")
     p.add_argument("--profile", required=True, help=f"a profile JSON (measured / gpu_check) or one of {list(GPUS)}")
@@ -371,8 +410,25 @@ def main(argv: list[str] | None = None) -> None:
         return
     suite = json.loads(Path(args.suite).read_text())
     cfg = None
-    if args.profile in GPUS:
-        cfg = SMOKE_CONFIG if suite.get("smoke") else load_model(args.model or DEFAULT_MODEL)[1]
+    if args.profile in GPUS or args.cmd == "choose-draft":
+        model, cfg, _ = load_model(args.model or DEFAULT_MODEL, dtype=torch.float32)
+    if args.cmd == "choose-draft":
+        try:
+            choice, rows = choose_draft(suite, load_profile(args.profile, cfg, args.context), cfg, args.context)
+        except CostError as err:
+            ap.error(str(err))
+        for r in rows:
+            print(
+                f"{r['method']:40s} {r['tokens_per_step']:6.2f} tok/step  predicted {r['predicted_speedup']:.3f}x",
+                file=sys.stderr,
+            )
+        print(json.dumps(choice))
+        if args.write:
+            path = default_draft_file(model)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps({**choice, "evidence": rows, "suite": args.suite}, indent=2))
+            print(f"[spec_cost] default draft for this model -> {path}", file=sys.stderr)
+        return
     try:
         profile = load_profile(args.profile, cfg, args.context)
         rows = predict_suite(suite, profile, cfg, args.context, args.draft_from_suite)

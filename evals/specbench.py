@@ -436,6 +436,7 @@ def run_suite(
     temperature: float = 0.0,
     warmup: int = 1,
     log=print,
+    on_progress=None,
 ) -> dict:
     parsed = [parse_method(m) for m in methods]
     if "plain" not in methods:
@@ -465,6 +466,8 @@ def run_suite(
             run(spec, [prompts[0][1]], 8)
     cells: dict[tuple[int, str, str], Cell] = {}
     flagged = []
+    order_cats = list(dict.fromkeys(c for c, _ in prompts))
+
     for B in batch_sizes:
         for cat in dict.fromkeys(c for c, _ in prompts):
             cat_prompts = [p for c, p in prompts if c == cat]
@@ -490,10 +493,17 @@ def run_suite(
                     if same < len(batch) and params.greedy and (spec == "plain" or speculators[spec].lossless):
                         flagged.append({"batch": B, "category": cat, "method": spec, "prompts": f"{i}..{i + B - 1}"})
                 log(f"[specbench] batch {B} {cat} prompts {i + 1}-{i + len(batch)}/{len(cat_prompts)} done")
+                if on_progress is not None:  # partial tables: a long run killed midway keeps what it measured
+                    on_progress(tabulate(cells, active, speculators, skipped, flagged, batch_sizes, order_cats))
+    return tabulate(cells, active, speculators, skipped, flagged, batch_sizes, [c for c, _ in prompts])
+
+
+def tabulate(cells, active, speculators, skipped, flagged, batch_sizes, categories) -> dict:
+    """Rows per (batch, category, method) and per batch overall, from the (batch, category) pairs done so far."""
     rows = []
     for B in batch_sizes:
-        cats = list(dict.fromkeys(c for c, _ in prompts))
-        for cat in [*cats, "overall"]:
+        cats = [c for c in dict.fromkeys(categories) if all((B, c, m) in cells for m in active)]
+        for cat in [*cats, "overall"] if cats else []:
             for spec in active:
                 pick = cats if cat == "overall" else [cat]
                 cell = merge([cells[(B, c, spec)] for c in pick])
@@ -578,6 +588,20 @@ def main(argv: list[str] | None = None) -> dict:
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
+    record.update(
+        suite={"per_category": args.per_category, "categories": args.categories, "prompts": suite_meta},
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        batch_sizes=args.batch_sizes,
+        smoke=args.smoke,
+    )
+
+    def save(result: dict, complete: bool) -> None:
+        record.update(result, complete=complete, load_average_end=os.getloadavg())
+        if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(record, indent=2))
+
     try:
         result = run_suite(
             model,
@@ -592,22 +616,12 @@ def main(argv: list[str] | None = None) -> dict:
             temperature=args.temperature,
             warmup=args.warmup,
             log=log,
+            on_progress=lambda r: save(r, complete=False),  # a run killed midway keeps what it measured
         )
     except SuiteError as err:
         ap.error(str(err))
-    record.update(
-        suite={"per_category": args.per_category, "categories": args.categories, "prompts": suite_meta},
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        batch_sizes=args.batch_sizes,
-        smoke=args.smoke,
-        load_average_end=os.getloadavg(),
-        **result,
-    )
+    save(result, complete=True)
     print_tables(result)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(record, indent=2))
     if args.strict and result["not_identical"]:
         raise SystemExit(f"greedy output differs from plain decoding: {result['not_identical']}")
     return record
