@@ -16,7 +16,7 @@ the T histogram are hardware-independent (measured on the suite); c and draft_co
 - ``gpu_check``: a measured GPU curve, the JSON record of ``evals.gpu_check`` (issue 13). Read fields (to be
   agreed with that record): ``verify_curve_s`` {T: seconds} or ``verify_curve_ms`` {T: ms} (T = new tokens
   per row, batch 1, the record's context), optional ``draft_s`` {method label: seconds per propose()} and
-  ``device``. Anything else is ignored; a record without a curve is an error.
+  ``device``, ``batch`` (default 1). Anything else is ignored; a record without a curve is an error.
 
 Between measured T the curve is interpolated linearly, beyond the last point extrapolated from the last two.
 
@@ -59,6 +59,7 @@ class Profile:
     verify_s: dict[int, float]  # T -> seconds of one target forward over T new tokens per row
     draft_s: dict[str, float] = field(default_factory=dict)  # method label -> seconds per propose() call
     notes: str = ""
+    batch: int = 1  # rows per forward the curve was measured at: predictions are for suite rows of this batch
 
     def __post_init__(self):
         if not self.verify_s or 1 not in self.verify_s:
@@ -217,6 +218,7 @@ def load_profile(spec: str, cfg=None, context: int = 512) -> Profile:
             {int(t): float(c) for t, c in raw["verify_s"].items()},
             {k: float(v) for k, v in raw.get("draft_s", {}).items()},
             raw.get("notes", ""),
+            int(raw.get("batch", 1)),
         )
     if "verify_curve_s" in raw or "verify_curve_ms" in raw:
         scale, curve = (1.0, raw["verify_curve_s"]) if "verify_curve_s" in raw else (1e-3, raw["verify_curve_ms"])
@@ -225,6 +227,7 @@ def load_profile(spec: str, cfg=None, context: int = 512) -> Profile:
             "gpu_check",
             {int(t): float(c) * scale for t, c in curve.items()},
             {k: float(v) for k, v in raw.get("draft_s", {}).items()},
+            batch=int(raw.get("batch", 1)),
         )
     raise CostError(f"{path} holds no cost curve (expected kind=measured, verify_curve_s or verify_curve_ms)")
 
@@ -242,7 +245,7 @@ def predict_suite(
     describe = suite.get("speculators", {})
     rows = []
     for r in suite["rows"]:
-        if r["method"] == "plain" or "fed_tokens_hist" not in r:
+        if r["method"] == "plain" or "fed_tokens_hist" not in r or r["batch"] != profile.batch:
             continue
         method = r["method"]
         if draft_from_suite:
@@ -307,17 +310,17 @@ def choose_draft(suite: dict, profile: Profile, cfg=None, context: int = 512, ba
 # ---- measuring this machine ----------------------------------------------------------------------------
 
 
-def measure(model, speculators: dict, context: int, Ts: list[int], repeats: int) -> Profile:
-    """Median seconds of a target forward over T new tokens (batch 1, ``context`` cached) and of each
+def measure(model, speculators: dict, context: int, Ts: list[int], repeats: int, batch: int = 1) -> Profile:
+    """Median seconds of a target forward over T new tokens (``batch`` rows, ``context`` cached) and of each
     speculator's propose() on a state after a prefill of ``context`` tokens."""
     cfg = model.config
     gen = torch.Generator().manual_seed(0)
     capacity = context + max(Ts) + 64
-    tokens = torch.randint(2, cfg.vocab_size, (1, capacity), generator=gen)
-    cache = KVCache(cfg, 1, capacity, model.compute_dtype, torch.device("cpu"))
+    tokens = torch.randint(2, cfg.vocab_size, (batch, capacity), generator=gen)
+    cache = KVCache(cfg, batch, capacity, model.compute_dtype, torch.device("cpu"))
     with torch.inference_mode():
-        hidden = model(tokens[:, :context], prefill_meta(1, context, torch.device("cpu")), cache, hidden_only=True)
-        lengths = torch.tensor([context + 1])
+        hidden = model(tokens[:, :context], prefill_meta(batch, context, torch.device("cpu")), cache, hidden_only=True)
+        lengths = torch.full((batch,), context + 1)
 
         def median(fn) -> float:
             fn()  # warm-up
@@ -346,7 +349,8 @@ def measure(model, speculators: dict, context: int, Ts: list[int], repeats: int)
             )
             sp.start(state)
             draft[label] = median(lambda sp=sp, state=state: sp.propose(state))
-    return Profile("cpu-measured", "measured", verify, draft, notes=f"context {context}, batch 1, median of {repeats}")
+    notes = f"context {context}, batch {batch}, median of {repeats}"
+    return Profile("cpu-measured", "measured", verify, draft, notes=notes, batch=batch)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -357,6 +361,7 @@ def main(argv: list[str] | None = None) -> None:
     m.add_argument("--context", type=int, default=256)
     m.add_argument("--max-T", type=int, default=32)
     m.add_argument("--repeats", type=int, default=7)
+    m.add_argument("--batch", type=int, default=1, help="rows per forward (predicts the suite's rows of this batch)")
     m.add_argument("--methods", nargs="*", default=None, help="draft methods to time (evals.specbench syntax)")
     m.add_argument("--smoke", action="store_true", help="tiny random model")
     m.add_argument("--threads", type=int, default=None)
@@ -394,7 +399,7 @@ def main(argv: list[str] | None = None) -> None:
                 sps[spec] = build_method(*parse_method(spec), model, heads, args.smoke)
             except SpeculatorError as err:
                 print(f"[spec_cost] skipping {spec}: {err}", file=sys.stderr)
-        prof = measure(model, sps, args.context, Ts, args.repeats)
+        prof = measure(model, sps, args.context, Ts, args.repeats, args.batch)
         record = {
             **provenance(command=module_command("evals.spec_cost", argv)),
             "kind": "measured",
@@ -402,6 +407,7 @@ def main(argv: list[str] | None = None) -> None:
             "verify_s": prof.verify_s,
             "draft_s": prof.draft_s,
             "notes": prof.notes,
+            "batch": prof.batch,
         }
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(record, indent=2))

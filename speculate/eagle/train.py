@@ -95,14 +95,14 @@ def draft_accuracy(head: EagleHead, model, windows: list[list[int]], depth: int)
     drafting from the head's own features as at run time (acc[d-1] for d = 1..depth)."""
     hits, counts = [0] * depth, [0] * depth
     for ids in windows:
-        toks = torch.tensor([ids])
+        toks = torch.tensor([ids], device=model.embed_tokens.weight.device)
         hidden = model(toks, hidden_only=True)[0]  # [T, H]
         target = model.logits(hidden).argmax(-1)  # [T]: target's greedy token after each position
         T = len(ids)
-        starts = torch.arange(0, T - depth - 2)  # root at position s: feature h[s], token x[s+1]
+        starts = torch.arange(0, T - depth - 2, device=toks.device)  # root at position s: feature h[s], token x[s+1]
         feats = hidden[starts]  # [S, H]
         embeds = model.embed_tokens(toks[0, starts + 1])
-        alive = torch.ones(len(starts), dtype=torch.bool)
+        alive = torch.ones(len(starts), dtype=torch.bool, device=toks.device)
         xs = []
         for d in range(depth):
             xs.append(head.inputs(embeds, feats))
@@ -133,6 +133,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--train-tokens", type=int, default=1_500_000)
     ap.add_argument("--eval-windows", type=int, default=4, help="held-out windows for the accuracy table")
     ap.add_argument("--save-every", type=int, default=50)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="default: cuda if present")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-bf16", dest="bf16", action="store_false", help="train in fp32 (default: bf16 autocast)")
@@ -143,7 +144,8 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
 
     torch.manual_seed(args.seed)
-    model, _, path = load_model(args.model, dtype=torch.float32)
+    device = torch.device(args.device)
+    model, _, path = load_model(args.model, dtype=torch.float32, device=device)
     model.requires_grad_(False)
     tokenizer = load_tokenizer(str(path))
     out = Path(args.out) if args.out else default_output_dir(args.model)
@@ -152,7 +154,7 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"only {len(windows)} windows of {args.seqlen} tokens; raise --train-tokens")
     eval_windows, train_windows = windows[: args.eval_windows], windows[args.eval_windows :]
     config = EagleConfig.for_model(model, args.model, args.window)
-    head = EagleHead(config)
+    head = EagleHead(config).to(device)
     params = list(head.parameters())
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
     command = "python -m speculate.eagle.train " + shlex.join(argv if argv is not None else sys.argv[1:])
@@ -189,13 +191,13 @@ def main(argv: list[str] | None = None) -> None:
         while step < args.max_steps and time.perf_counter() - t0 < budget:
             first = (step // args.reuse) * args.batch_size
             ids = [train_windows[(first + j) % len(train_windows)] for j in range(args.batch_size)]
-            batch = torch.tensor(ids)
+            batch = torch.tensor(ids, device=device)
             if step % args.reuse == 0:  # a new batch of target features every --reuse updates
-                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
                     hidden, teacher_logp, subset = teacher(model, batch, args.candidates)
                 tokens_seen += batch.numel()
             offset = int(torch.randint(0, args.window, (1,), generator=gen))
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
                 loss, top1 = eagle_loss(
                     head, model, batch, hidden, teacher_logp, subset, args.window, offset, args.cls_weight
                 )
