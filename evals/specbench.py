@@ -4,7 +4,7 @@ Categories (prompts from the wiki *evaluation* split, documents < 5000, never th
 every prompt chat-templated; a fixed seed picks the documents):
 - ``summarization``: extract -> a one-sentence description (reference: the summary's own description);
 - ``qa``: a question answered from a given passage;
-- ``rewriting``: edit a passage whose capitals and commas were stripped (the output copies the input);
+- ``rewriting``: correct the spelling of a passage with seeded typos (the output copies most of the input);
 - ``translation``: an English extract into French or Spanish; only documents whose title exists in the
   French/Spanish summaries too (checked: ~1.2k/0.6k eval titles align), whose extract is kept as a
   reference (comparable text, not a sentence-aligned translation);
@@ -108,9 +108,19 @@ class SuitePrompt:
 # ---- the suite -----------------------------------------------------------------------------------------
 
 
-def strip_edits(text: str) -> str:
-    """The 'rewriting' input: lower-cased, commas removed (the model restores them: an editing task)."""
-    return re.sub(r",", "", text).lower()
+def add_typos(text: str, seed: str, every: int = 6) -> str:
+    """The 'rewriting' input: about one word in ``every`` (of 4+ letters) with two inner letters swapped, seeded
+    by the document; correcting them is an editing task whose output copies most of its input."""
+    rng = random.Random(seed)
+
+    def swap(m: re.Match) -> str:
+        w = m.group(0)
+        if rng.randrange(every):
+            return w
+        i = rng.randrange(1, len(w) - 2)
+        return w[:i] + w[i + 1] + w[i] + w[i + 2 :]
+
+    return re.sub(r"[A-Za-z]{4,}", swap, text)
 
 
 def first_sentences(text: str, n: int) -> str:
@@ -168,8 +178,8 @@ def build_suite(per_category: int, seed: int = 0, min_chars: int = 300, max_char
                 "rewriting",
                 d.title,
                 user(
-                    "Rewrite the following passage with correct capitalization and punctuation. Keep every word.\n\n"
-                    f"{strip_edits(d.extract)}"
+                    "Rewrite the following passage with its spelling mistakes corrected. Change nothing else.\n\n"
+                    f"{add_typos(d.extract, d.title)}"
                 ),
                 reference=d.extract,
             )

@@ -1,5 +1,5 @@
 """evals.specbench: the offline suite's categories (translation only where the parallel summaries share a
-title; the rewriting input is the extract with capitals and commas stripped), and a run of every speculator
+title; the rewriting input is the extract with seeded typos), and a run of every speculator
 on the tiny random model whose greedy outputs must equal plain decoding."""
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ from evals.specbench import (
     CATEGORIES,
     SMOKE_CONFIG,
     SuiteError,
+    add_typos,
     build_suite,
     main,
     parse_method,
     run_suite,
     smoke_suite,
-    strip_edits,
 )
 from runtime.data import wiki_docs, wiki_split
 from runtime.model import random_model
@@ -34,7 +34,10 @@ def test_suite_categories_and_sources():
             other = {d.title: d for d in wiki_docs(s.language)}
             assert s.language in ("fr", "es") and other[s.title].extract == s.reference
         if s.category == "rewriting":
-            assert s.messages[0]["content"].endswith(strip_edits(eval_docs[s.title].extract))
+            source = eval_docs[s.title].extract
+            typo = add_typos(source, s.title)
+            assert s.messages[0]["content"].endswith(typo) and typo != source and len(typo) == len(source)
+            assert sorted(typo) == sorted(source)  # letters swapped, none added or lost
         if s.category == "chat":
             assert [m["role"] for m in s.messages] == ["user", "assistant", "user"]
     assert build_suite(per_category=3, seed=0) == suite  # fixed seed
