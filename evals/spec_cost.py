@@ -162,11 +162,11 @@ def forward_time(
     return max((weight_bytes + kv_bytes) / gpu.bandwidth, flops / gpu.flops) + gpu.per_forward_s + gpu.per_layer_s * n
 
 
-def draft_time(gpu: GPU, s: Shapes, method: dict, context: int) -> float:
+def draft_time(gpu: GPU, s: Shapes, method: dict, context: int) -> float | None:
     """Seconds of one propose() under the roofline, from the suite's speculator description."""
     name = method.get("name", "")
     if name.startswith("ngram"):
-        return 0.0  # a host-side lookup overlapping nothing on the device: counted as free
+        return None  # host-side lookup: the same host work on any device, so the suite's measured seconds
     if name.startswith("draft") or name.startswith("quant-draft"):
         k = int(method.get("k", 1))
         layers = int(method.get("draft_layers", s.layers))
@@ -254,6 +254,7 @@ def predict_suite(
             draft = profile.draft_s[method]
         elif profile.kind == "roofline":
             draft = draft_time(GPUS[profile.name], Shapes.of(cfg), describe.get(method, {"name": method}), context)
+            draft = r["draft_s_per_step"] if draft is None else draft
         else:
             draft = r["draft_s_per_step"]
         pred = predict_speedup(r["tokens_per_step"], r["fed_tokens_hist"], draft, profile)
