@@ -259,7 +259,8 @@ class TimedSpeculator(Speculator):
     def __init__(self, inner: Speculator):
         self.inner = inner
         self.name, self.acceptance = inner.name, inner.acceptance
-        self.draft_s = 0.0
+        self.draft_s = 0.0  # propose() seconds (inside the decode loop's time)
+        self.start_s = 0.0  # start() seconds (the draft's prefill: before the decode loop's clock)
         self.fed: Counter = Counter()  # tokens fed to the target per step (T) -> steps
 
     def max_tokens_per_step(self) -> int:
@@ -268,7 +269,7 @@ class TimedSpeculator(Speculator):
     def start(self, state: SpecState) -> None:
         t0 = time.perf_counter()
         self.inner.start(state)
-        self.draft_s += time.perf_counter() - t0
+        self.start_s += time.perf_counter() - t0
 
     def propose(self, state: SpecState) -> Proposal:
         t0 = time.perf_counter()
