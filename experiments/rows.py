@@ -406,7 +406,63 @@ def speculative_row(ctx, params: dict) -> Variant:
     )
 
 
+def specbench_row(ctx, params: dict) -> Variant:
+    """issue 16: one speculator on the ``evals.specbench`` suite (six chat-templated categories from the wiki
+    eval split, 128+ new tokens), against plain decoding in the same run; the suite's per-category rows (tokens
+    per step, acceptance per position, draft/verify split, speedup, greedy identity) go in the record. The
+    suite times itself (set run_bench: false); the greedy column decodes the fidelity prompts as any row."""
+    from evals.specbench import build_method, build_suite, encode_messages, parse_method, run_suite
+    from runtime.paths import qspec_home
+    from speculate.base import SpeculatorError
+    from speculate.generate import speculative_generate
+
+    m, method = ctx.model, params.get("method")
+    if ctx.tokenizer is None:
+        raise RowUnavailable("the suite is chat-templated text: this model has no tokenizer")
+    name = Path(str(ctx.path)).name
+    heads = {kind: qspec_home() / kind / name for kind in ("medusa", "eagle")}
+    try:
+        spec = build_method(*parse_method(method), m, heads, smoke=False)
+    except (SpeculatorError, ValueError) as err:
+        raise RowUnavailable(f"{method}: {err}") from err
+    suite = build_suite(int(params.get("per_category", 2)), ctx.cfg.seed)
+    suite = [s for s in suite if s.category in params.get("categories", [s.category])]
+    prompts = [(s.category, encode_messages(ctx.tokenizer, s.messages)) for s in suite]
+    temperature = float(params.get("temperature", 0.0))
+    result = run_suite(
+        m,
+        prompts,
+        ["plain", method],
+        [int(b) for b in params.get("batch_sizes", [1])],
+        int(params.get("max_tokens", 128)),
+        heads,
+        tokenizer=ctx.tokenizer,
+        seed=ctx.cfg.seed,
+        temperature=temperature,
+    )
+
+    def greedy(prompts, max_tokens):
+        p = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, seed=ctx.cfg.seed)
+        return speculative_generate(m, [list(q) for q in prompts], p, spec).tokens
+
+    return Variant(
+        greedy=greedy,
+        timed=greedy,
+        baseline_timed=None,
+        scorer=model_scorer(m),
+        model=m,
+        extra={
+            "speculator": method,
+            "lossless": spec.lossless,
+            "temperature": temperature,
+            "suite": [r for r in result["rows"] if r["method"] == method],
+            "suite_not_identical": result["not_identical"],
+        },
+    )
+
+
 ROWS: dict[str, Callable] = {
+    "specbench": specbench_row,
     "reference": reference_row,
     "kv_cache": kv_cache_row,
     "batching": batching_row,

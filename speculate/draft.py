@@ -12,8 +12,10 @@ Any other model spec with the same vocabulary works too (``--draft-model``).
 from __future__ import annotations
 
 import copy
+import json
 from collections.abc import Hashable
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import torch
 from torch import Tensor, nn
@@ -22,8 +24,10 @@ from runtime.grammar import row_masks
 from runtime.layout import device_of
 from runtime.model import Transformer
 from runtime.paged_cache import BlockManager, PagedKVCache, paged_metadata
+from runtime.paths import qspec_home
 from runtime.sampling import logits_to_probs, sample_rows
 from speculate.base import Proposal, SpecState, Speculator, SpeculatorError, check_k
+from speculate.medusa.heads import model_fingerprint
 
 
 def layer_skip_draft(model: Transformer, num_layers: int) -> Transformer:
@@ -191,15 +195,42 @@ class DraftModelSpeculator(Speculator):
         return {**super().describe(), "k": self.k, "draft_layers": cfg.num_layers, "draft_hidden": cfg.hidden_size}
 
 
+DEFAULT_DRAFT_DIR = ("spec", "default_draft")  # under $QSPEC_HOME: {fingerprint}.json, written by evals.spec_cost
+
+
+def default_draft_file(target: Transformer) -> Path:
+    return qspec_home().joinpath(*DEFAULT_DRAFT_DIR, f"{model_fingerprint(target)}.json")
+
+
+def measured_default_draft(target: Transformer) -> str | None:
+    """The draft chosen for this model by measured acceptance per cost (``python -m evals.spec_cost choose-draft``),
+    or None when it has not been measured."""
+    path = default_draft_file(target)
+    if not path.is_file():
+        return None
+    return json.loads(path.read_text())["draft"]
+
+
 def parse_draft_spec(spec: str | None, target: Transformer) -> tuple[Transformer, str]:
-    """--draft-model: 'layers:N' (layer-skip draft of the target, default layers:N/4), or a model spec."""
-    if spec is None or spec.startswith("layers:"):
-        n = max(1, target.config.num_layers // 4) if spec is None else spec.removeprefix("layers:")
+    """--draft-model: 'layers:N' (layer-skip draft of the target), 'int4' / 'int8' (its RTN copy), 'int4+layers:N'
+    (both), or a model spec. None: the draft chosen by measurement for this model when there is one
+    (evals.spec_cost choose-draft), else layers:N/4."""
+    if spec is None:
+        spec = measured_default_draft(target) or f"layers:{max(1, target.config.num_layers // 4)}"
+    bits, _, rest = spec.partition("+") if spec.startswith("int") else ("", "", spec)
+    if bits and bits not in ("int4", "int8"):
+        raise SpeculatorError(f"--draft-model {spec!r}: quantized drafts are int4 or int8")
+    if bits and not rest:
+        return quantized_draft(target, int(bits[3:])), spec
+    if rest.startswith("layers:"):
         try:
-            n = int(n)
+            n = int(rest.removeprefix("layers:"))
         except ValueError:
             raise SpeculatorError(f"--draft-model {spec!r}: expected layers:N with an integer N") from None
-        return layer_skip_draft(target, n), f"layers:{n}"
+        draft = layer_skip_draft(target, n)
+        return (quantized_draft(draft, int(bits[3:])) if bits else draft), spec
+    if bits:
+        raise SpeculatorError(f"--draft-model {spec!r}: expected int4, int8 or intB+layers:N")
     from runtime.loader import load_model
 
     draft, _, _ = load_model(spec, dtype=target.compute_dtype, device=device_of(target))

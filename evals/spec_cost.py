@@ -1,0 +1,459 @@
+"""Speedup of speculative decoding per hardware: measured acceptance x a hardware cost profile.
+
+    speedup = tokens_per_step x c(1) / (draft_cost + E[c(T)])
+
+c(T): seconds of one target forward over T new tokens per row (c(1) is one plain decode step); T per step
+is the histogram of tokens each verify step fed the target (``fed_tokens_hist`` of ``evals.specbench``:
+k + 1 for a chain, the tree size for a tree), so E[c(T)] = sum_T n_T c(T) / sum_T n_T. tokens_per_step and
+the T histogram are hardware-independent (measured on the suite); c and draft_cost come from a profile:
+
+- ``measured``: this machine's curve, from ``python -m evals.spec_cost measure`` (target forward for
+  T = 1..32 at a fixed context, and each draft method's propose() call), a JSON file;
+- ``roofline``: a named GPU (``h200``: 4.2 TB/s measured copy bandwidth of the 4.8 nominal, 990 TFLOP/s bf16
+  dense, a per-forward + per-layer launch overhead) and the model's shapes: c(T) = max(bytes / BW,
+  FLOPs / peak) + overhead; ``h200-eager`` uses the launch overhead measured with eager PyTorch (DESIGN.md:
+  ~13 ms per SmolLM2 step, ~0.43 ms per layer);
+- ``gpu_check``: a measured GPU curve, the JSON record of ``evals.gpu_check`` (issue 13). Read fields (to be
+  agreed with that record): ``verify_curve_s`` {T: seconds} or ``verify_curve_ms`` {T: ms} (T = new tokens
+  per row, batch 1, the record's context), optional ``draft_s`` {method label: seconds per propose()} and
+  ``device``, ``batch`` (default 1). Anything else is ignored; a record without a curve is an error.
+
+Between measured T the curve is interpolated linearly, beyond the last point extrapolated from the last two.
+
+    python -m evals.spec_cost measure --out results/cpu_profile.json        # this machine's curve (quiet!)
+    python -m evals.spec_cost predict --suite results/specbench.json --profile results/cpu_profile.json
+    python -m evals.spec_cost predict --suite results/specbench.json --profile h200
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from evals.specbench import DEFAULT_METHODS, SMOKE_CONFIG, SMOKE_METHODS, build_method, parse_method
+from runtime.kv_cache import KVCache
+from runtime.loader import DEFAULT_MODEL, load_model
+from runtime.model import prefill_meta, random_model
+from runtime.paths import qspec_home
+from runtime.provenance import module_command, provenance
+from runtime.sampling import SamplingParams
+from speculate.base import SpecState, SpeculatorError
+from speculate.draft import default_draft_file
+from speculate.generate import chain_metadata
+
+
+class CostError(ValueError):
+    pass
+
+
+@dataclass
+class Profile:
+    name: str
+    kind: str  # "measured" | "roofline" | "gpu_check"
+    verify_s: dict[int, float]  # T -> seconds of one target forward over T new tokens per row
+    draft_s: dict[str, float] = field(default_factory=dict)  # method label -> seconds per propose() call
+    notes: str = ""
+    batch: int = 1  # rows per forward the curve was measured at: predictions are for suite rows of this batch
+
+    def __post_init__(self):
+        if not self.verify_s or 1 not in self.verify_s:
+            raise CostError(f"profile {self.name!r} needs the cost of a one-token forward (T = 1)")
+        if any(t < 1 or s <= 0 for t, s in self.verify_s.items()):
+            raise CostError(f"profile {self.name!r}: every T must be >= 1 and every cost > 0")
+
+    def verify(self, T: float) -> float:
+        """c(T), linear between measured points, extrapolated from the last two beyond them."""
+        pts = sorted(self.verify_s.items())
+        if T <= pts[0][0]:
+            return pts[0][1]
+        for (t0, c0), (t1, c1) in zip(pts, pts[1:]):
+            if T <= t1:
+                return c0 + (c1 - c0) * (T - t0) / (t1 - t0)
+        if len(pts) == 1:
+            return pts[0][1]
+        (t0, c0), (t1, c1) = pts[-2], pts[-1]
+        return c1 + (c1 - c0) * (T - t1) / (t1 - t0)
+
+
+def predict_speedup(tokens_per_step: float, fed_hist: dict, draft_s: float, profile: Profile) -> float:
+    """tokens_per_step x c(1) / (draft_s + E[c(T)]) with T distributed as fed_hist {T: steps}."""
+    steps = sum(fed_hist.values())
+    if steps <= 0:
+        raise CostError("the fed-token histogram is empty (no speculative steps)")
+    mean_verify = sum(n * profile.verify(int(t)) for t, n in fed_hist.items()) / steps
+    return tokens_per_step * profile.verify(1) / (draft_s + mean_verify)
+
+
+# ---- roofline profiles ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GPU:
+    name: str
+    bandwidth: float  # bytes/s sustained
+    flops: float  # FLOP/s, bf16 dense
+    per_forward_s: float  # launch/host overhead per forward
+    per_layer_s: float  # and per decoder layer
+
+
+GPUS = {
+    # CUDA graphs / compiled step: a few launches per layer
+    "h200": GPU("h200", bandwidth=4.2e12, flops=990e12, per_forward_s=30e-6, per_layer_s=8e-6),
+    # eager PyTorch: launch-bound (13 ms per SmolLM2 step measured, DESIGN.md) ~ 0.43 ms per layer
+    "h200-eager": GPU("h200-eager", bandwidth=4.2e12, flops=990e12, per_forward_s=0.1e-3, per_layer_s=0.43e-3),
+}
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """What a forward reads and computes (from a ModelConfig)."""
+
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+
+    @classmethod
+    def of(cls, cfg) -> Shapes:
+        return cls(
+            cfg.hidden_size,
+            cfg.intermediate_size,
+            cfg.num_layers,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            cfg.vocab_size,
+        )
+
+    def layer_params(self) -> int:
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return self.hidden * (q + 2 * kv) + q * self.hidden + 3 * self.hidden * self.intermediate
+
+
+def forward_time(
+    gpu: GPU,
+    s: Shapes,
+    T: int,
+    context: int,
+    layers: int | None = None,
+    bytes_per_weight: float = 2.0,
+    head_rows: int | None = None,
+    batch: int = 1,
+) -> float:
+    """One forward over T new tokens per row (batch rows, ``context`` cached) of ``layers`` decoder layers and
+    the lm_head: max(bytes / bandwidth, FLOPs / peak) + overhead. head_rows: rows through the lm_head
+    (default T x batch)."""
+    n = s.layers if layers is None else layers
+    rows = T * batch
+    head_rows = rows if head_rows is None else head_rows
+    weight_bytes = n * s.layer_params() * bytes_per_weight + s.vocab * s.hidden * 2.0  # lm_head kept 16-bit
+    kv_bytes = 2 * n * s.kv_heads * s.head_dim * (context + T) * batch * 2.0
+    flops = 2 * n * s.layer_params() * rows + 4 * n * s.heads * s.head_dim * (context + T) * rows
+    flops += 2 * s.vocab * s.hidden * head_rows
+    return max((weight_bytes + kv_bytes) / gpu.bandwidth, flops / gpu.flops) + gpu.per_forward_s + gpu.per_layer_s * n
+
+
+def draft_time(gpu: GPU, s: Shapes, method: dict, context: int) -> float | None:
+    """Seconds of one propose() under the roofline, from the suite's speculator description."""
+    name = method.get("name", "")
+    if name.startswith("ngram"):
+        return None  # host-side lookup: the same host work on any device, so the suite's measured seconds
+    if name.startswith("draft") or name.startswith("quant-draft"):
+        k = int(method.get("k", 1))
+        layers = int(method.get("draft_layers", s.layers))
+        bits = 4.0 if "int4" in name else 8.0 if "int8" in name else 16.0
+        bpw = bits / 8 + (2.0 / 128 if bits == 4 else 0.0)  # int4: a 16-bit scale per group of 128
+        return forward_time(gpu, s, 2, context, layers, bpw) + (k - 1) * forward_time(gpu, s, 1, context, layers, bpw)
+    if name == "medusa":
+        heads = int(method.get("num_heads", 3))
+        byte = 2.0 * (heads * s.hidden * s.hidden + s.vocab * s.hidden)
+        flops = 2.0 * heads * (s.hidden * s.hidden + s.vocab * s.hidden)
+        return max(byte / gpu.bandwidth, flops / gpu.flops) + gpu.per_forward_s + gpu.per_layer_s * heads
+    if name == "eagle":
+        depth, frontier = int(method.get("depth", 4)), int(method.get("frontier", 4))
+        one = forward_time(gpu, s, depth, 0, 1, 2.0, head_rows=frontier, batch=frontier)
+        fc = 2.0 * 2 * s.hidden * s.hidden / gpu.bandwidth
+        return depth * (one + fc)
+    raise CostError(f"no roofline draft cost for method {name!r}")
+
+
+def roofline_profile(gpu_name: str, cfg, context: int = 512, max_T: int = 32) -> Profile:
+    if gpu_name not in GPUS:
+        raise CostError(f"unknown GPU profile {gpu_name!r}; known: {', '.join(GPUS)}")
+    gpu, s = GPUS[gpu_name], Shapes.of(cfg)
+    curve = {T: forward_time(gpu, s, T, context) for T in range(1, max_T + 1)}
+    return Profile(gpu_name, "roofline", curve, notes=f"{gpu}, context {context}, bf16 weights")
+
+
+# ---- loading profiles ----------------------------------------------------------------------------------
+
+
+def load_profile(spec: str, cfg=None, context: int = 512) -> Profile:
+    """A GPU name (roofline; needs cfg), or a JSON file: a measured profile (``kind`` measured) or a
+    gpu_check record (``verify_curve_s`` / ``verify_curve_ms``)."""
+    if spec in GPUS:
+        if cfg is None:
+            raise CostError("a roofline profile needs the model's config")
+        return roofline_profile(spec, cfg, context)
+    path = Path(spec)
+    if not path.is_file():
+        raise CostError(f"--profile {spec!r} is neither a GPU name ({', '.join(GPUS)}) nor a JSON file")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise CostError(f"{path} is not JSON: {err}") from err
+    if raw.get("kind") == "measured":
+        return Profile(
+            raw.get("name", path.stem),
+            "measured",
+            {int(t): float(c) for t, c in raw["verify_s"].items()},
+            {k: float(v) for k, v in raw.get("draft_s", {}).items()},
+            raw.get("notes", ""),
+            int(raw.get("batch", 1)),
+        )
+    if "verify_curve_s" in raw or "verify_curve_ms" in raw:
+        scale, curve = (1.0, raw["verify_curve_s"]) if "verify_curve_s" in raw else (1e-3, raw["verify_curve_ms"])
+        return Profile(
+            raw.get("device", path.stem),
+            "gpu_check",
+            {int(t): float(c) * scale for t, c in curve.items()},
+            {k: float(v) for k, v in raw.get("draft_s", {}).items()},
+            batch=int(raw.get("batch", 1)),
+        )
+    raise CostError(f"{path} holds no cost curve (expected kind=measured, verify_curve_s or verify_curve_ms)")
+
+
+# ---- predicting a suite --------------------------------------------------------------------------------
+
+
+def predict_suite(
+    suite: dict, profile: Profile, cfg=None, context: int = 512, draft_from_suite: bool = False
+) -> list[dict]:
+    """One row per (batch, category, method) of an evals.specbench record: measured and predicted speedup.
+
+    Draft cost: the profile's draft_s[method] when it has one, the roofline's when the profile is one, else
+    (or with draft_from_suite) the suite's own measured draft seconds per step."""
+    describe = suite.get("speculators", {})
+    rows = []
+    for r in suite["rows"]:
+        if r["method"] == "plain" or "fed_tokens_hist" not in r or r["batch"] != profile.batch:
+            continue
+        method = r["method"]
+        if draft_from_suite:
+            draft = r["draft_s_per_step"]
+        elif method in profile.draft_s:
+            draft = profile.draft_s[method]
+        elif profile.kind == "roofline":
+            draft = draft_time(GPUS[profile.name], Shapes.of(cfg), describe.get(method, {"name": method}), context)
+            draft = r["draft_s_per_step"] if draft is None else draft
+        else:
+            draft = r["draft_s_per_step"]
+        pred = predict_speedup(r["tokens_per_step"], r["fed_tokens_hist"], draft, profile)
+        measured = r.get("speedup_vs_plain")
+        rows.append(
+            {
+                "batch": r["batch"],
+                "category": r["category"],
+                "method": method,
+                "profile": profile.name,
+                "tokens_per_step": r["tokens_per_step"],
+                "mean_fed_tokens": r.get("mean_fed_tokens"),
+                "draft_s": draft,
+                "predicted_speedup": round(pred, 4),
+                "measured_speedup": measured if profile.kind == "measured" else None,
+                "error": round(pred / measured - 1, 4) if measured and profile.kind == "measured" else None,
+            }
+        )
+    return rows
+
+
+def draft_label(describe: dict) -> str | None:
+    """'draft(layers:8)' / 'quant-draft(int4+layers:15)' -> the --draft-model spec ('layers:8', 'int4+layers:15')."""
+    name = describe.get("name", "")
+    for prefix in ("draft(", "quant-draft("):
+        if name.startswith(prefix) and name.endswith(")"):
+            return name[len(prefix) : -1]
+    return None
+
+
+def choose_draft(suite: dict, profile: Profile, cfg=None, context: int = 512, batch: int = 1) -> tuple[dict, list]:
+    """The draft-model method with the best predicted speedup (measured acceptance per cost) on the suite
+    overall at ``batch``: (choice {draft, k, method, predicted_speedup}, every candidate's row)."""
+    describe = suite.get("speculators", {})
+    rows = [
+        r
+        for r in predict_suite(suite, profile, cfg, context)
+        if r["category"] == "overall" and r["batch"] == batch and draft_label(describe.get(r["method"], {}))
+    ]
+    if not rows:
+        raise CostError(f"the suite has no draft-model method measured overall at batch {batch}")
+    best = max(rows, key=lambda r: r["predicted_speedup"])
+    d = describe[best["method"]]
+    choice = {
+        "draft": draft_label(d),
+        "k": d.get("k"),
+        "method": best["method"],
+        "predicted_speedup": best["predicted_speedup"],
+        "profile": profile.name,
+    }
+    return choice, rows
+
+
+# ---- measuring this machine ----------------------------------------------------------------------------
+
+
+def measure(model, speculators: dict, context: int, Ts: list[int], repeats: int, batch: int = 1) -> Profile:
+    """Median seconds of a target forward over T new tokens (``batch`` rows, ``context`` cached) and of each
+    speculator's propose() on a state after a prefill of ``context`` tokens."""
+    cfg = model.config
+    gen = torch.Generator().manual_seed(0)
+    capacity = context + max(Ts) + 64
+    tokens = torch.randint(2, cfg.vocab_size, (batch, capacity), generator=gen)
+    cache = KVCache(cfg, batch, capacity, model.compute_dtype, torch.device("cpu"))
+    with torch.inference_mode():
+        hidden = model(tokens[:, :context], prefill_meta(batch, context, torch.device("cpu")), cache, hidden_only=True)
+        lengths = torch.full((batch,), context + 1)
+
+        def median(fn) -> float:
+            fn()  # warm-up
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+            return sorted(times)[len(times) // 2]
+
+        verify = {}
+        for T in Ts:
+            feed = tokens[:, context : context + T]
+            verify[T] = median(
+                lambda feed=feed, T=T: model.logits(model(feed, chain_metadata(lengths, T), cache, hidden_only=True))
+            )
+        draft = {}
+        for label, sp in speculators.items():
+            state = SpecState(
+                ids=[("spec_cost", label, b) for b in range(batch)],
+                token_ids=tokens[:, : context + 1].tolist(),
+                hidden=hidden[:, -1],
+                params=[SamplingParams(temperature=0.0)] * batch,
+                generators=[gen] * batch,
+            )
+            draft[label] = median(lambda sp=sp, state=state: sp.propose(state))
+    notes = f"context {context}, batch {batch}, median of {repeats}"
+    return Profile("cpu-measured", "measured", verify, draft, notes=notes, batch=batch)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m evals.spec_cost", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    m = sub.add_parser("measure", help="this machine's cost curve (run on a quiet machine)")
+    m.add_argument("--model", default=None)
+    m.add_argument("--context", type=int, default=256)
+    m.add_argument("--max-T", type=int, default=32)
+    m.add_argument("--repeats", type=int, default=7)
+    m.add_argument("--batch", type=int, default=1, help="rows per forward (predicts the suite's rows of this batch)")
+    m.add_argument("--methods", nargs="*", default=None, help="draft methods to time (evals.specbench syntax)")
+    m.add_argument("--smoke", action="store_true", help="tiny random model")
+    m.add_argument("--threads", type=int, default=None)
+    m.add_argument("--out", required=True)
+    c = sub.add_parser("choose-draft", help="the default draft for this model, by measured acceptance per cost")
+    c.add_argument("--suite", required=True)
+    c.add_argument("--profile", required=True)
+    c.add_argument("--model", default=None)
+    c.add_argument("--context", type=int, default=512)
+    c.add_argument("--write", action="store_true", help="save it as the model's default draft ($QSPEC_HOME)")
+    p = sub.add_parser("predict", help="predicted vs measured speedup per (batch, category, method)")
+    p.add_argument("--suite", required=True, help="an evals.specbench JSON record")
+    p.add_argument("--profile", required=True, help=f"a profile JSON (measured / gpu_check) or one of {list(GPUS)}")
+    p.add_argument("--model", default=None, help="model whose shapes a roofline profile uses (default: the suite's)")
+    p.add_argument("--context", type=int, default=512)
+    p.add_argument("--draft-from-suite", action="store_true", help="draft cost = the suite's measured seconds")
+    p.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+
+    if args.cmd == "measure":
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        if args.smoke:
+            model, heads = random_model(SMOKE_CONFIG), {"medusa": None, "eagle": None}
+        else:
+            model, _, path = load_model(args.model or DEFAULT_MODEL, dtype=torch.float32)
+            name = Path(str(path)).name
+            heads = {"medusa": qspec_home() / "medusa" / name, "eagle": qspec_home() / "eagle" / name}
+        Ts = list(range(1, args.max_T + 1))
+        sps = {}
+        for spec in args.methods if args.methods is not None else (SMOKE_METHODS if args.smoke else DEFAULT_METHODS):
+            if spec == "plain":
+                continue
+            try:
+                sps[spec] = build_method(*parse_method(spec), model, heads, args.smoke)
+            except SpeculatorError as err:
+                print(f"[spec_cost] skipping {spec}: {err}", file=sys.stderr)
+        prof = measure(model, sps, args.context, Ts, args.repeats, args.batch)
+        record = {
+            **provenance(command=module_command("evals.spec_cost", argv)),
+            "kind": "measured",
+            "name": prof.name,
+            "verify_s": prof.verify_s,
+            "draft_s": prof.draft_s,
+            "notes": prof.notes,
+            "batch": prof.batch,
+        }
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(record, indent=2))
+        c1 = prof.verify_s[1]
+        print(" ".join(f"T={t}:{c / c1:.2f}" for t, c in prof.verify_s.items()), file=sys.stderr)
+        return
+    suite = json.loads(Path(args.suite).read_text())
+    cfg = None
+    if args.profile in GPUS or args.cmd == "choose-draft":
+        model, cfg, _ = load_model(args.model or DEFAULT_MODEL, dtype=torch.float32)
+    if args.cmd == "choose-draft":
+        try:
+            choice, rows = choose_draft(suite, load_profile(args.profile, cfg, args.context), cfg, args.context)
+        except CostError as err:
+            ap.error(str(err))
+        for r in rows:
+            print(
+                f"{r['method']:40s} {r['tokens_per_step']:6.2f} tok/step  predicted {r['predicted_speedup']:.3f}x",
+                file=sys.stderr,
+            )
+        print(json.dumps(choice))
+        if args.write:
+            path = default_draft_file(model)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps({**choice, "evidence": rows, "suite": args.suite}, indent=2))
+            print(f"[spec_cost] default draft for this model -> {path}", file=sys.stderr)
+        return
+    try:
+        profile = load_profile(args.profile, cfg, args.context)
+        rows = predict_suite(suite, profile, cfg, args.context, args.draft_from_suite)
+    except CostError as err:
+        ap.error(str(err))
+    print(
+        f"{'batch':>5s} {'category':14s} {'method':34s} {'tok/step':>8s} {'predicted':>9s} {'measured':>8s} error",
+        file=sys.stderr,
+    )
+    for r in rows:
+        meas = "" if r["measured_speedup"] is None else f"{r['measured_speedup']:7.2f}x"
+        err = "" if r["error"] is None else f"{100 * r['error']:+.1f}%"
+        print(
+            f"{r['batch']:5d} {r['category']:14s} {r['method']:34s} {r['tokens_per_step']:8.2f} "
+            f"{r['predicted_speedup']:8.2f}x {meas:>8s} {err}",
+            file=sys.stderr,
+        )
+    if args.out:
+        Path(args.out).write_text(json.dumps({"profile": profile.name, "kind": profile.kind, "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,634 @@
+"""A Spec-Bench-style workload suite built offline from the shipped wiki summaries, and every speculator on it.
+
+Categories (prompts from the wiki *evaluation* split, documents < 5000, never the heads' training documents;
+every prompt chat-templated; a fixed seed picks the documents):
+- ``summarization``: extract -> a one-sentence description (reference: the summary's own description);
+- ``qa``: a question answered from a given passage;
+- ``rewriting``: correct the spelling of a passage with seeded typos (the output copies most of the input);
+- ``translation``: an English extract into French or Spanish; only documents whose title exists in the
+  French/Spanish summaries too (checked: ~1.2k/0.6k eval titles align), whose extract is kept as a
+  reference (comparable text, not a sentence-aligned translation);
+- ``chat``: a second turn after an assistant turn that holds the extract;
+- ``continuation``: continue the opening sentences of an extract.
+
+Every method runs on every category at each batch size, methods interleaved per prompt batch (order rotated)
+so machine load hits them alike; recorded per (batch, category, method): tokens per step, acceptance per
+position, target forwards per token, the tokens fed per verify step (histogram: the cost model's T),
+draft (propose) and verify time, tok/s and speedup against plain decoding measured in the same run, and
+whether every row's greedy output equals plain decoding (a lossless method that differs is flagged and,
+with ``--strict``, an error).
+
+Methods: plain, ngram:k=K (fixed=1: always K), draft:layers=L,k=K, quant-draft:bits=B,k=K[,layers=L]
+(int4/int8 RTN copy of the target, of its first L layers with layers=), medusa:tree=N, eagle:tree=N,depth=D,
+topk=K,frontier=F. Medusa and EAGLE need trained heads ($QSPEC_HOME/medusa|eagle/MODEL); a method whose heads
+are missing is skipped and recorded as such.
+
+    python -m evals.specbench --smoke                      # seconds, tiny random model (tested)
+    python -m evals.specbench --per-category 4 --batch-sizes 1 4 --out results/specbench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import sys
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from runtime.config import ModelConfig
+from runtime.data import wiki_docs, wiki_split
+from runtime.decoding import generate
+from runtime.loader import DEFAULT_MODEL, load_model, load_tokenizer
+from runtime.model import random_model
+from runtime.paths import qspec_home
+from runtime.provenance import module_command, provenance
+from runtime.sampling import SamplingParams
+from speculate.base import Proposal, SpecState, Speculator, SpeculatorError
+from speculate.draft import DraftModelSpeculator, layer_skip_draft, quantized_draft
+from speculate.eagle.head import EagleConfig, EagleHead, load_eagle
+from speculate.eagle.speculator import EagleSpeculator
+from speculate.generate import speculative_generate
+from speculate.medusa.heads import MedusaConfig, MedusaHeads, load_medusa
+from speculate.medusa.speculator import MedusaSpeculator, build_tree
+from speculate.ngram import NgramSpeculator
+
+CATEGORIES = ("summarization", "qa", "rewriting", "translation", "chat", "continuation")
+DEFAULT_METHODS = [
+    "plain",
+    "ngram:k=8",
+    "draft:layers=8,k=3",
+    "quant-draft:bits=4,k=3",
+    "quant-draft:bits=4,layers=15,k=3",
+    "medusa:tree=8",
+    "eagle:tree=8",
+]
+SMOKE_METHODS = [
+    "plain",
+    "ngram:k=4",
+    "draft:layers=1,k=2",
+    "quant-draft:bits=4,k=2",
+    "quant-draft:bits=4,layers=1,k=2",
+    "medusa:tree=4",
+    "eagle:tree=4,depth=2",
+]
+METHOD_OPTIONS = {"k", "fixed", "layers", "bits", "tree", "depth", "topk", "frontier"}
+SMOKE_CONFIG = ModelConfig(
+    vocab_size=96,
+    hidden_size=128,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=32,
+    max_position_embeddings=512,
+    eos_token_ids=[1],
+)
+
+
+class SuiteError(ValueError):
+    pass
+
+
+@dataclass
+class SuitePrompt:
+    category: str
+    title: str
+    messages: list[dict]
+    reference: str = ""
+    language: str = "en"
+
+
+# ---- the suite -----------------------------------------------------------------------------------------
+
+
+def add_typos(text: str, seed: str, every: int = 6) -> str:
+    """The 'rewriting' input: about one word in ``every`` (of 4+ letters) with two inner letters swapped, seeded
+    by the document; correcting them is an editing task whose output copies most of its input."""
+    rng = random.Random(seed)
+
+    def swap(m: re.Match) -> str:
+        w = m.group(0)
+        if rng.randrange(every):
+            return w
+        i = rng.randrange(1, len(w) - 2)
+        return w[:i] + w[i + 1] + w[i] + w[i + 2 :]
+
+    return re.sub(r"[A-Za-z]{4,}", swap, text)
+
+
+def first_sentences(text: str, n: int) -> str:
+    parts = re.split(r"(?<=[.!?])\s+", text.strip())
+    return " ".join(parts[:n])
+
+
+def build_suite(per_category: int, seed: int = 0, min_chars: int = 300, max_chars: int = 900) -> list[SuitePrompt]:
+    """per_category prompts of each category, documents drawn with a fixed seed from the eval split."""
+    if per_category < 1:
+        raise SuiteError(f"per_category must be >= 1, got {per_category}")
+    docs = [d for d in wiki_split("eval") if min_chars <= len(d.extract) <= max_chars]
+    rng = random.Random(seed)
+    rng.shuffle(docs)
+    parallel = {lang: {d.title: d for d in wiki_docs(lang)} for lang in ("fr", "es")}
+    out: list[SuitePrompt] = []
+    used: set[str] = set()
+
+    def take(pred) -> list:
+        picked = []
+        for d in docs:
+            if d.title not in used and pred(d):
+                picked.append(d)
+                used.add(d.title)
+                if len(picked) == per_category:
+                    return picked
+        raise SuiteError(f"the eval split has too few documents for {per_category} prompts per category")
+
+    def user(text: str) -> list[dict]:
+        return [{"role": "user", "content": text}]
+
+    for d in take(lambda d: bool(d.description)):
+        out.append(
+            SuitePrompt(
+                "summarization",
+                d.title,
+                user(f"Summarize the following passage in one sentence.\n\n{d.extract}"),
+                reference=d.description,
+            )
+        )
+    for d in take(lambda d: True):
+        out.append(
+            SuitePrompt(
+                "qa",
+                d.title,
+                user(
+                    f"Answer the question using only the passage.\n\nPassage: {d.extract}\n\n"
+                    f"Question: What is {d.title}, and what is it known for?"
+                ),
+            )
+        )
+    for d in take(lambda d: True):
+        out.append(
+            SuitePrompt(
+                "rewriting",
+                d.title,
+                user(
+                    "Rewrite the following passage with its spelling mistakes corrected. Change nothing else.\n\n"
+                    f"{add_typos(d.extract, d.title)}"
+                ),
+                reference=d.extract,
+            )
+        )
+    for i, d in enumerate(take(lambda d: d.title in parallel["fr"] or d.title in parallel["es"])):
+        lang = "fr" if d.title in parallel["fr"] and (i % 2 == 0 or d.title not in parallel["es"]) else "es"
+        name = {"fr": "French", "es": "Spanish"}[lang]
+        out.append(
+            SuitePrompt(
+                "translation",
+                d.title,
+                user(f"Translate the following passage into {name}.\n\n{d.extract}"),
+                reference=parallel[lang][d.title].extract,
+                language=lang,
+            )
+        )
+    for d in take(lambda d: True):
+        out.append(
+            SuitePrompt(
+                "chat",
+                d.title,
+                [
+                    {"role": "user", "content": f"Tell me about {d.title}."},
+                    {"role": "assistant", "content": d.extract},
+                    {"role": "user", "content": "Thanks! Can you explain that again in simpler words, for a child?"},
+                ],
+            )
+        )
+    for d in take(lambda d: len(re.split(r"(?<=[.!?])\s+", d.extract)) >= 3):
+        out.append(
+            SuitePrompt(
+                "continuation", d.title, user(f"Continue the following text.\n\n{first_sentences(d.extract, 2)}")
+            )
+        )
+    return out
+
+
+def encode_messages(tokenizer, messages: list[dict]) -> list[int]:
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+
+def smoke_suite(per_category: int, seed: int, vocab: int) -> list[tuple[str, list[int]]]:
+    """Token-id prompts for the tiny random model: each category a different amount of repetition."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for c, cat in enumerate(CATEGORIES):
+        for i in range(per_category):
+            span = torch.randint(2, vocab, (4 + c + i,), generator=gen).tolist()
+            out.append((cat, (span * (1 + (c + i) % 3))[: 6 + 2 * c + i]))
+    return out
+
+
+# ---- methods -------------------------------------------------------------------------------------------
+
+
+def parse_method(spec: str) -> tuple[str, dict]:
+    name, _, opts = spec.partition(":")
+    known = {"plain", "ngram", "draft", "quant-draft", "medusa", "eagle"}
+    if name not in known:
+        raise SuiteError(f"unknown method {spec!r}; methods: {', '.join(sorted(known))} (with :key=value options)")
+    kwargs = {}
+    for item in filter(None, opts.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq or key not in METHOD_OPTIONS:
+            raise SuiteError(f"bad option {item!r} in method {spec!r}; options are {', '.join(sorted(METHOD_OPTIONS))}")
+        try:
+            kwargs[key] = int(value)
+        except ValueError:
+            raise SuiteError(f"option {key} of method {spec!r} must be an integer, got {value!r}") from None
+    return name, kwargs
+
+
+class TimedSpeculator(Speculator):
+    """Wraps a speculator: times propose() (the draft cost) and counts the tokens each step feeds the target."""
+
+    def __init__(self, inner: Speculator):
+        self.inner = inner
+        self.name, self.acceptance = inner.name, inner.acceptance
+        self.draft_s = 0.0  # propose() seconds (inside the decode loop's time)
+        self.fed: Counter = Counter()  # tokens fed to the target per step (T) -> steps
+
+    def max_tokens_per_step(self) -> int:
+        return self.inner.max_tokens_per_step()
+
+    def release(self, ids) -> None:
+        self.inner.release(ids)
+
+    def propose(self, state: SpecState) -> Proposal:
+        t0 = time.perf_counter()
+        p = self.inner.propose(state)
+        self.draft_s += time.perf_counter() - t0
+        self.fed[max(p.fed())] += 1  # the verification forward is as wide as its widest row
+        return p
+
+    def describe(self) -> dict:
+        return self.inner.describe()
+
+
+def build_method(name: str, kw: dict, model, heads_dir: dict[str, Path | None], smoke: bool) -> Speculator:
+    """A speculator for a parsed method; SpeculatorError (skipped, recorded) when its heads are missing."""
+    k = kw.get("k", 4)
+    if name == "ngram":
+        return NgramSpeculator(k=k, scaled=not kw.get("fixed", 0))
+    if name == "draft":
+        layers = kw.get("layers", max(1, model.config.num_layers // 4))
+        return DraftModelSpeculator(model, layer_skip_draft(model, layers), k=k, name=f"draft(layers:{layers})")
+    if name == "quant-draft":
+        bits = kw.get("bits", 4)
+        base = layer_skip_draft(model, kw["layers"]) if "layers" in kw else model
+        group = 32 if smoke else None  # the tiny model's rows are shorter than the standard group of 128
+        label = f"int{bits}" + (f"+layers:{kw['layers']}" if "layers" in kw else "")
+        return DraftModelSpeculator(model, quantized_draft(base, bits, group), k=k, name=f"quant-draft({label})")
+    if name == "medusa":
+        if smoke:
+            cfg = MedusaConfig(num_heads=3, hidden_size=model.config.hidden_size, vocab_size=model.config.vocab_size)
+            heads = _randomize(MedusaHeads(cfg))
+            acc = [[0.5, 0.2, 0.1], [0.4, 0.2, 0.1], [0.3, 0.1, 0.05]]
+        else:
+            heads = load_medusa(_need(heads_dir["medusa"], "medusa"), model)
+            acc = heads.config.accuracy
+        return MedusaSpeculator(model, heads, build_tree(acc, size=kw.get("tree", 8)))
+    if name == "eagle":
+        if smoke:
+            head = _randomize(EagleHead(EagleConfig.for_model(model)))
+        else:
+            head = load_eagle(_need(heads_dir["eagle"], "eagle"), model)
+        return EagleSpeculator(
+            model,
+            head,
+            depth=kw.get("depth", 4),
+            topk=kw.get("topk", 4),
+            frontier=kw.get("frontier", 4),
+            tree_size=kw.get("tree", 8),
+        )
+    raise SuiteError(f"no speculator for {name!r}")
+
+
+def _need(path: Path | None, kind: str) -> Path:
+    if path is None or not path.is_dir():
+        raise SpeculatorError(f"no {kind} heads at {path} (train them with `python -m speculate.{kind}.train`)")
+    return path
+
+
+def _randomize(module):
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+    return module.eval()
+
+
+# ---- running -------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Cell:
+    """One (batch size, category, method) accumulator."""
+
+    seconds: float = 0.0
+    tokens: int = 0
+    rows: int = 0
+    exact_rows: int = 0
+    draft_s: float = 0.0
+    decode_s: float = 0.0
+    steps: int = 0
+    row_steps: int = 0
+    accepted: int = 0
+    drafted: int = 0
+    accepted_at: list[int] = field(default_factory=list)
+    proposed_at: list[int] = field(default_factory=list)
+    fed: dict = field(default_factory=dict)
+
+    def add_stats(self, stats, draft_s: float, decode_s: float, fed: Counter) -> None:
+        self.steps += stats.steps
+        self.row_steps += stats.row_steps
+        self.accepted += stats.accepted
+        self.drafted += stats.drafted
+        self.draft_s += draft_s
+        self.decode_s += decode_s
+        for j, (a, n) in enumerate(zip(stats.accepted_at, stats.proposed_at)):
+            if j >= len(self.accepted_at):
+                self.accepted_at.append(0)
+                self.proposed_at.append(0)
+            self.accepted_at[j] += a
+            self.proposed_at[j] += n
+        for t, c in fed.items():
+            self.fed[int(t)] = self.fed.get(int(t), 0) + c
+
+
+def summarize(cell: Cell, base: Cell | None, lossless: bool) -> dict:
+    tps = cell.tokens / max(cell.seconds, 1e-12)
+    row = {
+        "tokens": cell.tokens,
+        "seconds": round(cell.seconds, 4),
+        "tok_per_s": round(tps, 3),
+        "exact_rows": f"{cell.exact_rows}/{cell.rows}",
+        "identical": cell.exact_rows == cell.rows,
+        "lossless": lossless,
+    }
+    if base is not None:
+        row["speedup_vs_plain"] = round(tps / (base.tokens / max(base.seconds, 1e-12)), 4)
+    if cell.row_steps:
+        steps = max(cell.steps, 1)
+        row.update(
+            tokens_per_step=round(1 + cell.accepted / cell.row_steps, 4),
+            acceptance_rate=round(cell.accepted / cell.drafted, 4) if cell.drafted else None,
+            per_position_acceptance=[round(a / max(n, 1), 4) for a, n in zip(cell.accepted_at, cell.proposed_at)],
+            target_forwards_per_token=round((cell.row_steps + cell.rows) / max(cell.tokens, 1), 4),
+            steps=cell.steps,
+            fed_tokens_hist=dict(sorted(cell.fed.items())),
+            mean_fed_tokens=round(sum(t * c for t, c in cell.fed.items()) / max(sum(cell.fed.values()), 1), 3),
+            draft_s_per_step=round(cell.draft_s / steps, 6),
+            verify_s_per_step=round((cell.decode_s - cell.draft_s) / steps, 6),
+            draft_fraction=round(cell.draft_s / max(cell.decode_s, 1e-12), 4),
+        )
+    return row
+
+
+def merge(cells: list[Cell]) -> Cell:
+    total = Cell()
+    for c in cells:
+        for f in (
+            "seconds",
+            "tokens",
+            "rows",
+            "exact_rows",
+            "draft_s",
+            "decode_s",
+            "steps",
+            "row_steps",
+            "accepted",
+            "drafted",
+        ):
+            setattr(total, f, getattr(total, f) + getattr(c, f))
+        for j, (a, n) in enumerate(zip(c.accepted_at, c.proposed_at)):
+            if j >= len(total.accepted_at):
+                total.accepted_at.append(0)
+                total.proposed_at.append(0)
+            total.accepted_at[j] += a
+            total.proposed_at[j] += n
+        for t, n in c.fed.items():
+            total.fed[t] = total.fed.get(t, 0) + n
+    return total
+
+
+def run_suite(
+    model,
+    prompts: list[tuple[str, list[int]]],
+    methods: list[str],
+    batch_sizes: list[int],
+    max_tokens: int,
+    heads_dir: dict[str, Path | None],
+    smoke: bool = False,
+    tokenizer=None,
+    seed: int = 0,
+    temperature: float = 0.0,
+    warmup: int = 1,
+    log=print,
+    on_progress=None,
+) -> dict:
+    parsed = [parse_method(m) for m in methods]
+    if "plain" not in methods:
+        raise SuiteError("methods must include 'plain' (the baseline every ratio is against)")
+    speculators, skipped = {}, {}
+    for spec, (name, kw) in zip(methods, parsed):
+        if name == "plain":
+            continue
+        try:
+            speculators[spec] = build_method(name, kw, model, heads_dir, smoke)
+        except SpeculatorError as err:
+            skipped[spec] = str(err)
+            log(f"[specbench] skipping {spec}: {err}")
+    active = [m for m in methods if m not in skipped]
+    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed, ignore_eos=True)
+
+    def run(spec: str, batch: list[list[int]], n: int = max_tokens):
+        p = SamplingParams(temperature=temperature, max_tokens=n, seed=seed, ignore_eos=True)
+        if spec == "plain":
+            return generate(model, batch, p, tokenizer=tokenizer).tokens, None
+        timed = TimedSpeculator(speculators[spec])
+        out = speculative_generate(model, batch, p, timed, tokenizer=tokenizer)
+        return out.tokens, (out.stats, timed.draft_s, out.decode_s, timed.fed)
+
+    for spec in active:  # untimed warm-up (first-call allocations, kernel choice, compiled steps)
+        for _ in range(warmup):
+            run(spec, [prompts[0][1]], 8)
+    cells: dict[tuple[int, str, str], Cell] = {}
+    flagged = []
+    order_cats = list(dict.fromkeys(c for c, _ in prompts))
+
+    for B in batch_sizes:
+        for cat in dict.fromkeys(c for c, _ in prompts):
+            cat_prompts = [p for c, p in prompts if c == cat]
+            for i in range(0, len(cat_prompts), B):
+                batch = cat_prompts[i : i + B]
+                r = i // B
+                order = active[r % len(active) :] + active[: r % len(active)]
+                outputs = {}
+                for spec in order:
+                    t0 = time.perf_counter()
+                    toks, extra = run(spec, batch)
+                    dt = time.perf_counter() - t0
+                    cell = cells.setdefault((B, cat, spec), Cell())
+                    cell.seconds += dt
+                    cell.tokens += sum(len(t) for t in toks)
+                    cell.rows += len(batch)
+                    outputs[spec] = toks
+                    if extra is not None:
+                        cell.add_stats(*extra)
+                for spec in active:
+                    same = sum(a == b for a, b in zip(outputs[spec], outputs["plain"]))
+                    cells[(B, cat, spec)].exact_rows += same
+                    if same < len(batch) and params.greedy and (spec == "plain" or speculators[spec].lossless):
+                        flagged.append({"batch": B, "category": cat, "method": spec, "prompts": f"{i}..{i + B - 1}"})
+                log(f"[specbench] batch {B} {cat} prompts {i + 1}-{i + len(batch)}/{len(cat_prompts)} done")
+                if on_progress is not None:  # partial tables: a long run killed midway keeps what it measured
+                    on_progress(tabulate(cells, active, speculators, skipped, flagged, batch_sizes, order_cats))
+    return tabulate(cells, active, speculators, skipped, flagged, batch_sizes, [c for c, _ in prompts])
+
+
+def tabulate(cells, active, speculators, skipped, flagged, batch_sizes, categories) -> dict:
+    """Rows per (batch, category, method) and per batch overall, from the (batch, category) pairs done so far."""
+    rows = []
+    for B in batch_sizes:
+        cats = [c for c in dict.fromkeys(categories) if all((B, c, m) in cells for m in active)]
+        for cat in [*cats, "overall"] if cats else []:
+            for spec in active:
+                pick = cats if cat == "overall" else [cat]
+                cell = merge([cells[(B, c, spec)] for c in pick])
+                base = merge([cells[(B, c, "plain")] for c in pick])
+                lossless = spec == "plain" or speculators[spec].lossless
+                rows.append({"batch": B, "category": cat, "method": spec, **summarize(cell, base, lossless)})
+    return {
+        "rows": rows,
+        "skipped": skipped,
+        "not_identical": flagged,
+        "speculators": {s: sp.describe() for s, sp in speculators.items()},
+    }
+
+
+def print_tables(result: dict, out=sys.stderr) -> None:
+    head = (
+        f"{'batch':>5s} {'category':14s} {'method':34s} {'tok/s':>8s} {'vs plain':>8s} {'tok/step':>8s} "
+        f"{'draft%':>6s} {'same':>6s} per-position acceptance"
+    )
+    print(head, file=out)
+    for r in result["rows"]:
+        print(
+            f"{r['batch']:5d} {r['category']:14s} {r['method']:34s} {r['tok_per_s']:8.2f} "
+            f"{r.get('speedup_vs_plain', float('nan')):7.2f}x {r.get('tokens_per_step', 1.0):8.2f} "
+            f"{100 * r.get('draft_fraction', 0.0):5.1f}% {r['exact_rows']:>6s} {r.get('per_position_acceptance', '')}",
+            file=out,
+        )
+    if result["not_identical"]:
+        print(f"FLAGGED: greedy output differs from plain decoding: {result['not_identical']}", file=out)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(prog="python -m evals.specbench", description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=DEFAULT_MODEL)
+    ap.add_argument("--methods", nargs="+", default=None, help="methods (default: every speculator)")
+    ap.add_argument("--categories", nargs="+", default=list(CATEGORIES), choices=CATEGORIES)
+    ap.add_argument("--per-category", type=int, default=4, help="prompts per category")
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--medusa-heads", default=None, help="default $QSPEC_HOME/medusa/MODEL")
+    ap.add_argument("--eagle-head", default=None, help="default $QSPEC_HOME/eagle/MODEL")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--smoke", action="store_true", help="tiny random model, synthetic prompts: seconds")
+    ap.add_argument("--strict", action="store_true", help="exit non-zero if a lossless method's output differs")
+    ap.add_argument("--out", default=None, help="write the JSON record here")
+    args = ap.parse_args(argv)
+    if args.per_category < 1 or args.max_tokens < 1 or any(b < 1 for b in args.batch_sizes):
+        ap.error("--per-category, --max-tokens and --batch-sizes must be >= 1")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    methods = args.methods or (SMOKE_METHODS if args.smoke else DEFAULT_METHODS)
+    try:
+        [parse_method(m) for m in methods]
+    except SuiteError as err:
+        ap.error(str(err))
+    record = provenance(command=module_command("evals.specbench", argv))
+    tokenizer = None
+    if args.smoke:
+        model = random_model(SMOKE_CONFIG, seed=args.seed)
+        prompts = [
+            (c, p)
+            for c, p in smoke_suite(args.per_category, args.seed, SMOKE_CONFIG.vocab_size)
+            if c in args.categories
+        ]
+        heads_dir: dict[str, Path | None] = {"medusa": None, "eagle": None}
+        suite_meta = [{"category": c, "prompt_tokens": len(p)} for c, p in prompts]
+    else:
+        model, _, path = load_model(args.model, dtype=torch.float32)
+        tokenizer = load_tokenizer(str(path))
+        suite = [s for s in build_suite(args.per_category, args.seed) if s.category in args.categories]
+        prompts = [(s.category, encode_messages(tokenizer, s.messages)) for s in suite]
+        name = Path(str(path)).name
+        heads_dir = {
+            "medusa": Path(args.medusa_heads) if args.medusa_heads else qspec_home() / "medusa" / name,
+            "eagle": Path(args.eagle_head) if args.eagle_head else qspec_home() / "eagle" / name,
+        }
+        suite_meta = [{**asdict(s), "messages": None, "prompt_tokens": len(p)} for s, (_, p) in zip(suite, prompts)]
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    record.update(
+        suite={"per_category": args.per_category, "categories": args.categories, "prompts": suite_meta},
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        batch_sizes=args.batch_sizes,
+        smoke=args.smoke,
+    )
+
+    def save(result: dict, complete: bool) -> None:
+        record.update(result, complete=complete, load_average_end=os.getloadavg())
+        if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(record, indent=2))
+
+    try:
+        result = run_suite(
+            model,
+            prompts,
+            methods,
+            args.batch_sizes,
+            args.max_tokens,
+            heads_dir,
+            smoke=args.smoke,
+            tokenizer=tokenizer,
+            seed=args.seed,
+            temperature=args.temperature,
+            warmup=args.warmup,
+            log=log,
+            on_progress=lambda r: save(r, complete=False),  # a run killed midway keeps what it measured
+        )
+    except SuiteError as err:
+        ap.error(str(err))
+    save(result, complete=True)
+    print_tables(result)
+    if args.strict and result["not_identical"]:
+        raise SystemExit(f"greedy output differs from plain decoding: {result['not_identical']}")
+    return record
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,234 @@
+"""Fit an EAGLE-style draft head on the frozen target by self-distillation (wiki TRAIN split, documents >= 5000).
+
+Per position t of a window of target hidden states h (final norm) and tokens x: the head's input is
+fc([embed(x[t+1]); h[t]]); its output regresses h[t+1] (smooth L1) and, through the target's lm_head,
+matches the target's distribution of token t+2 (KL over the union of the target's top-``candidates`` tokens,
+a sampled softmax). Loss = regression + ``cls_weight`` x KL (EAGLE's 1 : 0.1).
+
+The head attends over short causal windows (``--window`` positions, as at draft time). Two passes per step
+(a short "training-time test"): pass 1 reads the target's features; pass 2 re-reads, at window positions >= 1,
+the head's own pass-1 prediction of the previous feature, the inputs it sees at draft depth >= 2.
+
+Each batch of target features (the dominant cost) serves ``--reuse`` head updates at different window
+offsets. Budget: ``--minutes`` of wall clock (default 20, CPU); progress every 10 steps; saved every
+``--save-every`` steps, at the end and on Ctrl-C, under $QSPEC_HOME/eagle/MODEL.
+
+    nice -n 19 python -m speculate.eagle.train --model smollm2-135m --minutes 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from runtime.loader import DEFAULT_MODEL, load_model, load_tokenizer
+from runtime.paths import qspec_home
+from speculate.eagle.head import EagleConfig, EagleHead
+from speculate.medusa.train import training_windows
+
+
+def default_output_dir(model_spec: str) -> Path:
+    return qspec_home() / "eagle" / Path(model_spec).name.removesuffix(".gguf")
+
+
+def windowed(x: torch.Tensor, window: int, offset: int) -> torch.Tensor:
+    """[B, T, ...] -> [B * n, window, ...]: non-overlapping windows starting at offset (tail dropped)."""
+    n = (x.shape[1] - offset) // window
+    return x[:, offset : offset + n * window].reshape(x.shape[0] * n, window, *x.shape[2:])
+
+
+@torch.no_grad()
+def teacher(model, tokens: torch.Tensor, candidates: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """tokens [B, T] -> (hidden [B, T, H] of the frozen target, log-probs [B, T, S] of its next token over the
+    union S of its top-``candidates`` tokens (S = the vocabulary when 0), subset indices [S] or None).
+    Computed once per batch and reused by ``--reuse`` head updates (the target forward is the dominant cost)."""
+    hidden = model(tokens, hidden_only=True)
+    logits = model.logits(hidden).float()
+    subset = logits.topk(candidates, -1).indices.unique() if candidates else None
+    if subset is not None:
+        logits = logits[..., subset]
+    return hidden, F.log_softmax(logits, -1), subset
+
+
+def eagle_loss(
+    head: EagleHead,
+    model,
+    tokens: torch.Tensor,
+    hidden: torch.Tensor,
+    teacher_logp: torch.Tensor,
+    subset: torch.Tensor | None,
+    window: int,
+    offset: int,
+    cls_weight: float = 0.1,
+) -> tuple[torch.Tensor, list[float]]:
+    """tokens [B, T], hidden [B, T, H] and teacher_logp [B, T, S] of the frozen target -> (loss, top-1 agreement
+    of pass 1 and pass 2). Position t: input fc([embed(x[t+1]); h[t]]), targets h[t+1] and p(x[t+2])."""
+    feat_in = windowed(hidden[:, :-2], window, offset)  # h[t]
+    emb = windowed(model.embed_tokens(tokens[:, 1:-1]), window, offset)  # embed(x[t+1])
+    feat_out = windowed(hidden[:, 1:-1], window, offset)  # h[t+1]: regression target
+    target = windowed(teacher_logp[:, 1:-1], window, offset)  # target's log-probs of x[t+2]
+    weight = model.lm_head.weight if subset is None else model.lm_head.weight[subset]
+    losses, top1 = [], []
+    out1 = head(head.inputs(emb, feat_in))
+    # pass 2: window positions >= 1 read the head's previous prediction instead of the target's feature
+    feat2 = torch.cat([feat_in[:, :1], out1[:, :-1]], 1)
+    out2 = head(head.inputs(emb, feat2))
+    for out in (out1, out2):
+        student = F.log_softmax(F.linear(out.to(weight.dtype), weight).float(), -1)
+        kl = F.kl_div(student.flatten(0, 1), target.flatten(0, 1), log_target=True, reduction="batchmean")
+        reg = F.smooth_l1_loss(out.float(), feat_out.float())
+        losses.append(reg + cls_weight * kl)
+        top1.append(float((student.argmax(-1) == target.argmax(-1)).float().mean()))
+    return torch.stack(losses).mean(), top1
+
+
+@torch.no_grad()
+def draft_accuracy(head: EagleHead, model, windows: list[list[int]], depth: int) -> list[float]:
+    """Held-out: P(the head's greedy draft at depth d equals the target's greedy token | depths < d matched),
+    drafting from the head's own features as at run time (acc[d-1] for d = 1..depth)."""
+    hits, counts = [0] * depth, [0] * depth
+    for ids in windows:
+        toks = torch.tensor([ids], device=model.embed_tokens.weight.device)
+        hidden = model(toks, hidden_only=True)[0]  # [T, H]
+        target = model.logits(hidden).argmax(-1)  # [T]: target's greedy token after each position
+        T = len(ids)
+        starts = torch.arange(0, T - depth - 2, device=toks.device)  # root at position s: feature h[s], token x[s+1]
+        feats = hidden[starts]  # [S, H]
+        embeds = model.embed_tokens(toks[0, starts + 1])
+        alive = torch.ones(len(starts), dtype=torch.bool, device=toks.device)
+        xs = []
+        for d in range(depth):
+            xs.append(head.inputs(embeds, feats))
+            out = head(torch.stack(xs, 1))[:, -1]
+            draft = model.logits(out).argmax(-1)
+            truth = target[starts + 1 + d]  # target's token at position s + 2 + d
+            hit = (draft == truth) & alive
+            hits[d] += int(hit.sum())
+            counts[d] += int(alive.sum())
+            alive = hit
+            feats, embeds = out, model.embed_tokens(truth)
+    return [h / max(c, 1) for h, c in zip(hits, counts)]
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m speculate.eagle.train", description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=DEFAULT_MODEL, help="base model spec (frozen)")
+    ap.add_argument("--out", default=None, help="checkpoint directory (default $QSPEC_HOME/eagle/MODEL)")
+    ap.add_argument("--seqlen", type=int, default=256)
+    ap.add_argument("--window", type=int, default=6, help="causal window (longest draft path) the head is fit on")
+    ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--cls-weight", type=float, default=0.1)
+    ap.add_argument("--candidates", type=int, default=64, help="sampled softmax over the target's top-N union")
+    ap.add_argument("--reuse", type=int, default=3, help="head updates per batch of target features")
+    ap.add_argument("--max-steps", type=int, default=100000)
+    ap.add_argument("--minutes", type=float, default=20.0, help="wall-clock training budget")
+    ap.add_argument("--train-tokens", type=int, default=1_500_000)
+    ap.add_argument("--eval-windows", type=int, default=4, help="held-out windows for the accuracy table")
+    ap.add_argument("--save-every", type=int, default=50)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="default: cuda if present")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-bf16", dest="bf16", action="store_false", help="train in fp32 (default: bf16 autocast)")
+    args = ap.parse_args(argv)
+    if args.minutes <= 0 or args.window < 2 or args.batch_size < 1 or args.reuse < 1:
+        ap.error("--minutes must be > 0, --window >= 2, --batch-size >= 1, --reuse >= 1")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    torch.manual_seed(args.seed)
+    device = torch.device(args.device)
+    model, _, path = load_model(args.model, dtype=torch.float32, device=device)
+    model.requires_grad_(False)
+    tokenizer = load_tokenizer(str(path))
+    out = Path(args.out) if args.out else default_output_dir(args.model)
+    windows = training_windows(tokenizer, args.seqlen, args.train_tokens, args.seed)
+    if len(windows) <= args.eval_windows:
+        ap.error(f"only {len(windows)} windows of {args.seqlen} tokens; raise --train-tokens")
+    eval_windows, train_windows = windows[: args.eval_windows], windows[args.eval_windows :]
+    config = EagleConfig.for_model(model, args.model, args.window)
+    head = EagleHead(config).to(device)
+    params = list(head.parameters())
+    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
+    command = "python -m speculate.eagle.train " + shlex.join(argv if argv is not None else sys.argv[1:])
+    print(
+        f"[eagle] {len(train_windows)} train windows x {args.seqlen} tokens, window {args.window}, "
+        f"{sum(p.numel() for p in params) / 1e6:.2f}M trainable params, budget {args.minutes} min -> {out}",
+        file=sys.stderr,
+    )
+    t0 = time.perf_counter()
+    budget = args.minutes * 60
+    history: list[dict] = []
+    step = tokens_seen = 0
+
+    def save(final: bool) -> None:
+        head.eval()
+        config.training = {
+            "command": command,
+            "steps": step,
+            "tokens": tokens_seen,
+            "seconds": round(time.perf_counter() - t0, 1),
+            "threads": torch.get_num_threads(),
+            "history": history[-20:],
+            "final": final,
+        }
+        if final:
+            acc = draft_accuracy(head, model, eval_windows, args.window - 1)
+            config.accuracy = {"greedy_draft_at_depth": [round(a, 4) for a in acc]}
+        head.save(out)
+        head.train()
+
+    head.train()
+    gen = torch.Generator().manual_seed(args.seed)
+    try:
+        while step < args.max_steps and time.perf_counter() - t0 < budget:
+            first = (step // args.reuse) * args.batch_size
+            ids = [train_windows[(first + j) % len(train_windows)] for j in range(args.batch_size)]
+            batch = torch.tensor(ids, device=device)
+            if step % args.reuse == 0:  # a new batch of target features every --reuse updates
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
+                    hidden, teacher_logp, subset = teacher(model, batch, args.candidates)
+                tokens_seen += batch.numel()
+            offset = int(torch.randint(0, args.window, (1,), generator=gen))
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
+                loss, top1 = eagle_loss(
+                    head, model, batch, hidden, teacher_logp, subset, args.window, offset, args.cls_weight
+                )
+            progress = (time.perf_counter() - t0) / budget
+            for g in opt.param_groups:  # linear warm-up, cosine decay over the time budget
+                g["lr"] = args.lr * min(1.0, (step + 1) / 20) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            step += 1
+            history.append({"step": step, "loss": round(loss.item(), 4), "top1": [round(a, 3) for a in top1]})
+            if step % 10 == 0 or step == 1:
+                elapsed = time.perf_counter() - t0
+                print(
+                    f"[eagle] step {step} loss {loss.item():.3f} top1 pass1 {top1[0]:.3f} pass2 {top1[1]:.3f} "
+                    f"{tokens_seen / elapsed:.0f} tok/s {elapsed / 60:.1f}/{args.minutes:g} min",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            if step % args.save_every == 0:
+                save(final=False)
+    except KeyboardInterrupt:
+        print(f"[eagle] interrupted at step {step}: saving", file=sys.stderr)
+    save(final=True)
+    print(
+        f"[eagle] done: {step} steps, {tokens_seen} tokens, {(time.perf_counter() - t0) / 60:.1f} min; held-out "
+        f"greedy draft acceptance per depth {config.accuracy['greedy_draft_at_depth']} -> {out}",
+        file=sys.stderr,
+    )
+
+
+if __name__ == "__main__":
+    main()

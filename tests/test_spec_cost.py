@@ -1,0 +1,142 @@
+"""evals.spec_cost: the speedup formula, curve interpolation and the roofline against hand arithmetic,
+profile files (measured and gpu_check), and a tiny measured curve."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from evals.spec_cost import (
+    GPU,
+    CostError,
+    Profile,
+    Shapes,
+    choose_draft,
+    forward_time,
+    load_profile,
+    measure,
+    predict_speedup,
+    predict_suite,
+)
+from evals.specbench import SMOKE_CONFIG, build_method
+from runtime.model import random_model
+from speculate.base import SpeculatorError
+from speculate.draft import parse_draft_spec
+
+
+def test_curve_and_speedup_exact():
+    p = Profile("x", "measured", {1: 1.0, 5: 2.0, 9: 2.5})
+    assert p.verify(1) == 1.0 and p.verify(3) == 1.5 and p.verify(7) == 2.25 and p.verify(13) == 3.0
+    # 3 tokens/step; half the steps feed 5 tokens (2.0 s), half 1 (1.0 s); draft 0.5 s: 3 / (0.5 + 1.5)
+    assert predict_speedup(3.0, {5: 2, 1: 2}, 0.5, p) == 1.5
+    assert predict_speedup(2.0, {9: 1}, 0.0, p) == 2.0 / 2.5
+    with pytest.raises(CostError, match="T = 1"):
+        Profile("bad", "measured", {4: 1.0})
+    with pytest.raises(CostError, match="empty"):
+        predict_speedup(2.0, {}, 0.0, p)
+
+
+def test_roofline_by_hand():
+    s = Shapes(hidden=4, intermediate=8, layers=2, heads=2, kv_heads=1, head_dim=2, vocab=10)
+    assert s.layer_params() == 4 * (4 + 2 * 2) + 4 * 4 + 3 * 4 * 8  # 144
+    gpu = GPU("toy", bandwidth=1000.0, flops=1e6, per_forward_s=0.125, per_layer_s=0.0625)
+    # T=1, context 3: weights 2*144*2 + 10*4*2 = 656 B, KV 2*2*1*2*4*2 = 64 B -> 0.72 s memory-bound
+    assert forward_time(gpu, s, 1, 3) == pytest.approx(0.72 + 0.125 + 2 * 0.0625, rel=1e-12)
+    fast_mem = GPU("toy", bandwidth=1e12, flops=1000.0, per_forward_s=0.0, per_layer_s=0.0)
+    # compute-bound: 2*2*144*4 + 4*2*2*2*(3+4)*4 + 2*10*4*4 = 2304 + 896 + 320 FLOPs at 1000 FLOP/s
+    assert forward_time(fast_mem, s, 4, 3) == pytest.approx(3.52, rel=1e-12)
+
+
+def test_profile_files(tmp_path):
+    gpu = tmp_path / "gpu.json"
+    gpu.write_text(json.dumps({"device": "H200", "verify_curve_ms": {"1": 8.0, "8": 10.0, "32": 10.0}}))
+    p = load_profile(str(gpu))
+    assert p.kind == "gpu_check" and p.verify(1) == 0.008 and p.verify(32) == 0.01
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"device": "x"}))
+    with pytest.raises(CostError, match="no cost curve"):
+        load_profile(str(bad))
+    with pytest.raises(CostError, match="neither a GPU name"):
+        load_profile(str(tmp_path / "nope.json"))
+    suite = {
+        "rows": [
+            {
+                "batch": 1,
+                "category": "qa",
+                "method": "ngram:k=4",
+                "tokens_per_step": 2.0,
+                "fed_tokens_hist": {"1": 1, "8": 1},
+                "draft_s_per_step": 0.001,
+                "speedup_vs_plain": 1.6,
+            }
+        ]
+    }
+    (row,) = predict_suite(suite, p)
+    assert row["predicted_speedup"] == pytest.approx(2.0 * 0.008 / (0.001 + 0.009), abs=1e-4)
+    assert row["error"] is None  # a GPU profile is not compared with the CPU's measured speedup
+    measured = Profile("cpu", "measured", {1: 0.01, 8: 0.02}, {"ngram:k=4": 0.0})
+    (row,) = predict_suite(suite, measured)
+    assert row["predicted_speedup"] == pytest.approx(2.0 * 0.01 / 0.015, abs=1e-4)
+    assert row["error"] == pytest.approx(round(row["predicted_speedup"] / 1.6 - 1, 4))
+
+
+def test_measure_tiny():
+    model = random_model(SMOKE_CONFIG, seed=0)
+    sps = {"ngram:k=2": build_method("ngram", {"k": 2}, model, {}, True)}
+    prof = measure(model, sps, context=8, Ts=[1, 2, 4], repeats=1)
+    assert set(prof.verify_s) == {1, 2, 4} and all(v > 0 for v in prof.verify_s.values())
+    assert set(prof.draft_s) == {"ngram:k=2"}
+
+
+def test_choose_draft_by_acceptance_per_cost():
+    suite = {
+        "speculators": {
+            "draft:layers=8,k=3": {"name": "draft(layers:8)", "k": 3},
+            "quant-draft:bits=4,layers=15,k=3": {"name": "quant-draft(int4+layers:15)", "k": 3},
+            "ngram:k=4": {"name": "ngram", "k": 4},
+        },
+        "rows": [
+            # more accepted tokens but a dearer draft: 2.5 x 1 / (0.5 + 1.5) = 1.25
+            {
+                "batch": 1,
+                "category": "overall",
+                "method": "draft:layers=8,k=3",
+                "tokens_per_step": 2.5,
+                "fed_tokens_hist": {"4": 1},
+                "draft_s_per_step": 0.5,
+            },
+            # fewer accepted, a cheap draft: 2.2 x 1 / (0.1 + 1.5) = 1.375 wins
+            {
+                "batch": 1,
+                "category": "overall",
+                "method": "quant-draft:bits=4,layers=15,k=3",
+                "tokens_per_step": 2.2,
+                "fed_tokens_hist": {"4": 1},
+                "draft_s_per_step": 0.1,
+            },
+            {
+                "batch": 1,
+                "category": "overall",
+                "method": "ngram:k=4",
+                "tokens_per_step": 3.0,
+                "fed_tokens_hist": {"4": 1},
+                "draft_s_per_step": 0.0,
+            },
+        ],
+    }
+    prof = Profile("p", "measured", {1: 1.0, 4: 1.5})
+    choice, rows = choose_draft(suite, prof)
+    assert choice["draft"] == "int4+layers:15" and choice["k"] == 3
+    assert choice["predicted_speedup"] == pytest.approx(2.2 / 1.6, abs=1e-4)
+    assert {r["method"] for r in rows} == {"draft:layers=8,k=3", "quant-draft:bits=4,layers=15,k=3"}  # no n-gram
+
+
+def test_draft_spec_grammar():
+    model = random_model(SMOKE_CONFIG, seed=0)
+    draft, label = parse_draft_spec("layers:1", model)
+    assert label == "layers:1" and draft.config.num_layers == 1
+    with pytest.raises(SpeculatorError, match="int4 or int8"):
+        parse_draft_spec("int3", model)
+    with pytest.raises(SpeculatorError, match="integer N"):
+        parse_draft_spec("int4+layers:x", model)

@@ -1,0 +1,103 @@
+"""evals.specbench: the offline suite's categories (translation only where the parallel summaries share a
+title; the rewriting input is the extract with seeded typos), and a run of every speculator
+on the tiny random model whose greedy outputs must equal plain decoding."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from evals.specbench import (
+    CATEGORIES,
+    SMOKE_CONFIG,
+    SuiteError,
+    add_typos,
+    build_suite,
+    main,
+    parse_method,
+    run_suite,
+    smoke_suite,
+)
+from runtime.data import wiki_docs, wiki_split
+from runtime.model import random_model
+
+
+def test_suite_categories_and_sources():
+    suite = build_suite(per_category=3, seed=0)
+    assert [s.category for s in suite] == [c for c in CATEGORIES for _ in range(3)]
+    assert len({s.title for s in suite}) == len(suite)  # no document reused across categories
+    eval_docs = {d.title: d for d in wiki_split("eval")}
+    assert all(s.title in eval_docs for s in suite)  # never the training split
+    for s in suite:
+        if s.category == "translation":
+            other = {d.title: d for d in wiki_docs(s.language)}
+            assert s.language in ("fr", "es") and other[s.title].extract == s.reference
+        if s.category == "rewriting":
+            source = eval_docs[s.title].extract
+            typo = add_typos(source, s.title)
+            assert s.messages[0]["content"].endswith(typo) and typo != source and len(typo) == len(source)
+            assert sorted(typo) == sorted(source)  # letters swapped, none added or lost
+        if s.category == "chat":
+            assert [m["role"] for m in s.messages] == ["user", "assistant", "user"]
+    assert build_suite(per_category=3, seed=0) == suite  # fixed seed
+    with pytest.raises(SuiteError, match="per_category"):
+        build_suite(per_category=0)
+
+
+def test_every_speculator_matches_plain_greedy():
+    model = random_model(SMOKE_CONFIG, seed=0)
+    prompts = [p for p in smoke_suite(1, 0, SMOKE_CONFIG.vocab_size) if p[0] in ("rewriting", "chat")]
+    methods = [
+        "plain",
+        "ngram:k=4",
+        "draft:layers=1,k=2",
+        "quant-draft:bits=4,layers=1,k=2",
+        "medusa:tree=4",
+        "eagle:tree=4,depth=2",
+    ]
+    res = run_suite(
+        model, prompts, methods, [1, 2], 10, {"medusa": None, "eagle": None}, smoke=True, warmup=0, log=lambda m: None
+    )
+    assert not res["not_identical"] and not res["skipped"]
+    rows = {(r["batch"], r["category"], r["method"]): r for r in res["rows"]}
+    assert len(rows) == 2 * 3 * len(methods)  # two categories + overall, at batch 1 and 2
+    for (B, cat, m), r in rows.items():
+        assert r["identical"], (B, cat, m)
+        if m != "plain":
+            assert r["tokens_per_step"] >= 1 and sum(r["fed_tokens_hist"].values()) == r["steps"]
+            assert 0 <= r["draft_fraction"] <= 1 and r["speedup_vs_plain"] > 0
+    over = rows[(1, "overall", "ngram:k=4")]
+    cats = [rows[(1, c, "ngram:k=4")] for c in ("rewriting", "chat")]
+    assert over["tokens"] == sum(c["tokens"] for c in cats) and over["steps"] == sum(c["steps"] for c in cats)
+
+
+def test_cli_smoke(tmp_path):
+    out = tmp_path / "s.json"
+    main(
+        [
+            "--smoke",
+            "--per-category",
+            "1",
+            "--batch-sizes",
+            "1",
+            "--max-tokens",
+            "6",
+            "--warmup",
+            "0",
+            "--categories",
+            "qa",
+            "--methods",
+            "plain",
+            "ngram:k=2",
+            "--strict",
+            "--out",
+            str(out),
+        ]
+    )
+    rec = json.loads(out.read_text())
+    assert rec["complete"] and {r["category"] for r in rec["rows"]} == {"qa", "overall"}
+    with pytest.raises(SuiteError, match="unknown method"):
+        parse_method("lookahead")
+    with pytest.raises(SystemExit):
+        main(["--smoke", "--methods", "ngram:k=2"])  # no plain baseline
