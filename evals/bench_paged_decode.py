@@ -34,9 +34,10 @@ from runtime.cliutil import ArgumentParser, run
 from runtime.config import ModelConfig
 from runtime.engine import EngineConfig, LLMEngine
 from runtime.kernels.paged_attention import paged_decode_attention, paged_decode_attention_reference
-from runtime.loader import check_model_arg
+from runtime.loader import check_model_arg, load_model
 from runtime.model import random_model
 from runtime.paged_cache import gather_blocks
+from runtime.provenance import provenance
 from runtime.sampling import SamplingParams
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -162,8 +163,6 @@ def match_rate(a: list[list[int]], b: list[list[int]]) -> float:
 
 def engine_check(args, device: torch.device) -> list[dict]:
     if args.model:
-        from runtime.loader import load_model
-
         base, cfg, _ = load_model(args.model, dtype=torch.float32, device=device)
     else:
         cfg = TINY if args.smoke else SMOLLM2_135M
@@ -250,8 +249,6 @@ def main(argv: list[str] | None = None) -> int:
     engine = engine_check(args, device)
     ok = all(r["ok"] for r in ops + engine)
     if args.out:
-        from runtime.provenance import provenance
-
         args.out.parent.mkdir(parents=True, exist_ok=True)
         config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
         record = {**provenance(args.seed), "config": config, "ops": ops, "engine": engine, "ok": ok}

@@ -33,8 +33,10 @@ from torch import nn
 from quantize.qembedding import tie_quantized_embedding
 from quantize.qlinear import QuantizedWeight, QuantLinear, set_module
 from runtime.cliutil import ArgumentParser, run
+from runtime.decoding import generate
 from runtime.layout import decoder_linear_names
-from runtime.loader import check_model_arg
+from runtime.loader import DEFAULT_MODEL, check_model_arg, load_model, load_tokenizer
+from runtime.sampling import SamplingParams
 
 VARIANTS = ("fp32", "bf16", "int8", "w8a8", "int4")
 DESCRIPTIONS = {
@@ -215,8 +217,6 @@ def make_prompts(tokenizer, batch: int, length: int, vocab_size: int, seed: int)
 def bench_decode(
     models: dict, tokenizer, batch_sizes: list[int], prompt_len: int, new_tokens: int, repeats: int, seed: int
 ):
-    from runtime.decoding import generate
-    from runtime.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
     rows = []
@@ -320,7 +320,6 @@ def parse_list(ap: argparse.ArgumentParser, text: str, kind, what: str) -> list:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from runtime.loader import DEFAULT_MODEL, load_model, load_tokenizer
 
     argv = sys.argv[1:] if argv is None else argv
     ap = ArgumentParser(prog="python -m evals.bench_quant", description=__doc__.splitlines()[0])

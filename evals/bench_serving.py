@@ -27,8 +27,10 @@ import torch
 from evals.loadgen import WorkItem, build_workload
 from evals.metrics import RequestRecord, distribution, summarize
 from runtime.cliutil import ArgumentParser, interrupted, run
+from runtime.config import DTYPES
+from runtime.data import wiki_text
 from runtime.engine import EngineConfig, LLMEngine
-from runtime.loader import check_model_arg
+from runtime.loader import DEFAULT_MODEL, check_model_arg, load_model, load_tokenizer
 from runtime.provenance import provenance
 from runtime.sampling import SamplingParams
 
@@ -101,7 +103,6 @@ def bench_batching(model, tokenizer, args) -> dict:
 
 
 def bench_prefix(model, tokenizer, args) -> dict:
-    from runtime.data import wiki_text
 
     text_ids = tokenizer(wiki_text("eval")[:20000], add_special_tokens=False).input_ids
     system = text_ids[: args.system_prompt_tokens]
@@ -133,8 +134,6 @@ def bench_prefix(model, tokenizer, args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from runtime.config import DTYPES
-    from runtime.loader import DEFAULT_MODEL, load_model, load_tokenizer
 
     ap = ArgumentParser(prog="python -m evals.bench_serving", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=DEFAULT_MODEL)

@@ -30,8 +30,13 @@ from pathlib import Path
 import torch
 
 from runtime.cliutil import ArgumentParser, interrupted, run
-from runtime.loader import check_model_arg
+from runtime.data import wiki_split
+from runtime.decoding import encode_prompt, generate
+from runtime.loader import DEFAULT_MODEL, check_model_arg, load_model, load_tokenizer
 from runtime.provenance import module_command, provenance
+from runtime.sampling import SamplingParams
+from speculate.cli import build_speculator
+from speculate.generate import speculative_generate
 
 DEFAULT_METHODS = {
     "rewrite": ["plain", "ngram:k=8", "ngram:k=16", "ngram:k=8,fixed=1", "hf-plain", "hf-pld:k=4", "hf-pld:k=10"],
@@ -89,8 +94,6 @@ def parse_method(spec: str) -> tuple[str, dict]:
 
 
 def rewrite_prompts(tokenizer, n: int, min_tokens: int) -> list[list[int]]:
-    from runtime.data import wiki_split
-    from runtime.decoding import encode_prompt
 
     out = []
     for doc in wiki_split("eval"):
@@ -104,7 +107,6 @@ def rewrite_prompts(tokenizer, n: int, min_tokens: int) -> list[list[int]]:
 
 
 def continue_prompts(tokenizer, n: int, prefix_tokens: int) -> list[list[int]]:
-    from runtime.data import wiki_split
 
     out = []
     for doc in wiki_split("eval"):
@@ -117,11 +119,6 @@ def continue_prompts(tokenizer, n: int, prefix_tokens: int) -> list[list[int]]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from runtime.decoding import generate
-    from runtime.loader import DEFAULT_MODEL, load_model, load_tokenizer
-    from runtime.sampling import SamplingParams
-    from speculate.cli import build_speculator
-    from speculate.generate import speculative_generate
 
     ap = ArgumentParser(prog="python -m evals.bench_spec", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=DEFAULT_MODEL)

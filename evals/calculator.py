@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from runtime.cliutil import ArgumentParser, run
+from runtime.loader import REGISTRY, resolve
 
 DTYPE_BYTES = {"fp32": 4.0, "float32": 4.0, "bf16": 2.0, "bfloat16": 2.0, "fp16": 2.0, "float16": 2.0}
 DTYPE_BYTES.update({"fp8": 1.0, "int8": 1.0, "int4": 0.5})
@@ -680,7 +681,6 @@ def profile_rates(device: str, dtype: str) -> tuple[float, float]:
 
 
 def read_config(path: str) -> tuple[dict, str]:
-    from runtime.loader import REGISTRY, resolve
 
     if path in REGISTRY:  # a registry name: its converted checkpoint under $QSPEC_HOME (converted once)
         path = str(resolve(path))

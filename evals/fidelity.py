@@ -21,7 +21,7 @@ from torch import Tensor
 
 from runtime.decoding import generate
 from runtime.kv_cache import KVCache
-from runtime.model import decode_meta, prefill_meta
+from runtime.model import AttentionMetadata, decode_meta, prefill_meta
 from runtime.sampling import SamplingParams
 
 Scorer = Callable[[Tensor], Tensor]
@@ -83,8 +83,6 @@ def cached_scorer(model, prefill: int | None = None, chunk: int = 1) -> Scorer:
             if n == 1:
                 meta = decode_meta(positions[:, 0])
             else:
-                from runtime.model import AttentionMetadata
-
                 meta = AttentionMetadata.causal(positions, kv_len=pos + n)
             outs.append(model(tokens[:, pos : pos + n], meta, cache))
             pos += n

@@ -18,8 +18,10 @@ from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
+from runtime.config import DTYPES
 from runtime.decoding import generate
 from runtime.kv_cache import KVCache
+from runtime.loader import DEFAULT_MODEL, load_model, load_tokenizer
 from runtime.model import AttentionMetadata, prefill_meta
 from runtime.sampling import SamplingParams
 
@@ -41,9 +43,6 @@ class QspecLM(LM):
     ):
         super().__init__()
         if isinstance(model, str) or model is None:  # built from --model_args: load a model spec
-            from runtime.config import DTYPES
-            from runtime.loader import DEFAULT_MODEL, load_model, load_tokenizer
-
             spec = model or DEFAULT_MODEL
             if dtype not in DTYPES:
                 raise ValueError(f"unknown dtype {dtype!r}; choose from {sorted(DTYPES)}")

@@ -26,7 +26,8 @@ from pathlib import Path
 
 from evals.metrics import SLO, RequestRecord, format_summary, summarize
 from runtime.cliutil import ArgumentParser, interrupted, run
-from runtime.loader import check_model_arg
+from runtime.data import wiki_split
+from runtime.loader import DEFAULT_MODEL, check_model_arg, load_tokenizer
 from runtime.provenance import provenance
 
 
@@ -49,7 +50,6 @@ def build_workload(
 ) -> list[WorkItem]:
     """Prompts from eval-split wiki extracts (each cut to max_prompt_tokens, or to exactly prompt_tokens
     from the running text); output lengths from other extracts' token lengths clipped to the range."""
-    from runtime.data import wiki_split
 
     rng = random.Random(seed)
     docs = wiki_split("eval")
@@ -207,7 +207,6 @@ async def run_load(
 
 
 def main(argv: list[str] | None = None) -> None:
-    from runtime.loader import DEFAULT_MODEL, load_tokenizer
 
     ap = ArgumentParser(prog="python -m evals.loadgen", description=__doc__.splitlines()[0])
     ap.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (loopback)")

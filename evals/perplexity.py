@@ -15,7 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
+from runtime.cliutil import ArgumentParser, UsageError
+from runtime.config import DTYPES, ModelConfig
 from runtime.data import load_text, token_windows
+from runtime.loader import DEFAULT_MODEL, check_model_spec, load_model, load_tokenizer, resolve
 from runtime.scoring import window_nlls
 
 
@@ -69,10 +72,6 @@ def windows_perplexity(model, windows: list[list[int]], batch_size: int = 4, pro
 
 def main(argv: list[str] | None = None) -> None:
     import json
-
-    from runtime.cliutil import ArgumentParser, UsageError
-    from runtime.config import DTYPES, ModelConfig
-    from runtime.loader import DEFAULT_MODEL, check_model_spec, load_model, load_tokenizer, resolve
 
     ap = ArgumentParser(prog="python -m evals.perplexity", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=DEFAULT_MODEL)

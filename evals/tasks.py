@@ -17,11 +17,13 @@ from pathlib import Path
 
 from evals.wiki_tasks import GROUP, TASKS, build_tasks
 from runtime.cliutil import ArgumentParser, run
-from runtime.loader import check_model_arg
+from runtime.config import DTYPES
+from runtime.loader import DEFAULT_MODEL, ModelSpecError, check_model_arg
+from runtime.paths import qspec_home
+from runtime.provenance import module_command, provenance
 
 
 def tasks_dir_default() -> Path:
-    from runtime.paths import qspec_home
 
     return qspec_home() / "tasks"
 
@@ -101,8 +103,6 @@ def render(summary: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from runtime.config import DTYPES
-    from runtime.loader import DEFAULT_MODEL, ModelSpecError
 
     ap = ArgumentParser(prog="python -m evals.tasks", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=DEFAULT_MODEL, help="model spec: registry name, checkpoint dir, .gguf")
@@ -129,7 +129,6 @@ def main(argv: list[str] | None = None) -> None:
         args.limit = int(args.limit)
 
     from evals.lm_eval_adapter import QspecLM
-    from runtime.provenance import module_command, provenance
 
     start = time.time()
     try:

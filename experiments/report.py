@@ -10,6 +10,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from experiments.config import ExperimentConfig, from_dict
+
 CLASS_COLORS = {"exact": "tab:green", "same math": "tab:blue", "same distribution": "tab:purple"}
 CLASS_COLORS["approximate"] = "tab:red"
 TASK_SHORT = {"qspec_wiki_topic": "topic", "qspec_wiki_title": "title", "qspec_wiki_lastword": "last word"}
@@ -301,8 +303,6 @@ def main(argv: list[str] | None = None) -> None:
     """Re-render a table config's table, summary and plot from its records (no model is loaded)."""
     import argparse
     import json
-
-    from experiments.config import ExperimentConfig, from_dict
 
     ap = argparse.ArgumentParser(prog="python -m experiments.report", description=main.__doc__)
     ap.add_argument("records", help="records.jsonl written by python -m experiments.run")

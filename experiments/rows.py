@@ -21,10 +21,20 @@ import torch
 
 from evals.fidelity import Scorer, batched_scorer, cached_scorer, greedy_outputs, model_scorer
 from evals.naive_attention import naive_attention
+from evals.specbench import build_method, build_suite, encode_messages, parse_method, run_suite
 from quantize.fp8 import float_config
 from quantize.fp8 import quantize_model as float_quantize_model
 from quantize.fplinear import FPLinear
+from quantize.qlinear import QuantLinear
+from runtime.config import DTYPES
+from runtime.decoding import generate
+from runtime.engine import EngineConfig, LLMEngine
+from runtime.loader import is_checkpoint_dir, load_model
+from runtime.paths import qspec_home
 from runtime.sampling import SamplingParams
+from speculate.base import SpeculatorError
+from speculate.cli import build_speculator
+from speculate.generate import speculative_generate
 
 
 class RowUnavailable(RuntimeError):
@@ -47,7 +57,6 @@ class Variant:
 
 def weight_bytes(model) -> int:
     """Bytes of the model's weights as stored: packed size for quantized layers, tied tensors once."""
-    from quantize.qlinear import QuantLinear
 
     total, seen = 0, set()
     for module in model.modules():
@@ -161,7 +170,6 @@ def attention_row(ctx, params: dict) -> Variant:
 
 
 def dtype_row(ctx, params: dict) -> Variant:
-    from runtime.config import DTYPES
 
     name = params.get("dtype", "bf16")
     if name not in DTYPES:
@@ -178,7 +186,6 @@ QUANT_MODULES = {"rtn": "quantize.rtn", "int8": "quantize.int8", "gptq": "quanti
 def quantized_checkpoint(ctx, params: dict) -> tuple[Path, list[str]]:
     """The cached checkpoint for these settings under $QSPEC_HOME/quantized (built once by the quantizer's
     own CLI; every later run reuses it)."""
-    from runtime.paths import qspec_home
 
     method = params.get("method")
     if method not in QUANT_MODULES:
@@ -195,15 +202,12 @@ def quantized_checkpoint(ctx, params: dict) -> tuple[Path, list[str]]:
 
 def quantized_row(ctx, params: dict) -> Variant:
 
-    from runtime.loader import is_checkpoint_dir, load_model
-
     out, command = quantized_checkpoint(ctx, params)
     if not is_checkpoint_dir(out):
         print(f"[qspec] building {out.name}: {' '.join(command[1:])}", file=sys.stderr, flush=True)
         done = subprocess.run(command, stdout=sys.stderr)
         if done.returncode != 0 or not is_checkpoint_dir(out):
             raise RowUnavailable(f"quantizer failed (exit {done.returncode}): {' '.join(command[1:])}")
-    from quantize.qlinear import QuantLinear
 
     # quality columns: the exact fp32 reference math on weights dequantized once (the `dense` path), so they
     # measure the quantization alone and score tasks at fp32 speed
@@ -301,7 +305,6 @@ def engine_logits_run(make_engine, ctx, concurrent: bool):
 
 
 def engine_row(ctx, params: dict) -> Variant:
-    from runtime.engine import EngineConfig, LLMEngine
 
     m = ctx.model
     mode = params.get("mode", "paged")
@@ -355,9 +358,6 @@ def speculative_row(ctx, params: dict) -> Variant:
     speculators must reproduce plain greedy output exactly); the speed column runs at the row's temperature
     against plain decoding at the same temperature. The teacher-forced columns score the target itself:
     speculation never changes the model, only how many target forwards a token costs."""
-    from speculate.base import SpeculatorError
-    from speculate.cli import build_speculator
-    from speculate.generate import speculative_generate
 
     m = ctx.model
     name = params.get("speculator")
@@ -387,7 +387,6 @@ def speculative_row(ctx, params: dict) -> Variant:
         return go
 
     def plain(prompts, max_tokens):
-        from runtime.decoding import generate
 
         p = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True, seed=ctx.cfg.seed)
         return [generate(m, [list(q)], p).tokens[0] for q in prompts]
@@ -411,10 +410,6 @@ def specbench_row(ctx, params: dict) -> Variant:
     eval split, 128+ new tokens), against plain decoding in the same run; the suite's per-category rows (tokens
     per step, acceptance per position, draft/verify split, speedup, greedy identity) go in the record. The
     suite times itself (set run_bench: false); the greedy column decodes the fidelity prompts as any row."""
-    from evals.specbench import build_method, build_suite, encode_messages, parse_method, run_suite
-    from runtime.paths import qspec_home
-    from speculate.base import SpeculatorError
-    from speculate.generate import speculative_generate
 
     m, method = ctx.model, params.get("method")
     if ctx.tokenizer is None:

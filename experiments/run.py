@@ -23,12 +23,17 @@ from pathlib import Path
 import torch
 
 from evals.fidelity import FidelityAccumulator, compare_teacher_forced, model_scorer, token_match
+from evals.tasks import run_tasks
+from experiments import report, sweeps
 from experiments.bench import DEFAULT_THREADS, EVAL_THREADS, LOCKING, bench_section, log
 from experiments.config import ConfigError, ExperimentConfig, Row, load_config
 from experiments.records import append_jsonl
 from experiments.rows import ROWS, RowUnavailable, Variant, plain_generate, weight_bytes
 from runtime.cliutil import ArgumentParser, interrupted, run
-from runtime.loader import ModelSpecError, check_model_spec
+from runtime.config import DTYPES, ModelConfig
+from runtime.data import token_windows, wiki_split, wiki_text
+from runtime.loader import ModelSpecError, check_model_spec, load_model, load_tokenizer
+from runtime.model import random_model
 from runtime.provenance import module_command, provenance
 
 
@@ -53,9 +58,6 @@ class Context:
 def load_context(cfg: ExperimentConfig) -> Context:
     torch.manual_seed(cfg.seed)
     if cfg.model.spec == "tiny-random":
-        from runtime.config import ModelConfig
-        from runtime.model import random_model
-
         try:
             mcfg = ModelConfig(**cfg.model.tiny)
         except TypeError as err:
@@ -74,10 +76,6 @@ def load_context(cfg: ExperimentConfig) -> Context:
         ]
         prompts = windows(max(bench.prompts, 16), bench.prompt_tokens)
         return Context(cfg, model, tokenizer, path, fidelity, greedy, prompts)
-
-    from runtime.config import DTYPES
-    from runtime.data import token_windows, wiki_split, wiki_text
-    from runtime.loader import load_model, load_tokenizer
 
     if cfg.kind == "concurrency" and cfg.sweep.series and all(s.get("url") for s in cfg.sweep.series):
         # every series is an external server: the spec only supplies the tokenizer that builds the prompts
@@ -188,8 +186,6 @@ def run_row(ctx: Context, row: Row) -> dict:
             ctx.spec_stats = None
         res["fidelity"], res["greedy"] = fid, greedy
         if cfg.evals.tasks and variant.lm_factory is not None and ctx.tokenizer is not None:
-            from evals.tasks import run_tasks
-
             log(f"row {row.name}: tasks {cfg.evals.tasks}")
             res["tasks"] = run_tasks(
                 variant.lm_factory(),
@@ -273,7 +269,6 @@ def main(argv: list[str] | None = None) -> None:
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
-    from experiments import report, sweeps
 
     try:
         if cfg.kind == "table":

@@ -9,12 +9,16 @@ from pathlib import Path
 
 import torch
 
+from evals.loadgen import WorkItem, run_load
 from evals.metrics import RequestRecord, distribution, summarize
+from experiments.bench import bench_section, log
 from experiments.config import ConfigError
 from experiments.records import append_jsonl
 from experiments.rows import RowUnavailable, speculative_row
 from runtime.config import DTYPES
+from runtime.data import wiki_text
 from runtime.decoding import generate
+from runtime.engine import EngineConfig, LLMEngine
 from runtime.provenance import provenance
 from runtime.sampling import SamplingParams
 
@@ -24,8 +28,6 @@ def prompts_of_length(ctx, length: int, n: int) -> list[list[int]]:
         gen = torch.Generator().manual_seed(ctx.cfg.seed + length)
         return torch.randint(2, ctx.model.config.vocab_size, (n, length), generator=gen).tolist()
     if "eval_ids" not in ctx.cache:  # tokenize the eval split once per run
-        from runtime.data import wiki_text
-
         ctx.cache["eval_ids"] = ctx.tokenizer(wiki_text("eval"), add_special_tokens=False).input_ids
     ids = ctx.cache["eval_ids"]
     windows = [ids[i * length : (i + 1) * length] for i in range(min(n, len(ids) // length))]
@@ -44,7 +46,6 @@ def series_model(ctx, series: dict):
 
 
 def prompt_length_point(ctx, series: dict, length: int) -> dict:
-    from experiments.bench import bench_section
 
     sw = ctx.cfg.sweep
     model = series_model(ctx, series)
@@ -106,8 +107,6 @@ def server_concurrency_point(ctx, series: dict, concurrency: int) -> dict:
     import asyncio
     import os
 
-    from evals.loadgen import WorkItem, run_load
-
     unknown = sorted(set(series) - SERVER_SERIES_KEYS)
     if unknown:
         raise ConfigError(f"sweep.series[{series['name']}]: unknown key(s) {unknown} for a server series")
@@ -136,8 +135,6 @@ def server_concurrency_point(ctx, series: dict, concurrency: int) -> dict:
 
 
 def concurrency_point(ctx, series: dict, concurrency: int) -> dict:
-    from experiments.bench import bench_section
-    from runtime.engine import EngineConfig, LLMEngine
 
     if series.get("url"):
         return server_concurrency_point(ctx, series, concurrency)
@@ -167,7 +164,6 @@ def concurrency_point(ctx, series: dict, concurrency: int) -> dict:
 
 
 def spec_k_point(ctx, series: dict, k: int) -> dict:
-    from experiments.bench import bench_section
 
     sw = ctx.cfg.sweep
     params = {key: v for key, v in series.items() if key != "name"}
@@ -199,7 +195,6 @@ POINTS = {"prompt_length": prompt_length_point, "concurrency": concurrency_point
 
 
 def run_sweep(cfg, ctx, series: list[dict], records_path: Path, base: dict) -> list[dict]:
-    from experiments.bench import log
 
     out = []
     for s in series:

@@ -23,11 +23,14 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import Tensor, nn
 
-from quantize.calibration import LayerAlgorithm, Stage, run_layer
+from quantize import cli
+from quantize.calibration import LayerAlgorithm, Stage, calibrate, run_layer
 from quantize.config import QuantConfig
+from quantize.gptq import GPTQ, add_gptq_args, gptq_config
 from quantize.grid import expand_groups, fake_quantize, find_params, group_bounds
-from quantize.qlinear import set_module
+from quantize.qlinear import quant_linear, set_module
 from quantize.rotation import HadamardMLP, RotatedRMSNorm
+from quantize.rtn import quantize_weight
 
 
 @dataclass
@@ -177,8 +180,6 @@ class AWQ(LayerAlgorithm):
             return
         if stage.name not in self.qcfg.modules and not (stage.name == "lm_head" and self.qcfg.lm_head):
             return
-        from quantize.qlinear import quant_linear
-        from quantize.rtn import quantize_weight
 
         linear = stage.linear
         qw = quantize_weight(linear.weight, self.qcfg, linear.bias, name=stage.full_name)
@@ -224,9 +225,6 @@ def fold_scale(prev: nn.Module, rows: slice | None, linear: nn.Module, s: Tensor
 
 
 def main(argv: list[str] | None = None) -> None:
-    from quantize import cli
-    from quantize.calibration import calibrate
-    from quantize.gptq import GPTQ, add_gptq_args, gptq_config
 
     ap = cli.parser("quantize.awq", __doc__)
     g = ap.add_argument_group("AWQ")

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import argparse
 
+from quantize import cli
+from runtime.loader import ModelSpecError, load_model, load_tokenizer
+
 
 def main(argv: list[str] | None = None) -> None:
-    from quantize import cli
-    from runtime.loader import ModelSpecError, load_model, load_tokenizer
 
     ap = argparse.ArgumentParser(prog="python -m quantize.baseline", description=__doc__)
     ap.add_argument("--model", default="smollm2-135m")

@@ -35,6 +35,7 @@ from quantize.qlinear import QuantizedWeight, QuantLinear, set_module
 from runtime.cliutil import UsageError
 from runtime.config import ModelConfig
 from runtime.layout import fused_layer_state
+from runtime.loader import ModelSpecError, is_checkpoint_dir
 from runtime.model import DecoderLayer, Transformer, rope_inv_freq
 
 
@@ -287,7 +288,6 @@ class ShardedCheckpoint:
     a model can be quantized one decoder layer at a time without ever holding all its float weights."""
 
     def __init__(self, path: str | Path):
-        from runtime.loader import ModelSpecError, is_checkpoint_dir
 
         self.path = Path(path)
         if not is_checkpoint_dir(self.path):

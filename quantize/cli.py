@@ -11,14 +11,18 @@ from pathlib import Path
 
 import torch
 
+from quantize.calibration import LayerStore, ShardedCheckpoint
 from quantize.config import DECODER_LINEARS, QuantConfig, QuantConfigError
 from quantize.formats import DENSE_DTYPES, FORMATS, CheckpointError, default_format, refusal, save_quantized
 from quantize.rotation import rotate_model, rotation_record
-from runtime.cliutil import ArgumentParser, run  # noqa: F401 (run: the quantizers' __main__ entry)
+from runtime.cliutil import ArgumentParser, interrupted, run  # noqa: F401 (run: the quantizers' __main__ entry)
 from runtime.config import ModelConfig, UnsupportedModelError
-from runtime.loader import ModelSpecError, check_model_spec, resolve
+from runtime.data import load_text, mixed_calibration_windows, parse_mixture, token_windows
+from runtime.loader import ModelSpecError, check_model_spec, load_model, load_tokenizer, resolve
+from runtime.paths import qspec_home
 from runtime.provenance import module_command
 from runtime.provenance import provenance as record_provenance
+from runtime.scoring import window_nlls
 
 EXPECTED_ERRORS = (QuantConfigError, CheckpointError, UnsupportedModelError)
 STARTED = time.perf_counter()  # the closing summary says how long the whole command took
@@ -167,8 +171,6 @@ def load(ap: argparse.ArgumentParser, args, cfg: QuantConfig):
     """(model fp32, tokenizer, checkpoint dir, layer source); a bad model spec or a group that does not fit is
     an argparse error, found from config.json before any weight is read. With --layer-by-layer the model is a
     skeleton whose decoder layers the calibration pass reads from the returned ShardedCheckpoint one at a time."""
-    from quantize.calibration import ShardedCheckpoint
-    from runtime.loader import load_model, load_tokenizer
 
     source = None
     try:
@@ -253,8 +255,6 @@ class CachedTokenizer:
         import hashlib
         from types import SimpleNamespace
 
-        from runtime.paths import qspec_home
-
         ident = f"{getattr(self.tokenizer, 'name_or_path', '')}|{len(self.tokenizer)}|{add_special_tokens}|"
         key = hashlib.sha256((ident + text).encode()).hexdigest()[:32]
         path = qspec_home() / "token_cache" / f"{key}.pt"
@@ -280,7 +280,6 @@ NOT_SETTINGS = ("resume", "eval", "eval_windows", "record", "out", "layer_by_lay
 def layer_store(args, module: str):
     """Where a calibration quantizer keeps finished layers (``OUT.layers.partial``), so that Ctrl-C keeps them
     and ``--resume`` finishes the run; None without --out."""
-    from quantize.calibration import LayerStore
 
     if not args.out:
         return None
@@ -295,7 +294,6 @@ def layer_store(args, module: str):
 
 def interrupted_calibration(store, n_layers: int) -> None:
     """Ctrl-C during a calibration pass: one line saying what was kept, exit code 130."""
-    from runtime.cliutil import interrupted
 
     if store is None or store.kept_layers() == 0:
         interrupted("no finished layer to keep" + ("" if store else " (only runs with --out keep layers)"))
@@ -307,7 +305,6 @@ def interrupted_calibration(store, n_layers: int) -> None:
 def calibration_tokens(ap: argparse.ArgumentParser, args, tokenizer) -> torch.Tensor:
     """[nsamples, seqlen] token ids from the calibration split of --calib (one text, or a weighted mixture:
     each text's share of the windows is its proportion, largest remainders rounded up)."""
-    from runtime.data import mixed_calibration_windows, parse_mixture
 
     try:
         parse_mixture(args.calib)
@@ -403,9 +400,6 @@ def evaluate(model, tokenizer, texts: str, default_windows: int) -> dict:
     """Perplexity (evals.perplexity protocol: eval split, 512-token windows, no BOS) on 'wiki:64,wiki-fr:32'
     style text lists, keeping each window's summed NLL so any prefix of the windows can be re-scored."""
     import math
-
-    from runtime.data import load_text, token_windows
-    from runtime.scoring import window_nlls
 
     out = {"eval_protocol": "eval split, first N windows x 512 tokens, no BOS", "perplexity": {}, "window_nlls": {}}
     for item in texts.split(","):

@@ -22,10 +22,11 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import Tensor
 
-from quantize.calibration import LayerAlgorithm, Stage
+from quantize import cli
+from quantize.calibration import LayerAlgorithm, Stage, calibrate
 from quantize.config import QuantConfig
 from quantize.grid import find_params, group_params, quantize_codes
-from quantize.qlinear import QuantizedWeight, QuantLinear, set_module
+from quantize.qlinear import QuantizedWeight, QuantLinear, quant_linear, set_module
 
 
 class GPTQError(RuntimeError):
@@ -194,7 +195,6 @@ class GPTQ(LayerAlgorithm):
     def quantize_stage(self, stage: Stage) -> None:
         if stage.name not in self.qcfg.modules and not (stage.name == "lm_head" and self.qcfg.lm_head):
             return
-        from quantize.qlinear import quant_linear
 
         linear = stage.linear
         H = accumulate_hessian(stage.inputs, self.gcfg.first_token_weight)
@@ -256,8 +256,6 @@ def gptq_config(ap, args) -> GPTQConfig:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from quantize import cli
-    from quantize.calibration import calibrate
 
     ap = cli.parser("quantize.gptq", __doc__)
     add_gptq_args(ap)

@@ -23,22 +23,24 @@ import time
 import torch
 from torch import Tensor, nn
 
-from quantize.calibration import LayerAlgorithm, Stage, run_layer
-from quantize.config import QuantConfig
+from quantize import cli, rtn
+from quantize.awq import fold_scale, scale_producer
+from quantize.calibration import LayerAlgorithm, Stage, calibrate, run_layer
+from quantize.config import DECODER_LINEARS, QuantConfig
+from quantize.qlinear import quant_linear, set_module
+from quantize.rtn import quantize_weight
 
 
 @torch.no_grad()
 def quantize_model(model, w8a8: bool = False, modules=None, lm_head: bool = False, progress: bool = False):
     """int8 symmetric per-channel RTN of every targeted linear; with w8a8 the layers quantize activations too
     (QuantLinear act_quant=True)."""
-    from quantize import rtn
 
     cfg = int8_config(w8a8, modules, lm_head)
     return rtn.quantize_model(model, cfg, progress=progress, label="w8a8" if w8a8 else "int8"), cfg
 
 
 def int8_config(w8a8: bool, modules=None, lm_head: bool = False) -> QuantConfig:
-    from quantize.config import DECODER_LINEARS
 
     return QuantConfig(
         bits=8, group_size=-1, sym=True, act_quant=w8a8, modules=modules or DECODER_LINEARS, lm_head=lm_head
@@ -66,7 +68,6 @@ class SmoothQuant(LayerAlgorithm):
 
     @torch.no_grad()
     def smooth(self, stage: Stage, layer: nn.Module) -> None:
-        from quantize.awq import fold_scale, scale_producer
 
         prev = scale_producer(layer, stage.name)
         if stage.name not in self.qcfg.modules or prev is None:
@@ -82,8 +83,6 @@ class SmoothQuant(LayerAlgorithm):
     def quantize_stage(self, stage: Stage) -> None:
         if stage.name not in self.qcfg.modules and not (stage.name == "lm_head" and self.qcfg.lm_head):
             return
-        from quantize.qlinear import quant_linear, set_module
-        from quantize.rtn import quantize_weight
 
         linear = stage.linear
         qw = quantize_weight(linear.weight, self.qcfg, linear.bias, name=stage.full_name)
@@ -91,7 +90,6 @@ class SmoothQuant(LayerAlgorithm):
 
 
 def main(argv: list[str] | None = None) -> None:
-    from quantize import cli
 
     ap = cli.parser("quantize.int8", __doc__, calibration=True, bits=8, group_size=-1)
     ap.add_argument("--w8a8", action="store_true", help="quantize activations per token to int8 too")
@@ -115,8 +113,6 @@ def main(argv: list[str] | None = None) -> None:
         model, cfg = quantize_model(model, args.w8a8, probe.modules, args.lm_head, progress=True)
         cfg.extra.update(quant_method="w8a8" if args.w8a8 else "int8")
     else:
-        from quantize.calibration import calibrate
-
         cfg = int8_config(True, probe.modules, args.lm_head)
         tokens = cli.calibration_tokens(ap, args, tokenizer)
         algo = SmoothQuant(cfg, args.smooth)

@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from quantize.grid import quantize_activations_per_token
-from quantize.kernels import cuda
+from quantize.kernels import cpu, cuda
+from quantize.packing import block_shape, pack_codes, unpack_codes
 
 SUPPORTED_BITS = (2, 3, 4, 8)  # every path: the reference and Triton
 FAST_CPU_BITS = (4, 8)  # bit widths with a packed torch CPU kernel (quantize.kernels.cpu)
@@ -134,7 +135,6 @@ class QuantLinear(nn.Module):
 
     def store(self, codes: Tensor, path: str) -> None:
         """Keep the codes in the layout `path` reads, dropping every other layout."""
-        from quantize.kernels import cpu
 
         layouts = ("packed_codes", "dense_weight", "int4_weight", "int4_scales_zeros", "int8_weight", "in_perm")
         layouts += ("int4_cuda_weight", "int8_cuda_weight")
@@ -142,8 +142,6 @@ class QuantLinear(nn.Module):
             self._buffers.pop(name, None)
         self.path = path
         if path in ("reference", "dense", "triton"):
-            from quantize.packing import block_shape, pack_codes
-
             per_block = block_shape(self.bits)[0]
             k_pad = -(-self.in_features // per_block) * per_block
             padded = F.pad(codes.t().to(torch.int32), (0, 0, 0, k_pad - self.in_features))
@@ -187,11 +185,8 @@ class QuantLinear(nn.Module):
 
     def codes_now(self) -> Tensor:
         """The uint8 codes [out, in], recovered from whichever layout this path keeps."""
-        from quantize.kernels import cpu
 
         if "packed_codes" in self._buffers:  # by layout, not path name: subclasses may rename paths
-            from quantize.packing import block_shape, unpack_codes
-
             per_block = block_shape(self.bits)[0]
             k_pad = -(-self.in_features // per_block) * per_block
             return unpack_codes(self.packed_codes.cpu(), self.bits, k_pad)[: self.in_features].t().contiguous()
@@ -211,12 +206,9 @@ class QuantLinear(nn.Module):
     def row_codes(self, rows: Tensor) -> Tensor:
         """The uint8 codes [T, in] of output rows `rows` [T], read from this path's layout without unpacking the
         other rows (what a quantized embedding sharing this layer as its tied lm_head needs per token)."""
-        from quantize.kernels import cpu
 
         rows = rows.long()
         if "packed_codes" in self._buffers:  # [k_pad * bits / 32, out]: a row of W is a column here
-            from quantize.packing import block_shape, unpack_codes
-
             per_block = block_shape(self.bits)[0]
             k_pad = -(-self.in_features // per_block) * per_block
             cols = self.packed_codes.index_select(1, rows.to(self.packed_codes.device))
@@ -274,7 +266,6 @@ class QuantLinear(nn.Module):
         return self
 
     def unsupported_reason(self, path: str) -> str | None:
-        from quantize.kernels import cpu
 
         if path in ("reference", "dense", "triton"):
             return None
@@ -355,8 +346,6 @@ class QuantLinear(nn.Module):
 
             y = quant_matmul(x2, self)
         else:
-            from quantize.kernels import cpu
-
             if self.path == "cuda_int4":
                 y = cuda.int4_mm(x2, self.int4_cuda_weight, self.int4_scales_zeros, self.int4_group, self.in_perm)
             elif self.path == "cuda_int8":

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from quantize import cli
+from quantize.cli import log
 from quantize.config import QuantConfig
 from quantize.grid import expand_groups, group_params, quantize_codes
 from quantize.qembedding import tie_quantized_embedding
@@ -49,8 +51,6 @@ def quantize_model(
             model, name, quant_linear(quantize_weight(layer.weight, cfg, layer.bias, mse, name), cfg.act_quant, layer)
         )
         if progress and (i + 1 == len(names) or not names[i + 1].startswith(name.rsplit(".", 2)[0] + ".")):
-            from quantize.cli import log
-
             log(f"{label} {i + 1}/{len(names)} linears ({name.rsplit('.', 2)[0]} done)")
     if cfg.lm_head and model.config.tie_word_embeddings:
         tie_quantized_embedding(model)  # the embedding reads the quantized head's rows: no full-precision copy
@@ -58,7 +58,6 @@ def quantize_model(
 
 
 def main(argv: list[str] | None = None) -> None:
-    from quantize import cli
 
     ap = cli.parser("quantize.rtn", __doc__, calibration=False)
     ap.add_argument("--mse", action="store_true", help="MSE search of each group's range (clipping)")

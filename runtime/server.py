@@ -35,11 +35,13 @@ from dataclasses import dataclass, replace
 from aiohttp import web
 
 from runtime.cliutil import ArgumentParser, run
+from runtime.config import DTYPES
 from runtime.engine import EngineConfig, LLMEngine, RequestOutput
 from runtime.grammar import Grammar, GrammarError, ResponseFormats
-from runtime.loader import check_model_arg
+from runtime.loader import DEFAULT_MODEL, check_model_arg, load_model, load_tokenizer
 from runtime.sampling import SamplingParams, TokenLogprob
 from runtime.scheduler import RequestRejectedError
+from speculate.cli import add_speculator_args, speculator_from_args  # entry point: composes the layers
 
 log = logging.getLogger("qspec.server")
 
@@ -791,10 +793,6 @@ def parse_metrics(text: str) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> None:
     import torch
-
-    from runtime.config import DTYPES
-    from runtime.loader import DEFAULT_MODEL, load_model, load_tokenizer
-    from speculate.cli import add_speculator_args, speculator_from_args  # entry point: composes the layers
 
     ap = ArgumentParser(prog="python -m runtime.server", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=DEFAULT_MODEL, help="registry name, checkpoint dir, .gguf or hub id")

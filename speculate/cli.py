@@ -16,14 +16,19 @@ from pathlib import Path
 
 from quantize.qlinear import FAST_CPU_BITS
 from runtime.grammar import report_incomplete
+from runtime.paths import qspec_home
+from runtime.speculation import CandidateTree
 from speculate.base import Speculator, SpeculatorError, check_k
+from speculate.draft import DraftModelSpeculator, parse_draft_spec, quantized_draft
 from speculate.generate import speculative_generate
+from speculate.medusa.heads import load_medusa
+from speculate.medusa.speculator import MedusaSpeculator, build_tree
+from speculate.ngram import NgramSpeculator
 
 SPECULATORS = ("ngram", "draft", "medusa", "quant-draft")
 
 
 def default_medusa_dir(model_path: Path | str) -> Path:
-    from runtime.paths import qspec_home
 
     return qspec_home() / "medusa" / Path(model_path).name
 
@@ -47,27 +52,18 @@ def build_speculator(
     if name != "medusa" and acceptance != "rejection":
         raise SpeculatorError(f"typical acceptance is a Medusa mode; {name} verifies losslessly only")
     if name == "ngram":
-        from speculate.ngram import NgramSpeculator
-
         return NgramSpeculator(k=k, scaled=not ngram_fixed)
     if name == "draft":
-        from speculate.draft import DraftModelSpeculator, parse_draft_spec
-
         check_k(k)
         draft, label = parse_draft_spec(draft_model, model)
         return DraftModelSpeculator(model, draft, k=k, name=f"draft({label})")
     if name == "quant-draft":
-        from speculate.draft import DraftModelSpeculator, quantized_draft
-
         check_k(k)
         if quant_bits not in FAST_CPU_BITS:  # a draft must be cheaper than the target: fast kernels only
             raise SpeculatorError(f"quant-draft supports {' or '.join(map(str, FAST_CPU_BITS))} bits, got {quant_bits}")
         return DraftModelSpeculator(
             model, quantized_draft(model, quant_bits, quant_group_size), k=k, name=f"quant-draft(int{quant_bits})"
         )
-    from runtime.speculation import CandidateTree
-    from speculate.medusa.heads import load_medusa
-    from speculate.medusa.speculator import MedusaSpeculator, build_tree
 
     heads = load_medusa(medusa_heads or default_medusa_dir(model_path), model)
     if tree_size is None:  # a chain of the heads' top-1 candidates, k long

@@ -20,8 +20,12 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from quantize.config import QuantConfig
+from quantize.qlinear import QuantLinear
+from quantize.rtn import quantize_model
 from runtime.grammar import row_masks
 from runtime.layout import device_of
+from runtime.loader import load_model
 from runtime.model import Transformer
 from runtime.paged_cache import BlockManager, PagedKVCache, paged_metadata
 from runtime.paths import qspec_home
@@ -49,9 +53,6 @@ def quantized_draft(model: Transformer, bits: int = 8, group_size: int | None = 
 
     group_size None: the standard layout of each width, int8 symmetric per-channel and int4 group 128 (the
     layouts the fast CPU kernels are built for; int8 with groups runs one kernel per group)."""
-    from quantize.config import QuantConfig
-    from quantize.qlinear import QuantLinear
-    from quantize.rtn import quantize_model
 
     if group_size is None:
         group_size = -1 if bits == 8 else 128
@@ -231,7 +232,6 @@ def parse_draft_spec(spec: str | None, target: Transformer) -> tuple[Transformer
         return (quantized_draft(draft, int(bits[3:])) if bits else draft), spec
     if bits:
         raise SpeculatorError(f"--draft-model {spec!r}: expected int4, int8 or intB+layers:N")
-    from runtime.loader import load_model
 
     draft, _, _ = load_model(spec, dtype=target.compute_dtype, device=device_of(target))
     return draft, spec

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import importlib
+import sys
+
 import pytest
 import torch
 
@@ -157,3 +160,17 @@ def hf_default_model(default_model):
 def tiny_checkpoint(tmp_path_factory):
     """A 2-layer random model with the real tokenizer's vocabulary, saved as a checkpoint directory."""
     return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))
+
+
+PROJECT_PACKAGES = ("runtime", "quantize", "speculate", "evals", "experiments")
+
+
+def patch_everywhere(monkeypatch, target: str, value) -> None:
+    """monkeypatch "package.module.name" and every loaded project module's own binding of it: a module that
+    did ``from package.module import name`` holds its own reference, which patching the source misses."""
+    module_name, _, name = target.rpartition(".")
+    original = getattr(importlib.import_module(module_name), name)
+    monkeypatch.setattr(target, value)
+    for mod in list(sys.modules.values()):
+        if getattr(mod, "__name__", "").split(".")[0] in PROJECT_PACKAGES and getattr(mod, name, None) is original:
+            monkeypatch.setattr(mod, name, value)

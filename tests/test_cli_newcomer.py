@@ -29,6 +29,7 @@ from runtime import cliutil
 from runtime.config import ModelConfig
 from runtime.loader import ModelSpecError, check_model_spec, is_checkpoint_dir, load_model, save_checkpoint
 from runtime.model import random_model
+from tests.conftest import patch_everywhere
 
 REPO = Path(__file__).resolve().parent.parent
 VOCAB = 97
@@ -70,10 +71,8 @@ def tiny(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # relative --out paths land here
     monkeypatch.setenv("QSPEC_HOME", str(tmp_path / "home"))
     ckpt = save_checkpoint(random_model(TINY, seed=0), tmp_path / "ckpt")
-    monkeypatch.setattr("runtime.loader.load_tokenizer", lambda spec: WordTokenizer())
-    monkeypatch.setattr("runtime.loader.load_model", never_load)
-    for module in ("evals.bench_decode",):  # imported load_model at module level
-        monkeypatch.setattr(f"{module}.load_model", never_load, raising=False)
+    patch_everywhere(monkeypatch, "runtime.loader.load_tokenizer", lambda spec: WordTokenizer())
+    patch_everywhere(monkeypatch, "runtime.loader.load_model", never_load)
     (tmp_path / "half.partial").mkdir()
     (tmp_path / "half.partial" / "config.json").write_text("{}")
     return ckpt

@@ -20,7 +20,8 @@ pytest.importorskip("aiohttp")
 from evals.loadgen import WorkItem, run_load  # noqa: E402
 from evals.metrics import summarize  # noqa: E402
 from experiments.run import main as run_experiment  # noqa: E402
-from tests.test_serve_server import server, tiny_checkpoint  # noqa: E402, F401  (fixtures: qspec's server)
+from tests.conftest import patch_everywhere  # noqa: E402
+from tests.test_serve_server import server  # noqa: E402, F401  (fixture: qspec's server)
 
 ROOT = Path(__file__).resolve().parents[1]
 TTFT_S, ITL_S = 0.3, 0.06  # 5 % of these is 15 ms and 3 ms: above the scheduling noise of a busy machine
@@ -186,12 +187,11 @@ def test_unreachable_server_is_recorded_not_run(tmp_path):
 @pytest.mark.slow  # tokenizes the wiki eval split (~30 s here)
 def test_external_only_sweep_loads_just_the_tokenizer(stub, tmp_path, monkeypatch):
     """With every series on a server, model.spec only supplies the tokenizer (no weights are loaded)."""
-    import runtime.loader
 
     def no_weights(*args, **kwargs):
         raise AssertionError("an external-server sweep loaded model weights")
 
-    monkeypatch.setattr(runtime.loader, "load_model", no_weights)
+    patch_everywhere(monkeypatch, "runtime.loader.load_model", no_weights)
     cfg = {"name": "ext", "kind": "concurrency", "model": {"spec": "smollm2-135m"},
            "sweep": {"values": [2], "new_tokens": 4, "series": [{"name": "stub", "url": stub}]}}  # fmt: skip
     path = tmp_path / "ext.yaml"

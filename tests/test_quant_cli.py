@@ -16,6 +16,7 @@ from quantize.qlinear import QuantLinear
 from runtime.config import ModelConfig
 from runtime.loader import load_model
 from runtime.model import random_model
+from tests.conftest import patch_everywhere
 
 VOCAB = 97
 TINY = ModelConfig(
@@ -43,10 +44,10 @@ def tiny_checkpoint(tmp_path, monkeypatch):
     from runtime.loader import save_checkpoint
 
     monkeypatch.setenv("QSPEC_HOME", str(tmp_path / "home"))
-    monkeypatch.setattr("runtime.loader.load_tokenizer", lambda spec: WordTokenizer())
+    patch_everywhere(monkeypatch, "runtime.loader.load_tokenizer", lambda spec: WordTokenizer())
     gen = torch.Generator().manual_seed(0)
     text = " ".join(WORDS[i] for i in torch.randint(0, 300, (3000,), generator=gen).tolist())
-    monkeypatch.setattr("runtime.data.wiki_text", lambda split="eval", lang="en": text)
+    patch_everywhere(monkeypatch, "runtime.data.wiki_text", lambda split="eval", lang="en": text)
     return save_checkpoint(random_model(TINY, seed=0), tmp_path / "ckpt")
 
 

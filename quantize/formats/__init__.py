@@ -27,7 +27,7 @@ from quantize.qembedding import shares_quantized_head, tie_quantized_embedding
 from quantize.qlinear import QuantizedWeight, QuantLinear, set_module
 from quantize.rotation import install_online_hadamard
 from runtime import layout
-from runtime.loader import register_quantized_format
+from runtime.loader import load_state_dict, register_quantized_format, save_checkpoint
 
 FORMATS = ("gptq", "gptq_v2", "awq", "compressed-tensors")
 DENSE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -290,7 +290,6 @@ def save_quantized(
     too). Everything not quantized (embeddings, norms, dense linears, biases) is stored in dense_dtype, which
     config.json declares. A setting the format cannot hold raises CheckpointError before anything is written.
     """
-    from runtime.loader import save_checkpoint
 
     if fmt not in FORMATS:
         raise ValueError(f"unknown format {fmt!r}; choose one of {FORMATS}")
@@ -339,7 +338,6 @@ def save_quantized(
 
 def read_tensors(path: Path) -> dict[str, Tensor]:
     """All tensors of a checkpoint dir, after checking every file covers the bytes its header promises."""
-    from runtime.loader import load_state_dict
 
     index = path / "model.safetensors.index.json"
     files = (

@@ -15,13 +15,13 @@ import json
 import os
 import sys
 
+from quantize.qlinear import QuantizedWeight, QuantLinear
+
 TOLERANCE = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1.6e-2}
 
 
 def random_qweight(out_f: int, in_f: int, bits: int, group_size: int, act_order: bool, seed: int):
     import torch
-
-    from quantize.qlinear import QuantizedWeight
 
     gen = torch.Generator().manual_seed(seed)
     gs = in_f if group_size == -1 else group_size
@@ -58,7 +58,6 @@ def run(device: str, dtypes: list[str], subset: str) -> list[dict]:
     import torch
 
     from quantize.kernels.triton_qmm import quant_matmul
-    from quantize.qlinear import QuantLinear
 
     results = []
     all_cases = list(cases(subset, dtypes)) + [

@@ -25,21 +25,21 @@ import torch
 import torch.nn.functional as F
 
 from runtime.cliutil import ArgumentParser, interrupted, run
-from runtime.loader import check_model_arg
+from runtime.data import wiki_split
+from runtime.loader import DEFAULT_MODEL, check_model_arg, load_model, load_tokenizer
+from runtime.paths import qspec_home
 from speculate.medusa.heads import MedusaConfig, MedusaHeads, model_fingerprint
 
 MAX_TOP = 10  # accuracy table width: candidates per head the tree may use
 
 
 def default_output_dir(model_spec: str) -> Path:
-    from runtime.paths import qspec_home
 
     return qspec_home() / "medusa" / Path(model_spec).name.removesuffix(".gguf")
 
 
 def training_windows(tokenizer, seqlen: int, max_tokens: int, seed: int) -> list[list[int]]:
     """Non-overlapping windows from the training split, shuffled with a fixed seed."""
-    from runtime.data import wiki_split
 
     docs = wiki_split("train")
     rng = random.Random(seed)
@@ -108,7 +108,6 @@ def topk_accuracy(heads: MedusaHeads, model, windows: list[list[int]], batch_siz
 
 
 def main(argv: list[str] | None = None) -> None:
-    from runtime.loader import DEFAULT_MODEL, load_model, load_tokenizer
 
     ap = ArgumentParser(prog="python -m speculate.medusa.train", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=DEFAULT_MODEL, help="base model spec (frozen)")
