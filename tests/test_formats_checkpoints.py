@@ -20,19 +20,7 @@ from runtime.model import Transformer, random_model
 from tests.conftest import TINY_CONFIGS
 
 LLAMA = TINY_CONFIGS["llama"]
-QWEN2 = ModelConfig(  # biases on q/k/v, tied embeddings
-    architecture="qwen2",
-    vocab_size=96,
-    hidden_size=64,
-    intermediate_size=128,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    attention_bias=True,
-    tie_word_embeddings=True,
-    eos_token_ids=[1],
-)
+QWEN2 = TINY_CONFIGS["qwen2-tied"]  # biases on q/k/v, tied embeddings
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])

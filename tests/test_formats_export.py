@@ -15,25 +15,12 @@ from quantize import export
 from quantize.formats import FORMATS, CheckpointError, linear_layout, save_quantized
 from quantize.qembedding import tie_quantized_embedding
 from quantize.qlinear import QuantLinear, set_module
-from runtime.config import ModelConfig
 from runtime.loader import load_model
 from runtime.model import Transformer, random_model
 from tests.conftest import TINY_CONFIGS
 
 LLAMA = TINY_CONFIGS["llama"]  # hidden 64, intermediate 96: widths 64 and 96
-QWEN2 = ModelConfig(  # biases on q/k/v, tied embeddings
-    architecture="qwen2",
-    vocab_size=96,
-    hidden_size=64,
-    intermediate_size=128,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    attention_bias=True,
-    tie_word_embeddings=True,
-    eos_token_ids=[1],
-)
+QWEN2 = TINY_CONFIGS["qwen2-tied"]  # biases on q/k/v, tied embeddings
 
 
 def quantized(config, bits, group_size, sym=False, act_order=False, act_quant=False, min_zero=0, seed=0):

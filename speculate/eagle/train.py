@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from runtime.loader import DEFAULT_MODEL, load_model, load_tokenizer
 from runtime.paths import qspec_home
 from speculate.eagle.head import EagleConfig, EagleHead
-from speculate.medusa.train import training_windows
+from speculate.medusa.train import training_record, training_windows
 
 
 def default_output_dir(model_spec: str) -> Path:
@@ -170,15 +170,7 @@ def main(argv: list[str] | None = None) -> None:
 
     def save(final: bool) -> None:
         head.eval()
-        config.training = {
-            "command": command,
-            "steps": step,
-            "tokens": tokens_seen,
-            "seconds": round(time.perf_counter() - t0, 1),
-            "threads": torch.get_num_threads(),
-            "history": history[-20:],
-            "final": final,
-        }
+        config.training = training_record(command, step, tokens_seen, t0, history, final)
         if final:
             acc = draft_accuracy(head, model, eval_windows, args.window - 1)
             config.accuracy = {"greedy_draft_at_depth": [round(a, 4) for a in acc]}

@@ -38,6 +38,19 @@ def default_output_dir(model_spec: str) -> Path:
     return qspec_home() / "medusa" / Path(model_spec).name.removesuffix(".gguf")
 
 
+def training_record(command: str, steps: int, tokens: int, started: float, history: list[dict], final: bool) -> dict:
+    """What a draft head's config records about its training (Medusa heads, EAGLE head)."""
+    return {
+        "command": command,
+        "steps": steps,
+        "tokens": tokens,
+        "seconds": round(time.perf_counter() - started, 1),
+        "threads": torch.get_num_threads(),
+        "history": history[-20:],
+        "final": final,
+    }
+
+
 def training_windows(tokenizer, seqlen: int, max_tokens: int, seed: int) -> list[list[int]]:
     """Non-overlapping windows from the training split, shuffled with a fixed seed."""
 
@@ -186,15 +199,7 @@ def main(argv: list[str] | None = None) -> None:
 
     def save(final: bool) -> None:
         heads.eval()
-        config.training = {
-            "command": command,
-            "steps": step,
-            "tokens": tokens_seen,
-            "seconds": round(time.perf_counter() - t0, 1),
-            "threads": torch.get_num_threads(),
-            "history": history[-20:],
-            "final": final,
-        }
+        config.training = training_record(command, step, tokens_seen, t0, history, final)
         if final:
             config.accuracy = topk_accuracy(heads, model, eval_windows, args.batch_size)
         heads.save(out)
