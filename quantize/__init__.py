@@ -7,13 +7,30 @@ Each algorithm's entry point is its module: ``quantize.rtn``, ``quantize.int8``,
 ``quantize.awq`` (``python -m quantize.gptq --help``).
 """
 
-from quantize.awq import AWQ, AWQConfig
+import importlib
+
 from quantize.config import QuantConfig, QuantConfigError
 from quantize.formats import FORMATS, CheckpointError, load_quantized_into, save_quantized
-from quantize.gptq import GPTQ, GPTQConfig, GPTQError
-from quantize.int8 import SmoothQuant
 from quantize.qembedding import QuantEmbedding
 from quantize.qlinear import SUPPORTED_BITS, QuantizedWeight, QuantLinear, quant_linear
+
+# Entry-point modules (python -m ...) load on first use of their names: importing them with the package would
+# make runpy warn that the module ran after it was already imported.
+_LAZY = {
+    "AWQ": "quantize.awq",
+    "AWQConfig": "quantize.awq",
+    "GPTQ": "quantize.gptq",
+    "GPTQConfig": "quantize.gptq",
+    "GPTQError": "quantize.gptq",
+    "SmoothQuant": "quantize.int8",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "AWQ",

@@ -183,7 +183,6 @@ def patch_everywhere(monkeypatch, target: str, value) -> None:
     did ``from package.module import name`` holds its own reference, which patching the source misses."""
     module_name, _, name = target.rpartition(".")
     original = getattr(importlib.import_module(module_name), name)
-    monkeypatch.setattr(target, value)
-    for mod in list(sys.modules.values()):
+    for mod in list(sys.modules.values()):  # (the source module included: it holds the original too)
         if getattr(mod, "__name__", "").split(".")[0] in PROJECT_PACKAGES and getattr(mod, name, None) is original:
             monkeypatch.setattr(mod, name, value)

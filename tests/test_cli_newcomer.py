@@ -115,7 +115,7 @@ MISSING = "/nonexistent/qspec/out"
         ("evals.perplexity", ["--model", "{ckpt}", "--max-windows", "0"], "--max-windows must be >= 1"),
         ("evals.perplexity", ["--model", MISSING], f"no such directory: {MISSING}"),
         ("evals.perplexity", ["--model", "{ckpt}", "--seqlen", "65"], "beyond the model's context of 64"),
-        ("evals.perplexity", ["--model", "{ckpt}", "--data", "nofile.txt"], "neither wiki"),
+        ("evals.perplexity", ["--model", "{ckpt}", "--data", "nofile.txt"], "neither a text name"),
         ("quantize.rtn", ["--model", MISSING, "--out", "x"], f"no such directory: {MISSING}"),
         ("quantize.rtn", ["--model", "{ckpt}", "--group-size", "48", "--out", "x"], "has no fast kernel"),
         ("quantize.gptq", ["--model", "{ckpt}", "--group-size", "16", "--out", "x"], "has no fast kernel"),
@@ -233,8 +233,13 @@ class WordTokenizer:
         return VOCAB
 gen = torch.Generator().manual_seed(0)
 text = " ".join(f"w{i}" for i in torch.randint(0, 300, (4000,), generator=gen).tolist())
-runtime.loader.load_tokenizer = lambda spec: WordTokenizer()
-runtime.data.wiki_text = lambda split="eval", lang="en": text
+originals = (runtime.loader.load_tokenizer, runtime.data.wiki_text)
+for mod in list(sys.modules.values()):  # every module's own binding (from-imports copy the name)
+    if getattr(mod, "__name__", "").split(".")[0] in ("runtime", "quantize", "evals"):
+        if getattr(mod, "load_tokenizer", None) is originals[0]:
+            mod.load_tokenizer = lambda spec: WordTokenizer()
+        if getattr(mod, "wiki_text", None) is originals[1]:
+            mod.wiki_text = lambda split="eval", lang="en": text
 mode, argv = sys.argv[1], sys.argv[2:]
 if mode == "slow-gptq":  # slow enough to be interrupted mid-pass
     quantize_stage = gptq.GPTQ.quantize_stage
