@@ -151,10 +151,10 @@ def layer_widths(mc: ModelConfig) -> dict[str, int]:
     }
 
 
-def check_group_size(ap: argparse.ArgumentParser, cfg: QuantConfig, mc: ModelConfig) -> None:
-    """--group-size must fit every targeted layer's input width and have a fast kernel (cpu_int4 and Triton take
-    multiples of 32; a last partial group is fine, e.g. 128 on SmolLM2's 576): checked from config.json, before
-    the weights load."""
+def check_group_size(ap: argparse.ArgumentParser, cfg: QuantConfig, mc: ModelConfig, saving: bool) -> None:
+    """--group-size must fit every targeted layer's input width, and a checkpoint (saving) needs a fast kernel
+    (cpu_int4 and Triton take multiples of 32); in memory any group runs, on the reference path. Checked from
+    config.json, before the weights load."""
     leaves = list(cfg.modules) + (["lm_head"] if cfg.lm_head else [])
     for leaf in leaves:
         block = "self_attn" if leaf in ("qkv_proj", "o_proj") else "mlp"
@@ -164,7 +164,10 @@ def check_group_size(ap: argparse.ArgumentParser, cfg: QuantConfig, mc: ModelCon
         except QuantConfigError as err:
             ap.error(str(err))
     if cfg.group_size != -1 and cfg.group_size % 32:
-        ap.error(f"--group-size {cfg.group_size} has no fast kernel (they take multiples of 32): use 32, 64, 128 or -1")
+        why = f"--group-size {cfg.group_size} has no fast kernel (they take multiples of 32)"
+        if saving:
+            ap.error(f"{why}: use 32, 64, 128 or -1")
+        log(f"note: {why}; measuring in memory on the reference path")
 
 
 def load(ap: argparse.ArgumentParser, args, cfg: QuantConfig):
@@ -175,7 +178,8 @@ def load(ap: argparse.ArgumentParser, args, cfg: QuantConfig):
     source = None
     try:
         path = resolve(args.model)
-        check_group_size(ap, cfg, ModelConfig.from_hf(json.loads((path / "config.json").read_text())))
+        config = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+        check_group_size(ap, cfg, config, saving=args.out is not None)
         log(f"loading {args.model}")
         if getattr(args, "layer_by_layer", False):
             source = ShardedCheckpoint(path)

@@ -123,7 +123,11 @@ class EngineThread:
         self.thread.join(timeout=10)
 
     async def add(
-        self, request_ids: list[str], prompt_ids: list[int], params: list[SamplingParams], grammar: Grammar | None
+        self,
+        request_ids: list[str],
+        prompt_ids: list[int],
+        params: list[SamplingParams],
+        grammar: Grammar | None = None,
     ) -> Mailbox:
         """Queue one engine request per choice (each with its own matcher of the grammar); raises what the
         engine's admission control raised."""

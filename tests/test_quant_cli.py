@@ -270,9 +270,9 @@ def test_cli_format_default_is_recorded(tiny_checkpoint, tmp_path, main, argv, f
     [
         (
             rtn.main,
-            ["--group-size", "48"],
-            "layers.0.self_attn.qkv_proj: in_features 64 is not a multiple of group size 48; gptq would need a "
-            "ragged last group, which its loaders reject: use --group-size 16, 32 or -1 (per-channel)",
+            ["--group-size", "64"],
+            "in_features 96 is not a multiple of group size 64; gptq would need a ragged last group, which its "
+            "loaders reject: use --group-size",
         ),
         (gptq.main, ["--group-size", "32", "--act-order", "--format", "compressed-tensors"], "has no g_idx"),
         (gptq.main, ["--group-size", "32", "--act-order", "--format", "awq"], "AWQ has no g_idx"),
@@ -311,7 +311,8 @@ def test_rotated_rtn_cli_saves_reloads_and_keeps_the_float_model(tiny_checkpoint
 
     out = tmp_path / "rot"
     rec = tmp_path / "rec.jsonl"
-    argv = ["--model", str(tiny_checkpoint), "--group-size", "32", "--rotate", "--out", str(out), "--record", str(rec)]
+    argv = ["--model", str(tiny_checkpoint), "--group-size", "32", "--rotate", "--out", str(out), "--record", str(rec),
+            "--dense-dtype", "fp32"]  # fmt: skip
     rtn.main([*argv, "--rotation-mode", mode])
     record = json.loads(rec.read_text())
     assert record["quant_config"]["rotation"]["online_down"] is True

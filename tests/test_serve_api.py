@@ -160,7 +160,7 @@ def test_stop_string_longer_than_sixteen_tokens_stops_generation(server, oracle)
 
 PARAM_ERRORS = [
     ({"suffix": "end"}, 400, "suffix"),
-    ({"response_format": {"type": "json_object"}}, 400, "response_format"),
+    ({"response_format": {"type": "yaml"}}, 400, "response_format"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
     ({"tool_choice": "auto"}, 400, "tool_choice"),
     ({"use_beam_search": True}, 400, "use_beam_search"),

@@ -169,10 +169,10 @@ def test_an_exception_for_one_request_fails_it_alone(model, monkeypatch, where):
     else:
         engine_cls_forward = LLMEngine._forward
 
-        def planted(self, group, extra=None):
+        def planted(self, group):
             if any(w.seq.token_ids[: len(bad)] == bad and w.seq.num_tokens > len(bad) + 1 for w in group):
                 raise RuntimeError("planted fault")
-            return engine_cls_forward(self, group, extra)
+            return engine_cls_forward(self, group)
 
         monkeypatch.setattr(LLMEngine, "_forward", planted)
     engine = LLMEngine(model, config=small())
