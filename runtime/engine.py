@@ -376,7 +376,7 @@ class LLMEngine:
         verify on this row alone -> the accepted tokens appended, and a tree's accepted KV made consecutive."""
         p = seq.params
         fed = proposal.fed()[b]
-        logits = self.model.logits(hidden[b, :fed])  # [fed, V]
+        raw = self.model.logits(hidden[b, :fed])  # [fed, V] the model's own (reported as logprobs)
         row_tokens = proposal.tokens[b].tolist()
         if proposal.tree is not None and proposal.drafted()[b] > 0:
             tree = proposal.tree
@@ -387,7 +387,7 @@ class LLMEngine:
             paths = [row_tokens[:j] for j in range(fed)]
         prompt, stop_ids = seq.token_ids[: seq.num_prompt_tokens], self._stop_ids(seq)
         logits = torch.stack(
-            [process_logits(logits[j], p, prompt, seq.output_ids + paths[j], stop_ids) for j in range(fed)]
+            [process_logits(raw[j], p, prompt, seq.output_ids + paths[j], stop_ids) for j in range(fed)]
         )
         verdict = self.speculator.verify(state.row(b), proposal.row(b), logits[None])
         toks, path = verdict.tokens[0], verdict.paths[0]
@@ -403,8 +403,7 @@ class LLMEngine:
         self.num_spec_accepted += len(toks) - 1
         seq.num_computed_tokens += len(toks)  # the last token + accepted drafts now have valid KV
         self.block_manager.register_full_blocks(seq, seq.token_ids + toks, seq.num_computed_tokens)
-        raw = self.model.logits(hidden[b, path]) if p.logprobs is not None else None
-        lps = token_logprobs(raw, toks, p.logprobs) if raw is not None else None
+        lps = token_logprobs(raw[path], toks, p.logprobs) if p.logprobs is not None else None
         return self._append_tokens(seq, toks, lps)
 
     def _release(self, seq: Sequence) -> None:
