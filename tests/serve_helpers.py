@@ -20,6 +20,7 @@ from runtime.config import ModelConfig
 from runtime.loader import resolve, save_checkpoint
 from runtime.model import random_model
 from runtime.server import parse_metrics
+from tests.tiny_models import tiny_model_config
 
 ROOT = Path(__file__).resolve().parents[1]
 PLANTED_SEED = 666013
@@ -49,11 +50,12 @@ def save_tiny_checkpoint(directory: Path, max_len: int = 256) -> Path:
     """A 2-layer random model with the real tokenizer's vocabulary, saved as a checkpoint directory."""
     source = resolve("smollm2-135m")
     real = ModelConfig.from_dir(source)
-    cfg = ModelConfig(
-        architecture="llama", vocab_size=real.vocab_size, hidden_size=64, intermediate_size=96, num_layers=2,
-        num_heads=4, num_kv_heads=2, head_dim=16, eos_token_ids=real.eos_token_ids, max_position_embeddings=max_len,
+    cfg = tiny_model_config(
+        vocab_size=real.vocab_size,
+        eos_token_ids=real.eos_token_ids,
+        max_position_embeddings=max_len,
         tie_word_embeddings=True,
-    )  # fmt: skip
+    )
     return save_checkpoint(random_model(cfg, seed=3), directory, tokenizer_from=source)
 
 

@@ -26,23 +26,14 @@ import torch
 from quantize import awq, gptq, int8, rtn
 from quantize.cli import EXPECTED_ERRORS
 from runtime import cliutil
-from runtime.config import ModelConfig
 from runtime.loader import ModelSpecError, check_model_spec, is_checkpoint_dir, load_model, save_checkpoint
 from runtime.model import random_model
 from tests.conftest import patch_everywhere
+from tests.tiny_models import tiny_model_config
 
 REPO = Path(__file__).resolve().parent.parent
 VOCAB = 97
-TINY = ModelConfig(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=96,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    max_position_embeddings=64,
-)
+TINY = tiny_model_config(vocab_size=VOCAB, eos_token_ids=[], max_position_embeddings=64)
 
 
 class WordTokenizer:
@@ -259,9 +250,7 @@ main = gptq.main if mode.endswith("gptq") else rtn.main
 cliutil.run(main, argv, expected=EXPECTED_ERRORS)
 """
 
-SIX_LAYERS = ModelConfig(
-    vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_layers=6, num_heads=4, num_kv_heads=2, head_dim=16
-)
+SIX_LAYERS = tiny_model_config(vocab_size=VOCAB, num_layers=6, eos_token_ids=[])
 
 
 def start(tmp_path, mode: str, argv: list[str]) -> subprocess.Popen:

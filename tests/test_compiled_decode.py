@@ -15,7 +15,7 @@ from runtime.model import random_model
 from runtime.sampling import SamplingParams
 from speculate.generate import speculative_generate
 from speculate.ngram import NgramSpeculator
-from tests.conftest import TINY_CONFIGS
+from tests.tiny_models import TINY_CONFIGS
 
 
 @pytest.fixture(autouse=True)

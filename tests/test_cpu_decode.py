@@ -54,7 +54,7 @@ def test_decode_steps_match_transformers(tiny_config, tmp_path, monkeypatch, bat
 
 @torch.inference_mode()
 def test_short_prefill_matches_transformers(tmp_path):
-    from tests.conftest import TINY_CONFIGS
+    from tests.tiny_models import TINY_CONFIGS
 
     ours = random_model(TINY_CONFIGS["llama"], seed=5)
     hf = hf_twin(ours, tmp_path)
@@ -92,7 +92,7 @@ def test_ineligible_steps_fall_back(tiny_llama):
 def test_bf16_mixed_steps_stay_within_bf16_noise(monkeypatch):
     """bf16 layers (fp32 residual): the compiled step differs from the Python bf16 layers by less than
     those differ from fp32 (its reductions run in another order, each rounding step is the same)."""
-    from tests.conftest import TINY_CONFIGS
+    from tests.tiny_models import TINY_CONFIGS
 
     cfg, prefix, steps = TINY_CONFIGS["llama"], 40, 6  # a prefix over MAX_TOKENS: prefilled by Python
     fp32 = random_model(cfg, seed=4)

@@ -14,7 +14,7 @@ from runtime.model import random_model
 from runtime.sampling import SamplingParams
 from speculate.generate import speculative_generate
 from speculate.ngram import NgramSpeculator
-from tests.conftest import TINY_CONFIGS
+from tests.tiny_models import TINY_CONFIGS
 
 REAL_SDPA = F.scaled_dot_product_attention
 REAL_LINEAR = F.linear

@@ -74,7 +74,7 @@ def test_made_up_8b_params_untied():
 
 @pytest.mark.parametrize("name", ["llama", "llama-tied-mha", "qwen2", "qwen3"])
 def test_param_count_matches_the_runtime_module(name):
-    from tests.conftest import TINY_CONFIGS
+    from tests.tiny_models import TINY_CONFIGS
 
     cfg: ModelConfig = TINY_CONFIGS[name]
     model = Transformer(cfg)
@@ -223,7 +223,7 @@ def test_tp_weight_bytes_equal_runtime_shards(name, world):
     """The calculator's per-GPU bytes (replicated head, as runtime.tp does it) are the largest rank's real
     parameter bytes in runtime.tp's shard modules."""
     from runtime.tp import build_shard
-    from tests.conftest import TINY_CONFIGS
+    from tests.tiny_models import TINY_CONFIGS
 
     cfg = TINY_CONFIGS[name]
     state = random_model(cfg).hf_state_dict()

@@ -17,7 +17,7 @@ from evals.fidelity import (
 )
 from evals.naive_attention import NaiveAttention, naive_attention, naive_sdpa
 from runtime.model import Attention, random_model
-from tests.conftest import TINY_CONFIGS
+from tests.tiny_models import TINY_CONFIGS
 
 
 def fixed_scorer(per_position: list[list[float]]):

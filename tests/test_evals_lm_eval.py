@@ -10,9 +10,9 @@ from lm_eval.api.instance import Instance
 
 from evals.lm_eval_adapter import QspecLM
 from evals.wiki_tasks import TASKS, build_tasks, mask_title
-from runtime.config import ModelConfig
 from runtime.loader import save_checkpoint
 from runtime.model import random_model
+from tests.tiny_models import tiny_model_config
 
 
 @pytest.fixture(scope="module")
@@ -25,14 +25,9 @@ def tokenizer():
 @pytest.fixture(scope="module")
 def tiny_real_vocab(tokenizer, tmp_path_factory):
     """A tiny random model over the real tokenizer's vocabulary, saved as an HF checkpoint too."""
-    cfg = ModelConfig(
+    cfg = tiny_model_config(
         vocab_size=len(tokenizer),
-        hidden_size=64,
         intermediate_size=128,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
         tie_word_embeddings=True,
         bos_token_id=1,
         eos_token_ids=[2],

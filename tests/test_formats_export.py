@@ -17,7 +17,7 @@ from quantize.qembedding import tie_quantized_embedding
 from quantize.qlinear import QuantLinear, set_module
 from runtime.loader import load_model
 from runtime.model import Transformer, random_model
-from tests.conftest import TINY_CONFIGS
+from tests.tiny_models import TINY_CONFIGS
 
 LLAMA = TINY_CONFIGS["llama"]  # hidden 64, intermediate 96: widths 64 and 96
 QWEN2 = TINY_CONFIGS["qwen2-tied"]  # biases on q/k/v, tied embeddings

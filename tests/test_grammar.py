@@ -14,7 +14,6 @@ import jsonschema
 import pytest
 import torch
 
-from runtime.config import ModelConfig
 from runtime.decoding import generate
 from runtime.engine import EngineConfig, LLMEngine
 from runtime.grammar import Grammar, GrammarError, GrammarSpec, response_format_spec
@@ -24,19 +23,10 @@ from speculate.draft import DraftModelSpeculator, layer_skip_draft
 from speculate.generate import speculative_generate
 from speculate.ngram import NgramSpeculator
 from speculate.verify import CandidateTree
+from tests.tiny_models import tiny_model_config
 
 VOCAB = ["<unk>", "<eos>"] + [chr(c) for c in range(32, 126)]
-CFG = ModelConfig(
-    vocab_size=len(VOCAB),
-    hidden_size=64,
-    intermediate_size=96,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    eos_token_ids=[1],
-    max_position_embeddings=512,
-)
+CFG = tiny_model_config(vocab_size=len(VOCAB), max_position_embeddings=512)
 SCHEMA = {
     "type": "object",
     "properties": {"id": {"type": "integer"}, "ok": {"type": "boolean"}, "tag": {"enum": ["x", "yz"]}},

@@ -34,7 +34,7 @@ def test_logits_match_transformers(tiny_config, tmp_path):
 
 @torch.inference_mode()
 def test_loaded_checkpoint_roundtrip(tmp_path):
-    from tests.conftest import TINY_CONFIGS
+    from tests.tiny_models import TINY_CONFIGS
 
     ours = random_model(TINY_CONFIGS["qwen2"], seed=2)
     save_checkpoint(ours, tmp_path / "single")
@@ -49,7 +49,7 @@ def test_loaded_checkpoint_roundtrip(tmp_path):
 
 def test_mutated_layer_is_caught(tmp_path):
     """The HF comparison bites: a wrong rope base in one model makes the logits differ."""
-    from tests.conftest import TINY_CONFIGS
+    from tests.tiny_models import TINY_CONFIGS
 
     cfg = TINY_CONFIGS["llama"]
     ours = random_model(cfg, seed=1)
@@ -71,7 +71,7 @@ def test_unsupported_architecture_is_named(tmp_path):
 def test_missing_tensor_is_named(tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from tests.conftest import TINY_CONFIGS
+    from tests.tiny_models import TINY_CONFIGS
 
     save_checkpoint(random_model(TINY_CONFIGS["llama"]), tmp_path)
     state = load_file(tmp_path / "model.safetensors")
@@ -84,7 +84,7 @@ def test_missing_tensor_is_named(tmp_path):
 def test_wrong_shape_is_named(tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from tests.conftest import TINY_CONFIGS
+    from tests.tiny_models import TINY_CONFIGS
 
     save_checkpoint(random_model(TINY_CONFIGS["llama"]), tmp_path)
     state = load_file(tmp_path / "model.safetensors")

@@ -14,7 +14,7 @@ from quantize.config import QuantConfig
 from quantize.gptq import GPTQ, GPTQConfig
 from quantize.rtn import quantize_model as rtn_quantize
 from runtime.model import random_model
-from tests.conftest import TINY_CONFIGS
+from tests.tiny_models import TINY_CONFIGS
 
 
 def outlier_model(name: str, seed: int = 0):

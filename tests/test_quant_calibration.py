@@ -14,7 +14,7 @@ from quantize.config import QuantConfig
 from quantize.gptq import GPTQ, GPTQConfig
 from quantize.qlinear import QuantLinear
 from runtime.model import random_model
-from tests.conftest import TINY_CONFIGS
+from tests.tiny_models import TINY_CONFIGS
 
 
 class Recorder(LayerAlgorithm):

@@ -13,15 +13,13 @@ import torch
 
 from quantize import awq, gptq, int8, rtn
 from quantize.qlinear import QuantLinear
-from runtime.config import ModelConfig
 from runtime.loader import load_model
 from runtime.model import random_model
 from tests.conftest import patch_everywhere
+from tests.tiny_models import tiny_model_config
 
 VOCAB = 97
-TINY = ModelConfig(
-    vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16
-)
+TINY = tiny_model_config(vocab_size=VOCAB, eos_token_ids=[])
 WORDS = [f"w{i}" for i in range(300)]
 
 

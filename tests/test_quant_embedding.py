@@ -24,7 +24,7 @@ from quantize.qembedding import QuantEmbedding, shares_quantized_head, tie_quant
 from quantize.qlinear import QuantLinear, set_module
 from runtime.loader import load_model
 from runtime.model import Transformer, random_model
-from tests.conftest import TINY_CONFIGS
+from tests.tiny_models import TINY_CONFIGS
 
 ROW_CASES = [  # (bits, group_size, sym, act_order, path, vocab, hidden)
     (4, 128, False, False, "cpu_int4", 208, 576),  # the default model's ragged groups; 208 = 3 blocks of 64 + 16

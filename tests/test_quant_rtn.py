@@ -15,7 +15,7 @@ from quantize.grid import find_params
 from quantize.qembedding import QuantEmbedding
 from quantize.qlinear import QuantLinear
 from runtime.model import random_model
-from tests.conftest import TINY_CONFIGS
+from tests.tiny_models import TINY_CONFIGS
 
 
 def oracle_rtn(w: torch.Tensor, bits: int, group_size: int, sym: bool) -> torch.Tensor:

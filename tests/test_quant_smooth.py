@@ -13,7 +13,7 @@ from quantize import int8
 from quantize.calibration import calibrate, layer0_inputs
 from quantize.int8 import SmoothQuant
 from runtime.model import random_model
-from tests.conftest import TINY_CONFIGS
+from tests.tiny_models import TINY_CONFIGS
 
 
 def outlier_model(name: str, seed: int = 0, factor: float = 20.0):

@@ -48,7 +48,7 @@ def run_engine(model, prompts, params, **config):
 @pytest.fixture(scope="module")
 def model():
     from runtime.model import random_model
-    from tests.conftest import TINY_CONFIGS
+    from tests.tiny_models import TINY_CONFIGS
 
     return random_model(TINY_CONFIGS["llama"], seed=0)
 

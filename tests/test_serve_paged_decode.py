@@ -23,7 +23,7 @@ from runtime.engine import EngineConfig, LLMEngine
 from runtime.model import random_model
 from runtime.paged_cache import PagedAttentionMetadata, PagedKVCache, resolve_decode_kernel
 from runtime.sampling import SamplingParams
-from tests.conftest import TINY_CONFIGS
+from tests.tiny_models import TINY_CONFIGS
 
 ROOT = Path(__file__).resolve().parents[1]
 CFG = TINY_CONFIGS["llama"]  # 4 query heads over 2 kv heads (GQA), head_dim 16, 2 layers

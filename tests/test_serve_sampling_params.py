@@ -20,7 +20,7 @@ from runtime.model import random_model
 from runtime.sampling import SamplingParams, logits_to_probs, process_logits
 from runtime.stopping import StopChecker
 from speculate.ngram import NgramSpeculator
-from tests.conftest import TINY_CONFIGS
+from tests.tiny_models import TINY_CONFIGS
 
 CFG = TINY_CONFIGS["llama"]
 

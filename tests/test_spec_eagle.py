@@ -16,7 +16,7 @@ from speculate.eagle.head import EagleCheckpointError, EagleConfig, EagleHead, l
 from speculate.eagle.speculator import EagleSpeculator
 from speculate.eagle.train import eagle_loss, teacher, windowed
 from speculate.generate import speculative_generate
-from tests.conftest import TINY_CONFIGS
+from tests.tiny_models import TINY_CONFIGS
 
 CFG = TINY_CONFIGS["llama"]
 

@@ -21,7 +21,7 @@ from speculate.medusa.heads import MedusaConfig, MedusaHeads
 from speculate.medusa.speculator import MedusaSpeculator, build_tree
 from speculate.ngram import NgramSpeculator, lookup
 from speculate.verify import CandidateTree
-from tests.conftest import TINY_CONFIGS
+from tests.tiny_models import TINY_CONFIGS
 
 CFG = TINY_CONFIGS["llama"]
 LOOPS = ["generate", "engine"]

@@ -19,13 +19,11 @@ from runtime.loader import load_model, resolve, save_checkpoint
 from runtime.model import random_model
 from runtime.sampling import SamplingParams
 from runtime.tp import TensorParallelError, plan_shard, shard_config, shard_hf_state_dict, split_range
+from tests.tiny_models import tiny_model_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
-EVEN = ModelConfig(
-    vocab_size=256, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
-    max_position_embeddings=256,
-)  # fmt: skip
+EVEN = tiny_model_config(vocab_size=256, eos_token_ids=[], max_position_embeddings=256)
 # 3 KV heads over 2 ranks (uneven, like SmolLM2's 9/3), q/k/v biases (Qwen2), tied embeddings
 UNEVEN = ModelConfig(
     architecture="qwen2", vocab_size=256, hidden_size=48, intermediate_size=75, num_layers=3, num_heads=6,
