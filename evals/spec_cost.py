@@ -40,12 +40,12 @@ from evals.specbench import DEFAULT_METHODS, SMOKE_CONFIG, SMOKE_METHODS, build_
 from runtime.kv_cache import KVCache
 from runtime.loader import DEFAULT_MODEL, load_model
 from runtime.model import prefill_meta, random_model
-from runtime.paths import qspec_home
 from runtime.provenance import module_command, provenance
 from runtime.sampling import SamplingParams
 from speculate.base import SpecState, SpeculatorError
 from speculate.draft import default_draft_file
 from speculate.generate import chain_metadata
+from speculate.training import head_dir
 
 
 class CostError(ValueError):
@@ -387,8 +387,7 @@ def main(argv: list[str] | None = None) -> None:
             model, heads = random_model(SMOKE_CONFIG), {"medusa": None, "eagle": None}
         else:
             model, _, path = load_model(args.model or DEFAULT_MODEL, dtype=torch.float32)
-            name = Path(str(path)).name
-            heads = {"medusa": qspec_home() / "medusa" / name, "eagle": qspec_home() / "eagle" / name}
+            heads = {kind: head_dir(kind, path) for kind in ("medusa", "eagle")}
         Ts = list(range(1, args.max_T + 1))
         sps = {}
         for spec in args.methods if args.methods is not None else (SMOKE_METHODS if args.smoke else DEFAULT_METHODS):

@@ -47,7 +47,6 @@ from runtime.data import wiki_docs, wiki_split
 from runtime.decoding import generate
 from runtime.loader import DEFAULT_MODEL, load_model, load_tokenizer
 from runtime.model import random_model
-from runtime.paths import qspec_home
 from runtime.provenance import module_command, provenance
 from runtime.sampling import SamplingParams
 from speculate.base import Proposal, SpecState, Speculator, SpeculatorError
@@ -58,6 +57,7 @@ from speculate.generate import speculative_generate
 from speculate.medusa.heads import MedusaConfig, MedusaHeads, load_medusa
 from speculate.medusa.speculator import MedusaSpeculator, build_tree
 from speculate.ngram import NgramSpeculator
+from speculate.training import head_dir
 
 CATEGORIES = ("summarization", "qa", "rewriting", "translation", "chat", "continuation")
 DEFAULT_METHODS = [
@@ -581,10 +581,9 @@ def main(argv: list[str] | None = None) -> dict:
         tokenizer = load_tokenizer(str(path))
         suite = [s for s in build_suite(args.per_category, args.seed) if s.category in args.categories]
         prompts = [(s.category, encode_messages(tokenizer, s.messages)) for s in suite]
-        name = Path(str(path)).name
         heads_dir = {
-            "medusa": Path(args.medusa_heads) if args.medusa_heads else qspec_home() / "medusa" / name,
-            "eagle": Path(args.eagle_head) if args.eagle_head else qspec_home() / "eagle" / name,
+            "medusa": Path(args.medusa_heads) if args.medusa_heads else head_dir("medusa", path),
+            "eagle": Path(args.eagle_head) if args.eagle_head else head_dir("eagle", path),
         }
         suite_meta = [{**asdict(s), "messages": None, "prompt_tokens": len(p)} for s, (_, p) in zip(suite, prompts)]
 

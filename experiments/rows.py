@@ -35,6 +35,7 @@ from runtime.sampling import SamplingParams
 from speculate.base import SpeculatorError
 from speculate.cli import build_speculator
 from speculate.generate import speculative_generate
+from speculate.training import head_dir
 
 
 class RowUnavailable(RuntimeError):
@@ -414,8 +415,7 @@ def specbench_row(ctx, params: dict) -> Variant:
     m, method = ctx.model, params.get("method")
     if ctx.tokenizer is None:
         raise RowUnavailable("the suite is chat-templated text: this model has no tokenizer")
-    name = Path(str(ctx.path)).name
-    heads = {kind: qspec_home() / kind / name for kind in ("medusa", "eagle")}
+    heads = {kind: head_dir(kind, ctx.path) for kind in ("medusa", "eagle")}
     try:
         spec = build_method(*parse_method(method), m, heads, smoke=False)
     except (SpeculatorError, ValueError) as err:

@@ -16,7 +16,6 @@ from pathlib import Path
 
 from quantize.qlinear import FAST_CPU_BITS
 from runtime.grammar import report_incomplete
-from runtime.paths import qspec_home
 from runtime.speculation import CandidateTree
 from speculate.base import Speculator, SpeculatorError, check_k
 from speculate.draft import DraftModelSpeculator, parse_draft_spec, quantized_draft
@@ -24,13 +23,9 @@ from speculate.generate import speculative_generate
 from speculate.medusa.heads import load_medusa
 from speculate.medusa.speculator import MedusaSpeculator, build_tree
 from speculate.ngram import NgramSpeculator
+from speculate.training import head_dir
 
 SPECULATORS = ("ngram", "draft", "medusa", "quant-draft")
-
-
-def default_medusa_dir(model_path: Path | str) -> Path:
-
-    return qspec_home() / "medusa" / Path(model_path).name
 
 
 def build_speculator(
@@ -65,7 +60,7 @@ def build_speculator(
             model, quantized_draft(model, quant_bits, quant_group_size), k=k, name=f"quant-draft(int{quant_bits})"
         )
 
-    heads = load_medusa(medusa_heads or default_medusa_dir(model_path), model)
+    heads = load_medusa(medusa_heads or head_dir("medusa", model_path), model)
     if tree_size is None:  # a chain of the heads' top-1 candidates, k long
         tree = CandidateTree.chain(min(check_k(k), heads.config.num_heads))
     elif not heads.config.accuracy:

@@ -18,8 +18,6 @@ offsets. Budget: ``--minutes`` of wall clock (default 20, CPU); progress every 1
 
 from __future__ import annotations
 
-import argparse
-import math
 import shlex
 import sys
 import time
@@ -28,14 +26,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from runtime.loader import DEFAULT_MODEL, load_model, load_tokenizer
-from runtime.paths import qspec_home
+from runtime.cliutil import ArgumentParser, run
+from runtime.loader import DEFAULT_MODEL, check_model_arg, load_model, load_tokenizer
 from speculate.eagle.head import EagleConfig, EagleHead
-from speculate.medusa.train import training_record, training_windows
-
-
-def default_output_dir(model_spec: str) -> Path:
-    return qspec_home() / "eagle" / Path(model_spec).name.removesuffix(".gguf")
+from speculate.training import StepResult, TrainingProgress, head_dir, train_within_budget, training_windows
 
 
 def windowed(x: torch.Tensor, window: int, offset: int) -> torch.Tensor:
@@ -118,7 +112,7 @@ def draft_accuracy(head: EagleHead, model, windows: list[list[int]], depth: int)
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m speculate.eagle.train", description=__doc__.splitlines()[0])
+    ap = ArgumentParser(prog="python -m speculate.eagle.train", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=DEFAULT_MODEL, help="base model spec (frozen)")
     ap.add_argument("--out", default=None, help="checkpoint directory (default $QSPEC_HOME/eagle/MODEL)")
     ap.add_argument("--seqlen", type=int, default=256)
@@ -140,6 +134,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.minutes <= 0 or args.window < 2 or args.batch_size < 1 or args.reuse < 1:
         ap.error("--minutes must be > 0, --window >= 2, --batch-size >= 1, --reuse >= 1")
+    check_model_arg(ap, args.model)  # before anything loads: a bad spec is one line, not a traceback
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -148,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
     model, _, path = load_model(args.model, dtype=torch.float32, device=device)
     model.requires_grad_(False)
     tokenizer = load_tokenizer(str(path))
-    out = Path(args.out) if args.out else default_output_dir(args.model)
+    out = Path(args.out) if args.out else head_dir("eagle", path)
     windows = training_windows(tokenizer, args.seqlen, args.train_tokens, args.seed)
     if len(windows) <= args.eval_windows:
         ap.error(f"only {len(windows)} windows of {args.seqlen} tokens; raise --train-tokens")
@@ -163,64 +158,55 @@ def main(argv: list[str] | None = None) -> None:
         f"{sum(p.numel() for p in params) / 1e6:.2f}M trainable params, budget {args.minutes} min -> {out}",
         file=sys.stderr,
     )
-    t0 = time.perf_counter()
-    budget = args.minutes * 60
-    history: list[dict] = []
-    step = tokens_seen = 0
+    progress = TrainingProgress(command)
 
     def save(final: bool) -> None:
         head.eval()
-        config.training = training_record(command, step, tokens_seen, t0, history, final)
+        config.training = progress.record(final)
         if final:
             acc = draft_accuracy(head, model, eval_windows, args.window - 1)
             config.accuracy = {"greedy_draft_at_depth": [round(a, 4) for a in acc]}
         head.save(out)
         head.train()
 
-    head.train()
     gen = torch.Generator().manual_seed(args.seed)
-    try:
-        while step < args.max_steps and time.perf_counter() - t0 < budget:
+    features: list = []  # [batch, hidden, teacher_logp, subset] of the current batch, reused for --reuse updates
+
+    def step_fn(step: int) -> StepResult:
+        new_tokens = 0
+        if step % args.reuse == 0:  # a new batch of target features every --reuse updates
             first = (step // args.reuse) * args.batch_size
             ids = [train_windows[(first + j) % len(train_windows)] for j in range(args.batch_size)]
             batch = torch.tensor(ids, device=device)
-            if step % args.reuse == 0:  # a new batch of target features every --reuse updates
-                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
-                    hidden, teacher_logp, subset = teacher(model, batch, args.candidates)
-                tokens_seen += batch.numel()
-            offset = int(torch.randint(0, args.window, (1,), generator=gen))
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
-                loss, top1 = eagle_loss(
-                    head, model, batch, hidden, teacher_logp, subset, args.window, offset, args.cls_weight
-                )
-            progress = (time.perf_counter() - t0) / budget
-            for g in opt.param_groups:  # linear warm-up, cosine decay over the time budget
-                g["lr"] = args.lr * min(1.0, (step + 1) / 20) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
-            step += 1
-            history.append({"step": step, "loss": round(loss.item(), 4), "top1": [round(a, 3) for a in top1]})
-            if step % 10 == 0 or step == 1:
-                elapsed = time.perf_counter() - t0
-                print(
-                    f"[eagle] step {step} loss {loss.item():.3f} top1 pass1 {top1[0]:.3f} pass2 {top1[1]:.3f} "
-                    f"{tokens_seen / elapsed:.0f} tok/s {elapsed / 60:.1f}/{args.minutes:g} min",
-                    file=sys.stderr,
-                    flush=True,
-                )
-            if step % args.save_every == 0:
-                save(final=False)
-    except KeyboardInterrupt:
-        print(f"[eagle] interrupted at step {step}: saving", file=sys.stderr)
-    save(final=True)
+                features[:] = [batch, *teacher(model, batch, args.candidates)]
+            new_tokens = batch.numel()
+        offset = int(torch.randint(0, args.window, (1,), generator=gen))
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
+            loss, top1 = eagle_loss(head, model, *features, args.window, offset, args.cls_weight)
+        return StepResult(loss, top1, new_tokens)
+
+    head.train()
+    train_within_budget(
+        "eagle",
+        step_fn,
+        params,
+        opt,
+        progress,
+        save,
+        lr=args.lr,
+        minutes=args.minutes,
+        max_steps=args.max_steps,
+        save_every=args.save_every,
+        clip_grad_norm=1.0,
+    )
     print(
-        f"[eagle] done: {step} steps, {tokens_seen} tokens, {(time.perf_counter() - t0) / 60:.1f} min; held-out "
+        f"[eagle] done: {progress.step} steps, {progress.tokens_seen} tokens, "
+        f"{(time.perf_counter() - progress.started) / 60:.1f} min; held-out "
         f"greedy draft acceptance per depth {config.accuracy['greedy_draft_at_depth']} -> {out}",
         file=sys.stderr,
     )
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -14,8 +14,6 @@ windows and stored in the checkpoint; ``speculate.medusa.tree`` builds the candi
 
 from __future__ import annotations
 
-import math
-import random
 import shlex
 import sys
 import time
@@ -24,47 +22,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from runtime.cliutil import ArgumentParser, interrupted, run
-from runtime.data import wiki_split
+from runtime.cliutil import ArgumentParser, run
 from runtime.loader import DEFAULT_MODEL, check_model_arg, load_model, load_tokenizer
-from runtime.paths import qspec_home
 from speculate.medusa.heads import MedusaConfig, MedusaHeads, model_fingerprint
+from speculate.training import StepResult, TrainingProgress, head_dir, train_within_budget, training_windows
 
 MAX_TOP = 10  # accuracy table width: candidates per head the tree may use
-
-
-def default_output_dir(model_spec: str) -> Path:
-
-    return qspec_home() / "medusa" / Path(model_spec).name.removesuffix(".gguf")
-
-
-def training_record(command: str, steps: int, tokens: int, started: float, history: list[dict], final: bool) -> dict:
-    """What a draft head's config records about its training (Medusa heads, EAGLE head)."""
-    return {
-        "command": command,
-        "steps": steps,
-        "tokens": tokens,
-        "seconds": round(time.perf_counter() - started, 1),
-        "threads": torch.get_num_threads(),
-        "history": history[-20:],
-        "final": final,
-    }
-
-
-def training_windows(tokenizer, seqlen: int, max_tokens: int, seed: int) -> list[list[int]]:
-    """Non-overlapping windows from the training split, shuffled with a fixed seed."""
-
-    docs = wiki_split("train")
-    rng = random.Random(seed)
-    order = list(range(len(docs)))
-    rng.shuffle(order)
-    ids: list[int] = []
-    for i in order:
-        ids.extend(tokenizer(docs[i].extract + "\n\n", add_special_tokens=False).input_ids)
-        if len(ids) >= max_tokens:
-            break
-    n = len(ids) // seqlen
-    return [ids[j * seqlen : (j + 1) * seqlen] for j in range(n)]
 
 
 def distill_loss(
@@ -163,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     model, cfg, path = load_model(args.model, dtype=torch.float32)
     model.requires_grad_(False)
     tokenizer = load_tokenizer(str(path))
-    out = Path(args.out) if args.out else default_output_dir(args.model)
+    out = Path(args.out) if args.out else head_dir("medusa", path)
     print(f"[medusa] tokenizing up to {args.train_tokens:,} tokens of the training split", file=sys.stderr, flush=True)
     windows = training_windows(tokenizer, args.seqlen, args.train_tokens, args.seed)
     if len(windows) <= args.eval_windows:
@@ -191,60 +154,42 @@ def main(argv: list[str] | None = None) -> None:
         file=sys.stderr,
     )
 
-    t0 = time.perf_counter()
-    budget = args.minutes * 60
-    history = []
-    step = 0
-    tokens_seen = 0
+    progress = TrainingProgress(command)
 
     def save(final: bool) -> None:
         heads.eval()
-        config.training = training_record(command, step, tokens_seen, t0, history, final)
+        config.training = progress.record(final)
         if final:
             config.accuracy = topk_accuracy(heads, model, eval_windows, args.batch_size)
         heads.save(out)
         heads.train()
 
+    def step_fn(step: int) -> StepResult:
+        n = len(train_windows)
+        batch = torch.tensor([train_windows[(step * args.batch_size + j) % n] for j in range(args.batch_size)])
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
+            with torch.no_grad():
+                hidden = model(batch, hidden_only=True)
+            loss, top1 = distill_loss(heads, model, hidden, args.candidates)
+        return StepResult(loss, top1, batch.numel())
+
     heads.train()
-    try:
-        while step < args.max_steps and time.perf_counter() - t0 < budget:
-            n = len(train_windows)
-            batch_ids = [train_windows[(step * args.batch_size + j) % n] for j in range(args.batch_size)]
-            batch = torch.tensor(batch_ids)
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
-                with torch.no_grad():
-                    hidden = model(batch, hidden_only=True)
-                loss, top1 = distill_loss(heads, model, hidden, args.candidates)
-            warmup = min(1.0, (step + 1) / 20)
-            progress = (time.perf_counter() - t0) / budget
-            for g in opt.param_groups:  # linear warmup, cosine decay over the time budget
-                g["lr"] = args.lr * warmup * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            step += 1
-            tokens_seen += batch.numel()
-            loss = loss.item()
-            history.append({"step": step, "loss": round(loss, 4), "top1": [round(a, 3) for a in top1]})
-            if step % 10 == 0 or step <= 5:
-                elapsed = time.perf_counter() - t0
-                print(
-                    f"[medusa] step {step} loss {loss:.3f} top1 {' '.join(f'{a:.2f}' for a in top1)} "
-                    f"{tokens_seen / elapsed:.0f} tok/s {elapsed / 60:.1f} of {args.minutes:g} min",
-                    file=sys.stderr,
-                    flush=True,
-                )
-            if step % args.save_every == 0:
-                save(final=False)
-    except KeyboardInterrupt:
-        if step == 0:
-            interrupted("no training step finished, nothing saved")
-        save(final=False)
-        interrupted(f"heads after {step} steps ({tokens_seen} tokens) saved to {out} (no accuracy table: not final)")
-    save(final=True)
+    train_within_budget(
+        "medusa",
+        step_fn,
+        params,
+        opt,
+        progress,
+        save,
+        lr=args.lr,
+        minutes=args.minutes,
+        max_steps=args.max_steps,
+        save_every=args.save_every,
+    )
     acc = config.accuracy
     print(
-        f"[medusa] done: {step} steps, {tokens_seen} tokens, {(time.perf_counter() - t0) / 60:.1f} min; held-out "
+        f"[medusa] done: {progress.step} steps, {progress.tokens_seen} tokens, "
+        f"{(time.perf_counter() - progress.started) / 60:.1f} min; held-out "
         f"top-1 per head {[round(a[0], 3) for a in acc]}, top-5 {[round(sum(a[:5]), 3) for a in acc]} -> {out}",
         file=sys.stderr,
     )

@@ -1,0 +1,103 @@
+"""The draft-head trainers (Medusa, EAGLE) share one budgeted loop: schedule, saves, Ctrl-C. Both run end to end
+here on a tiny model with the real tokenizer, and the loop's pieces are checked against their definitions."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from runtime.cliutil import EXIT_INTERRUPTED
+from runtime.loader import load_model
+from speculate.eagle import train as eagle_train
+from speculate.eagle.head import load_eagle
+from speculate.medusa import train as medusa_train
+from speculate.medusa.heads import load_medusa
+from speculate.training import (
+    WARMUP_STEPS,
+    StepResult,
+    TrainingProgress,
+    head_dir,
+    learning_rate,
+    train_within_budget,
+)
+from tests.serve_helpers import save_tiny_checkpoint
+
+COMMON = ["--seqlen", "32", "--train-tokens", "3000", "--eval-windows", "2", "--batch-size", "2"]
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpt(tmp_path_factory):
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt")
+
+
+def test_learning_rate_warms_up_then_follows_the_cosine():
+    assert learning_rate(1.0, 0, 0.0) == pytest.approx(1 / WARMUP_STEPS)
+    assert learning_rate(1.0, WARMUP_STEPS - 1, 0.0) == pytest.approx(1.0)
+    assert learning_rate(2.0, 100, 0.5) == pytest.approx(2.0 * 0.5 * (1 + math.cos(math.pi / 2)))
+    assert learning_rate(1.0, 100, 1.7) == pytest.approx(0.0)  # past the budget: clamped at the end of the cosine
+
+
+def test_loop_updates_saves_and_keeps_the_head_on_ctrl_c():
+    weight = torch.nn.Parameter(torch.tensor([3.0]))
+    opt = torch.optim.SGD([weight], lr=0.1)
+    saves: list[tuple[int, bool]] = []
+    progress = TrainingProgress("cmd")
+
+    def step_fn(step: int) -> StepResult:
+        if step == 5:
+            raise KeyboardInterrupt
+        return StepResult((weight**2).sum(), [0.5], new_tokens=7)
+
+    with pytest.raises(SystemExit) as stop:
+        train_within_budget(
+            "t", step_fn, [weight], opt, progress, lambda final: saves.append((progress.step, final)),
+            lr=0.1, minutes=1.0, max_steps=100, save_every=2,
+        )  # fmt: skip
+    assert stop.value.code == EXIT_INTERRUPTED
+    assert saves == [(2, False), (4, False), (5, False)]  # every 2 steps, then the head at the interrupt
+    assert progress.step == 5 and progress.tokens_seen == 35 and len(progress.history) == 5
+    assert weight.item() < 3.0  # the updates were applied
+    record = progress.record(final=False)
+    assert record["steps"] == 5 and record["tokens"] == 35 and record["final"] is False and record["command"] == "cmd"
+
+
+def test_interrupt_before_any_step_saves_nothing():
+    weight = torch.nn.Parameter(torch.zeros(1))
+    saves = []
+
+    def step_fn(step):
+        raise KeyboardInterrupt
+
+    with pytest.raises(SystemExit):
+        train_within_budget(
+            "t", step_fn, [weight], torch.optim.SGD([weight], lr=0.1), TrainingProgress("c"), saves.append,
+            lr=0.1, minutes=1.0, max_steps=10, save_every=1,
+        )  # fmt: skip
+    assert saves == []
+
+
+@pytest.mark.parametrize(
+    "trainer, loader, extra",
+    [
+        (medusa_train, load_medusa, ["--num-heads", "2"]),
+        (eagle_train, load_eagle, ["--window", "3", "--reuse", "2", "--candidates", "8"]),
+    ],
+    ids=["medusa", "eagle"],
+)
+def test_trainer_runs_three_steps_and_saves_a_loadable_head(tiny_ckpt, tmp_path, trainer, loader, extra):
+    out = tmp_path / "head"
+    trainer.main(["--model", str(tiny_ckpt), *COMMON, *extra, "--max-steps", "3", "--minutes", "5", "--out", str(out)])
+    model, _, _ = load_model(str(tiny_ckpt), dtype=torch.float32)
+    head = loader(out, model)  # refuses another model's head: the fingerprint matched
+    record = head.config.training
+    assert record["steps"] == 3 and record["final"] is True and len(record["history"]) == 3
+    assert record["tokens"] > 0 and all(math.isfinite(h["loss"]) for h in record["history"])
+    assert head.config.accuracy  # the held-out table of a final save
+
+
+def test_heads_live_under_one_directory_per_kind_and_model(monkeypatch, tmp_path):
+    monkeypatch.setenv("QSPEC_HOME", str(tmp_path))
+    assert head_dir("medusa", "/x/models/smollm2-135m") == tmp_path / "medusa" / "smollm2-135m"
+    assert head_dir("eagle", "./SmolLM2.Q4_1.gguf") == tmp_path / "eagle" / "SmolLM2.Q4_1"
