@@ -74,7 +74,12 @@ def add_speculator_args(ap: argparse.ArgumentParser) -> None:
     """The --speculator options, shared by ``python -m runtime.generate`` and ``python -m runtime.server``."""
     ap.add_argument("--speculator", default=None, choices=SPECULATORS, help="speculative decoding (see speculate/)")
     ap.add_argument("--num-speculative-tokens", "-k", type=int, default=4, help="k: drafts per sequence and step")
-    ap.add_argument("--draft-model", default=None, help="draft model spec for --speculator draft (default layers:N/4)")
+    ap.add_argument(
+        "--draft-model",
+        default=None,
+        help="draft for --speculator draft: a model spec, layers:N, int4, int8 or int4+layers:N (default: the draft "
+        "measured best for this model by evals.spec_cost choose-draft, else int4)",
+    )
     ap.add_argument("--medusa-heads", default=None, help="trained Medusa heads for --speculator medusa")
     ap.add_argument("--tree-size", type=int, default=None, help="Medusa candidate-tree nodes (default: top-1 chain)")
     ap.add_argument("--typical-acceptance", action="store_true", help="Medusa typical acceptance (APPROXIMATE)")

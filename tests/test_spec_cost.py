@@ -20,9 +20,10 @@ from evals.spec_cost import (
     predict_suite,
 )
 from evals.specbench import SMOKE_CONFIG, build_method
+from quantize.qlinear import QuantLinear
 from runtime.model import random_model
 from speculate.base import SpeculatorError
-from speculate.draft import parse_draft_spec
+from speculate.draft import FALLBACK_DRAFT, default_draft_file, parse_draft_spec
 
 
 def test_curve_and_speedup_exact():
@@ -140,3 +141,17 @@ def test_draft_spec_grammar():
         parse_draft_spec("int3", model)
     with pytest.raises(SpeculatorError, match="integer N"):
         parse_draft_spec("int4+layers:x", model)
+
+
+def test_unset_draft_is_the_measured_choice_else_the_int4_copy(monkeypatch, tmp_path):
+    monkeypatch.setenv("QSPEC_HOME", str(tmp_path))
+    model = random_model(SMOKE_CONFIG, seed=0)
+    draft, label = parse_draft_spec(None, model)  # nothing measured for this model
+    assert label == FALLBACK_DRAFT == "int4"
+    quantized = [m for m in draft.modules() if isinstance(m, QuantLinear)]
+    assert quantized and {m.bits for m in quantized} == {4} and draft.config.num_layers == model.config.num_layers
+    path = default_draft_file(model)
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"draft": "layers:1"}))  # what choose-draft --write stores
+    draft, label = parse_draft_spec(None, model)
+    assert label == "layers:1" and draft.config.num_layers == 1
