@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from evals.specbench import DEFAULT_METHODS, SMOKE_CONFIG, SMOKE_METHODS, build_method, parse_method
+from runtime.config import DTYPES
 from runtime.kv_cache import KVCache
 from runtime.loader import DEFAULT_MODEL, load_model
 from runtime.model import prefill_meta, random_model
@@ -364,6 +365,7 @@ def main(argv: list[str] | None = None) -> None:
     m.add_argument("--methods", nargs="*", default=None, help="draft methods to time (evals.specbench syntax)")
     m.add_argument("--smoke", action="store_true", help="tiny random model")
     m.add_argument("--threads", type=int, default=None)
+    m.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="target dtype")
     m.add_argument("--out", required=True)
     c = sub.add_parser("choose-draft", help="the default draft for this model, by measured acceptance per cost")
     c.add_argument("--suite", required=True)
@@ -386,7 +388,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.smoke:
             model, heads = random_model(SMOKE_CONFIG), {"medusa": None, "eagle": None}
         else:
-            model, _, path = load_model(args.model or DEFAULT_MODEL, dtype=torch.float32)
+            model, _, path = load_model(args.model or DEFAULT_MODEL, dtype=DTYPES[args.dtype])
             heads = {kind: head_dir(kind, path) for kind in ("medusa", "eagle")}
         Ts = list(range(1, args.max_T + 1))
         sps = {}
@@ -406,6 +408,7 @@ def main(argv: list[str] | None = None) -> None:
             "draft_s": prof.draft_s,
             "notes": prof.notes,
             "batch": prof.batch,
+            "dtype": args.dtype,
         }
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(record, indent=2))

@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from runtime.config import ModelConfig
+from runtime.config import DTYPES, ModelConfig
 from runtime.data import wiki_docs, wiki_split
 from runtime.decoding import generate
 from runtime.loader import DEFAULT_MODEL, load_model, load_tokenizer
@@ -551,6 +551,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--eagle-head", default=None, help="default $QSPEC_HOME/eagle/MODEL")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument(
+        "--dtype",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="target dtype; lossless = equal to plain decoding in it",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--smoke", action="store_true", help="tiny random model, synthetic prompts: seconds")
     ap.add_argument("--strict", action="store_true", help="exit non-zero if a lossless method's output differs")
@@ -568,7 +574,7 @@ def main(argv: list[str] | None = None) -> dict:
     record = provenance(command=module_command("evals.specbench", argv))
     tokenizer = None
     if args.smoke:
-        model = random_model(SMOKE_CONFIG, seed=args.seed)
+        model = random_model(SMOKE_CONFIG, seed=args.seed).set_dtype(DTYPES[args.dtype])
         prompts = [
             (c, p)
             for c, p in smoke_suite(args.per_category, args.seed, SMOKE_CONFIG.vocab_size)
@@ -577,7 +583,7 @@ def main(argv: list[str] | None = None) -> dict:
         heads_dir: dict[str, Path | None] = {"medusa": None, "eagle": None}
         suite_meta = [{"category": c, "prompt_tokens": len(p)} for c, p in prompts]
     else:
-        model, _, path = load_model(args.model, dtype=torch.float32)
+        model, _, path = load_model(args.model, dtype=DTYPES[args.dtype])
         tokenizer = load_tokenizer(str(path))
         suite = [s for s in build_suite(args.per_category, args.seed) if s.category in args.categories]
         prompts = [(s.category, encode_messages(tokenizer, s.messages)) for s in suite]
@@ -596,6 +602,7 @@ def main(argv: list[str] | None = None) -> dict:
         temperature=args.temperature,
         batch_sizes=args.batch_sizes,
         smoke=args.smoke,
+        dtype=args.dtype,
     )
 
     def save(result: dict, complete: bool) -> None:
