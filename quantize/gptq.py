@@ -317,12 +317,13 @@ class GPTQ(LayerAlgorithm):
         return {"quant_method": "gptq", "desc_act": desc_act, **asdict(self.gcfg), "true_sequential": True}
 
 
-def add_gptq_args(ap) -> None:
+def add_gptq_args(ap, block_flag: str = "--block-size") -> None:
+    """block_flag: the lazy-update block's option (quantize.fp8 uses --block-size for its scale blocks)."""
     g = ap.add_argument_group("GPTQ")
     g.add_argument("--act-order", action="store_true", help="desc_act: quantize columns by decreasing H_ii")
     g.add_argument("--static-groups", action="store_true", help="with --act-order: groups fixed before updates")
     g.add_argument("--damp-percent", type=float, default=0.01, help="damping as a fraction of mean diag(H)")
-    g.add_argument("--block-size", type=int, default=128, help="columns per lazy-update block")
+    g.add_argument(block_flag, type=int, default=128, help="columns per lazy-update block")
     g.add_argument("--mse", action="store_true", help="MSE search of each group's range (clipping)")
     g.add_argument(
         "--first-token-weight",
@@ -332,13 +333,13 @@ def add_gptq_args(ap) -> None:
     )
 
 
-def gptq_config(ap, args) -> GPTQConfig:
+def gptq_config(ap, args, block_dest: str = "block_size") -> GPTQConfig:
     try:
         return GPTQConfig(
             act_order=args.act_order,
             static_groups=args.static_groups,
             damp_percent=args.damp_percent,
-            block_size=args.block_size,
+            block_size=getattr(args, block_dest),
             mse=args.mse,
             first_token_weight=args.first_token_weight,
         )
