@@ -16,6 +16,8 @@ one solver with FP8Grid; calibration as in the other quantizers).
 
     python -m quantize.fp8 --model smollm2-135m --format e4m3 --eval wiki:64
     python -m quantize.fp8 --model smollm2-135m --format e4m3 --gptq --act-order --eval wiki:64
+    python -m quantize.fp8 --model smollm2-135m --format e4m3 --w8a8 --out DIR    (compressed-tensors
+                                        float-quantized: vLLM / llm-compressor read it; qspec loads --model DIR)
     python -m quantize.fp8 --model smollm2-135m --format nvfp4 --eval wiki:64 --record fp4.jsonl
 """
 
@@ -30,6 +32,7 @@ from torch import Tensor, nn
 from quantize import cli
 from quantize.calibration import Stage, calibrate
 from quantize.config import DECODER_LINEARS, QuantConfig
+from quantize.formats import float_refusal
 from quantize.fplinear import (
     FORMATS,
     FP4_BLOCK,
@@ -200,14 +203,22 @@ def parse_args(argv: list[str] | None):
         help="per-channel e4m3: try scales amax/448 * 2^(-k/N), k < N, keep each channel's best (weight squared "
         "error; with --gptq the Hessian-weighted error of rounding)",
     )
+    ap.add_argument(
+        "--dense-dtype",
+        choices=("bf16", "fp32"),
+        default="bf16",
+        help="--out: dtype of the unquantized tensors (embeddings, norms); the checkpoint is compressed-tensors "
+        "float-quantized (e4m3 weights, fp32 scales), what vLLM and llm-compressor read",
+    )
+    ap.set_defaults(checkpoint_format="compressed-tensors")
     add_gptq_args(ap, block_flag="--gptq-block-size")
     args = ap.parse_args(argv)
     if args.bits != 8 or args.group_size != -1 or args.sym:
         ap.error("quantize.fp8 sets its own grid: use --format / --block-size, not --bits / --group-size / --sym")
-    if args.out:
-        ap.error("saving FP8/FP4 checkpoints is not implemented; measure in memory with --eval")
-    if not args.eval:
-        ap.error("nothing to do: give --eval TEXTS to measure the quantized model")
+    if args.out and args.format != "e4m3":
+        ap.error(f"--out: {args.format} is emulated (no FP4 checkpoint layout is written): only e4m3 is saved")
+    if not args.eval and not args.out:
+        ap.error("nothing to do: give --eval TEXTS to measure the quantized model and/or --out DIR to save it")
     if args.static_groups or args.mse:
         ap.error("--static-groups / --mse shape integer grids; FP8 scales are fixed (see --scale-search)")
     if not args.gptq and (args.act_order or args.layer_by_layer):
@@ -224,6 +235,10 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as err:
         ap.error(str(err))
     model, tokenizer, path, source = cli.load(ap, args, cfg)
+    if args.out:  # refused before quantizing: one line naming the layer
+        why = float_refusal(model, cfg.target_names(model), args.format, args.block_size)
+        if why:
+            ap.error(why)
     stats = {}
     if args.gptq:
         tokens = cli.calibration_tokens(ap, args, tokenizer)
