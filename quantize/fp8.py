@@ -12,7 +12,8 @@ one solver with FP8Grid; calibration as in the other quantizers).
 
   --format e4m3 --gptq [--act-order]    GPTQ onto the e4m3 grid (scales amax / 448, fixed before any update)
   --format e4m3 --scale-search N        per-channel scale = amax / 448 * 2^(-k/N), best k per channel (weight
-                                        squared error; with --gptq the Hessian-weighted error of rounding)
+                                        squared error; with --gptq or --scale-objective hessian the
+                                        Hessian-weighted error of rounding, H from the calibration pass)
 
     python -m quantize.fp8 --model smollm2-135m --format e4m3 --eval wiki:64
     python -m quantize.fp8 --model smollm2-135m --format e4m3 --gptq --act-order --eval wiki:64
@@ -43,7 +44,7 @@ from quantize.fplinear import (
     quantize_fp8,
     round_e4m3,
 )
-from quantize.gptq import GPTQ, ElementGrid, add_gptq_args, gptq_config, layer_error
+from quantize.gptq import GPTQ, ElementGrid, accumulate_hessian, add_gptq_args, gptq_config, layer_error
 from quantize.qlinear import set_module
 
 
@@ -108,6 +109,7 @@ def float_config(
     lm_head: bool = False,
     gptq: bool = False,
     scale_search: int = 0,
+    scale_objective: str | None = None,
 ):
     """The QuantConfig recording these settings (bits 8 / 4; group_size = input columns per scale)."""
     if fmt not in FORMATS:
@@ -122,6 +124,11 @@ def float_config(
         raise ValueError(f"--gptq rounds onto the e4m3 grid only; {fmt} is round-to-nearest")
     if scale_search < 0:
         raise ValueError(f"--scale-search must be >= 0 (0 = amax / 448), got {scale_search}")
+    objective = scale_objective or ("hessian" if gptq else "weight")
+    if objective not in ("weight", "hessian"):
+        raise ValueError(f"--scale-objective must be weight or hessian, got {objective!r}")
+    if scale_objective and not scale_search:
+        raise ValueError("--scale-objective needs --scale-search N")
     if scale_search and (fmt != "e4m3" or block_size):
         raise ValueError("--scale-search searches per-channel e4m3 scales (no --block-size, no FP4)")
     group = FP4_BLOCK.get(fmt, block_size or -1)
@@ -141,6 +148,7 @@ def float_config(
         emulated=fmt != "e4m3",
         weight_rounding="gptq" if gptq else "nearest",
         scale_search=scale_search,
+        scale_objective=objective if scale_search else None,
     )
     return cfg
 
@@ -176,13 +184,28 @@ class FP8GPTQ(GPTQ):
     def fp8_grid(self, stage: Stage, H: Tensor) -> FP8Grid:
         block = (self.qcfg.extra.get("weight_block_size") or [0])[0]
         search = self.qcfg.extra.get("scale_search", 0)
+        objective = H if self.qcfg.extra.get("scale_objective") == "hessian" else None
         weight = stage.linear.weight.detach().float()
-        scales = search_fp8_scales(weight, search, H) if search else fp8_scales(weight, block)
+        scales = search_fp8_scales(weight, search, objective) if search else fp8_scales(weight, block)
         self.rtn_errors[stage.full_name] = layer_error(weight, quantize_fp8(weight, block, scales=scales), H)
         return FP8Grid(block, scales)
 
     def layer_stats(self) -> list[dict]:
         return [{**s, "rtn_hessian_error": self.rtn_errors.get(s["layer"])} for s in self.stats]
+
+
+class FP8Searched(FP8GPTQ):
+    """Round to nearest (no error feedback) at per-channel scales searched on each layer's Hessian-weighted
+    error: the scale-search lever alone, with the calibration pass only supplying H."""
+
+    def quantize_stage(self, stage: Stage) -> None:
+        if stage.name not in self.qcfg.modules and not (stage.name == "lm_head" and self.qcfg.lm_head):
+            return
+        linear = stage.linear
+        grid = self.fp8_grid(stage, accumulate_hessian(stage.inputs, self.gcfg.first_token_weight))
+        fw = quantize_fp8(linear.weight, 0, linear.bias, scales=grid.scales)
+        self.stats.append({"layer": stage.full_name, "hessian_error": self.rtn_errors[stage.full_name]})
+        set_module(stage.owner, stage.path, grid.module(fw, self.qcfg.act_quant, linear))
 
 
 def parse_args(argv: list[str] | None):
@@ -200,8 +223,15 @@ def parse_args(argv: list[str] | None):
         type=int,
         default=0,
         metavar="N",
-        help="per-channel e4m3: try scales amax/448 * 2^(-k/N), k < N, keep each channel's best (weight squared "
-        "error; with --gptq the Hessian-weighted error of rounding)",
+        help="per-channel e4m3: try scales amax/448 * 2^(-k/N), k < N, keep each channel's best (see "
+        "--scale-objective)",
+    )
+    ap.add_argument(
+        "--scale-objective",
+        choices=("weight", "hessian"),
+        default=None,
+        help="--scale-search minimises each channel's weight squared error (default without --gptq) or its "
+        "Hessian-weighted error of rounding (default with --gptq; without it, the calibration pass runs for H only)",
     )
     ap.add_argument(
         "--dense-dtype",
@@ -221,8 +251,11 @@ def parse_args(argv: list[str] | None):
         ap.error("nothing to do: give --eval TEXTS to measure the quantized model and/or --out DIR to save it")
     if args.static_groups or args.mse:
         ap.error("--static-groups / --mse shape integer grids; FP8 scales are fixed (see --scale-search)")
-    if not args.gptq and (args.act_order or args.layer_by_layer):
-        ap.error("--act-order / --layer-by-layer apply with --gptq")
+    calibrated = args.gptq or args.scale_objective == "hessian"
+    if (not args.gptq and args.act_order) or (not calibrated and args.layer_by_layer):
+        ap.error(
+            "--act-order / --layer-by-layer apply with --gptq (--layer-by-layer also with --scale-objective hessian)"
+        )
     return ap, args
 
 
@@ -231,7 +264,16 @@ def main(argv: list[str] | None = None) -> None:
     gcfg = gptq_config(ap, args, block_dest="gptq_block_size")
     modules = tuple(m for m in args.modules.split(",") if m)
     try:
-        cfg = float_config(args.format, args.block_size, args.w8a8, modules, args.lm_head, args.gptq, args.scale_search)
+        cfg = float_config(
+            args.format,
+            args.block_size,
+            args.w8a8,
+            modules,
+            args.lm_head,
+            args.gptq,
+            args.scale_search,
+            args.scale_objective,
+        )
     except ValueError as err:
         ap.error(str(err))
     model, tokenizer, path, source = cli.load(ap, args, cfg)
@@ -240,14 +282,14 @@ def main(argv: list[str] | None = None) -> None:
         if why:
             ap.error(why)
     stats = {}
-    if args.gptq:
+    if args.gptq or cfg.extra["scale_objective"] == "hessian":
         tokens = cli.calibration_tokens(ap, args, tokenizer)
-        algo = FP8GPTQ(cfg, gcfg, log=cli.log)
+        algo = (FP8GPTQ if args.gptq else FP8Searched)(cfg, gcfg, log=cli.log)
         start = time.perf_counter()
-        calibrate(model, tokens, algo, args.batch_size, cfg.lm_head, source, progress=lambda m: cli.log(f"gptq {m}"))
-        cfg.extra.update(
-            gptq=asdict(gcfg), calib=args.calib, nsamples=args.nsamples, seqlen=args.seqlen, seed=args.seed
-        )
+        calibrate(model, tokens, algo, args.batch_size, cfg.lm_head, source, progress=lambda m: cli.log(f"calib {m}"))
+        cfg.extra.update(calib=args.calib, nsamples=args.nsamples, seqlen=args.seqlen, seed=args.seed)
+        if args.gptq:
+            cfg.extra.update(gptq=asdict(gcfg))
         stats = {"quantize_seconds": round(time.perf_counter() - start, 1), "layers": algo.layer_stats()}
     else:
         quantize_model(model, cfg, progress=True)

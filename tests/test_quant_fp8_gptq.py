@@ -118,3 +118,14 @@ def test_cli_gptq_errors_and_record(tiny_checkpoint, tmp_path, capsys, monkeypat
     assert len(layers) == 4 * 2 and all(s["rtn_hessian_error"] is not None for s in layers)  # tiny: 2 layers
     assert sum(s["hessian_error"] for s in layers) < sum(s["rtn_hessian_error"] for s in layers)
     assert rec["perplexity"]["wiki"] > 1
+    assert "--scale-objective needs --scale-search" in run_error(
+        fp8.main, base + ["--scale-objective", "hessian"], capsys
+    )
+    # the scale-search lever alone: round to nearest at scales searched on the calibration Hessian
+    record.unlink()
+    fp8.main(base + ["--scale-search", "8", "--scale-objective", "hessian", *calib, "--record", str(record)])
+    rec = json.loads(record.read_text())
+    qc = rec["quant_config"]
+    assert qc["weight_rounding"] == "nearest" and qc["scale_objective"] == "hessian" and "gptq" not in qc
+    layers = rec["stats"]["layers"]
+    assert len(layers) == 8 and all(s["hessian_error"] == s["rtn_hessian_error"] for s in layers)
