@@ -53,6 +53,14 @@ def test_fp8_checkpoint_round_trip(tmp_path, config, block, w8a8):
     tokens = torch.randint(0, config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert torch.equal(loaded(tokens), model(tokens))
+    if not w8a8:  # transformers + compressed-tensors, dequantized (weight-only): HF's own forward, same logits
+        from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+        hf = AutoModelForCausalLM.from_pretrained(
+            out, dtype=torch.float32, quantization_config=CompressedTensorsConfig(dequantize=True)
+        )
+        with torch.no_grad():
+            torch.testing.assert_close(hf(tokens).logits, model(tokens), rtol=1e-5, atol=1e-5)
 
 
 def test_fp8_checkpoint_refusals(tmp_path):
