@@ -163,6 +163,8 @@ def check_group_size(ap: argparse.ArgumentParser, cfg: QuantConfig, mc: ModelCon
             cfg.group_size_for(layer_widths(mc)[leaf], name)
         except QuantConfigError as err:
             ap.error(str(err))
+    if cfg.extra.get("quant_method") in ("fp8", "fp4"):
+        return  # float formats: group_size is the scale block; the integer kernels' constraint does not apply
     if cfg.group_size != -1 and cfg.group_size % 32:
         why = f"--group-size {cfg.group_size} has no fast kernel (they take multiples of 32)"
         if saving:
@@ -207,8 +209,8 @@ def load(ap: argparse.ArgumentParser, args, cfg: QuantConfig):
 def check_format(ap: argparse.ArgumentParser, args, cfg: QuantConfig, model) -> None:
     """Resolve --format (the method's default when not given) and, with --out, refuse before quantizing a
     setting the format cannot hold (ragged groups, act-order g_idx, bits, W8A8): one argparse error."""
-    if not hasattr(args, "dense_dtype"):  # a parser without checkpoint options (parser(checkpoint=False))
-        return
+    if not hasattr(args, "dense_dtype") or hasattr(args, "checkpoint_format"):
+        return  # a parser without checkpoint options, or a quantizer that fixes its format and checks it itself
     act_quant = cfg.act_quant or getattr(args, "w8a8", False)
     args.format = args.format or default_format(args.quantizer, act_quant, cfg.bits, cfg.sym)
     if args.out is None:
@@ -361,13 +363,14 @@ def finish(
         "cpu_seconds": round(cpu_seconds(), 1),  # process CPU time so far: loading + quantizing
         **provenance(argv, module),
     }
+    fmt = getattr(args, "checkpoint_format", None) or getattr(args, "format", None)  # quantize.fp8 fixes its own
     if args.out:
-        record.update(format=args.format, dense_dtype=args.dense_dtype)
+        record.update(format=fmt, dense_dtype=args.dense_dtype)
     if args.eval:
         record.update(evaluate(model, tokenizer, args.eval, args.eval_windows))
     if args.out:
         try:
-            save(model, Path(args.out), cfg, path, record, args.format, DENSE_DTYPES[args.dense_dtype])
+            save(model, Path(args.out), cfg, path, record, fmt, DENSE_DTYPES[args.dense_dtype])
         except CheckpointError as err:  # e.g. a v1 zero point of 0, known only after quantizing
             write_record({**record, "save_error": str(err)}, args.record)
             raise SystemExit(f"error: {args.out} not written: {err}") from err

@@ -137,11 +137,20 @@ class FloatWeight:
         return self.codes.numel() * bits // 8 + self.scales.numel() * self.scales.element_size()
 
 
-def quantize_fp8(weight: Tensor, block: int = 0, bias: Tensor | None = None) -> FloatWeight:
-    """e4m3 with scale = amax / 448 per output channel (block=0) or per block x block block."""
+def fp8_scales(weight: Tensor, block: int = 0) -> Tensor:
+    """amax / 448 per output channel [out, 1] (block=0) or per block x block block [out/b, in/b], fp32."""
     w = weight.detach().float()
     amax = w.abs().amax(1, keepdim=True) if block == 0 else block_absmax(w, block, block)
-    scales = (amax / E4M3_MAX).clamp(min=1e-12)
+    return (amax / E4M3_MAX).clamp(min=1e-12)
+
+
+def quantize_fp8(
+    weight: Tensor, block: int = 0, bias: Tensor | None = None, scales: Tensor | None = None
+) -> FloatWeight:
+    """e4m3 by round to nearest at ``scales`` (default fp8_scales: amax / 448 per output channel (block=0) or
+    per block x block block)."""
+    w = weight.detach().float()
+    scales = fp8_scales(w, block) if scales is None else scales
     full = scales.expand_as(w) if block == 0 else expand_blocks(scales, *w.shape, block, block)
     codes = round_e4m3(w / full)
     return FloatWeight(codes, scales, "e4m3", block, bias=None if bias is None else bias.detach().float())

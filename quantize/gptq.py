@@ -17,10 +17,11 @@ boundary sees the pending update of its columns beyond the block.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from quantize import cli
 from quantize.calibration import LayerAlgorithm, Stage, calibrate
@@ -94,35 +95,128 @@ def inverse_cholesky(H: Tensor, damp_percent: float, damp_increment: float) -> t
 
 @dataclass
 class GPTQResult:
-    qweight: QuantizedWeight
+    qweight: object  # the grid's weight: QuantizedWeight (IntGrid), quantize.fplinear.FloatWeight (FP8 grid)
     damp: float  # damping actually used
     loss: float  # Σ (w - ŵ)² / [H⁻¹]_jj² / 2, the paper's per-column objective summed
     seconds: float
+
+
+class ElementGrid:
+    """What the GPTQ solver rounds each column onto: the integer grid (IntGrid) or a float one (quantize.fp8's
+    FP8Grid). The solver owns the OBS updates; the grid owns parameters, rounding and the resulting weight.
+
+    Lifecycle per weight: ``start(W)`` once on the natural-order weight (after dead columns are zeroed, before
+    any update), then ``round`` per visited column (``fit_group`` first when the grid is not fixed and a group
+    begins), then ``build``."""
+
+    group_size: int  # columns per parameter group (the input width when one group spans the row)
+
+    def start(self, W: Tensor) -> bool:
+        """Fit whatever can be fixed before any update from W [out, in]; True if every group's parameters are
+        fixed now (then a column's group is its original column // group_size)."""
+        raise NotImplementedError
+
+    def fit_group(self, g: int, cols: Tensor) -> None:
+        """Dynamic groups only: fit group g from its updated columns [out, <= group_size]."""
+        raise NotImplementedError
+
+    def round(self, w: Tensor, g: int) -> tuple[Tensor, Tensor]:
+        """One column w [out] in group g -> (codes as float32 [out], dequantized values [out])."""
+        raise NotImplementedError
+
+    def build(self, codes: Tensor, g_idx: Tensor | None, bias: Tensor | None):
+        """codes [out, in] in natural column order -> the quantized weight."""
+        raise NotImplementedError
+
+    def module(self, qweight, act_quant: bool, linear: nn.Module) -> nn.Module:
+        """The layer replacing ``linear`` that holds ``qweight``."""
+        raise NotImplementedError
+
+
+@dataclass
+class IntGrid(ElementGrid):
+    """The uniform integer grid of quantize.grid (per-channel or groups, optional MSE range search)."""
+
+    bits: int
+    sym: bool
+    group_size: int
+    static_groups: bool = False
+    mse: bool = False
+    mse_grid: int = 100
+    mse_max_shrink: float = 0.8
+    mse_norm: float = 2.4
+
+    @classmethod
+    def from_config(cls, bits: int, sym: bool, group_size: int, cfg: GPTQConfig) -> IntGrid:
+        search = dict(mse=cfg.mse, mse_grid=cfg.mse_grid, mse_max_shrink=cfg.mse_max_shrink, mse_norm=cfg.mse_norm)
+        return cls(bits, sym, group_size, cfg.static_groups, **search)
+
+    def _search(self) -> dict:
+        return dict(mse=self.mse, grid=self.mse_grid, max_shrink=self.mse_max_shrink, norm=self.mse_norm)
+
+    def start(self, W: Tensor) -> bool:
+        out_features, n = W.shape
+        n_groups = -(-n // self.group_size)
+        # per-channel (one group, as the reference does) and static groups are fixed before any update
+        fixed = self.group_size >= n or self.static_groups
+        if fixed:
+            self.scales, self.zeros = group_params(W, self.bits, self.sym, self.group_size, **self._search())
+        else:
+            self.scales, self.zeros = torch.zeros(out_features, n_groups), torch.zeros(out_features, n_groups)
+        return fixed
+
+    def fit_group(self, g: int, cols: Tensor) -> None:
+        self.scales[:, g], self.zeros[:, g] = find_params(cols, self.bits, self.sym, **self._search())
+
+    def round(self, w: Tensor, g: int) -> tuple[Tensor, Tensor]:
+        s, z = self.scales[:, g], self.zeros[:, g]
+        q = quantize_codes(w, s, z, 2**self.bits - 1)
+        return q, s * (q - z)
+
+    def build(self, codes: Tensor, g_idx: Tensor | None, bias: Tensor | None) -> QuantizedWeight:
+        return QuantizedWeight(
+            codes=codes.to(torch.uint8),
+            scales=self.scales,
+            zeros=self.zeros,
+            bits=self.bits,
+            group_size=self.group_size,
+            g_idx=g_idx,
+            bias=bias,
+        )
+
+    def module(self, qweight: QuantizedWeight, act_quant: bool, linear: nn.Module) -> nn.Module:
+        return quant_linear(qweight, act_quant, linear)
+
+
+# (stage, its Hessian) -> the grid its linear is rounded onto
+GridFactory = Callable[[Stage, Tensor], ElementGrid]
 
 
 @torch.no_grad()
 def gptq_quantize(
     weight: Tensor, H: Tensor, bits: int, sym: bool, group_size: int, cfg: GPTQConfig, bias: Tensor | None = None
 ) -> GPTQResult:
-    """GPTQ of one weight [out, in] given its Hessian H [in, in]; group_size == in is per-channel."""
+    """GPTQ of one weight [out, in] onto the integer grid given its Hessian H [in, in]; group_size == in is
+    per-channel."""
+    return gptq_on_grid(weight, H, IntGrid.from_config(bits, sym, group_size, cfg), cfg, bias)
+
+
+@torch.no_grad()
+def gptq_on_grid(
+    weight: Tensor, H: Tensor, grid: ElementGrid, cfg: GPTQConfig, bias: Tensor | None = None
+) -> GPTQResult:
+    """THE GPTQ solver: weight [out, in], Hessian H [in, in], columns rounded onto ``grid``."""
     start = time.perf_counter()
     W = weight.detach().float().clone()
     H = H.float().clone()
-    out_features, n = W.shape
-    maxq = 2**bits - 1
-    search = dict(mse=cfg.mse, grid=cfg.mse_grid, max_shrink=cfg.mse_max_shrink, norm=cfg.mse_norm)
+    n = W.shape[1]
 
     dead = H.diagonal() == 0  # inputs that are always zero: their weights cannot matter, zero them
     H[dead, dead] = 1
     W[:, dead] = 0
 
-    n_groups = -(-n // group_size)
-    # Grids fixed before any update: per-channel (one group, as the reference does) or static groups.
-    fixed = group_size >= n or cfg.static_groups
-    scales = torch.zeros(out_features, n_groups)
-    zeros = torch.zeros(out_features, n_groups)
-    if fixed:
-        scales, zeros = group_params(W, bits, sym, group_size, **search)
+    fixed = grid.start(W)
+    group_size = grid.group_size
 
     perm = torch.argsort(H.diagonal(), descending=True) if cfg.act_order else torch.arange(n)
     W, H = W[:, perm], H[perm][:, perm]
@@ -149,48 +243,45 @@ def gptq_quantize(
                 if end > i2:
                     pending = W[:, i2:end] - Err1[:, :i] @ Hinv[i1 : i1 + i, i2:end]
                     cols = torch.cat([cols, pending], 1)
-                scales[:, g], zeros[:, g] = find_params(cols, bits, sym, **search)
-            s, z = scales[:, g], zeros[:, g]
+                grid.fit_group(g, cols)
             w = W1[:, i]
             d = Hinv1[i, i]
-            q = quantize_codes(w, s, z, maxq)
+            q, w_hat = grid.round(w, g)
             codes[:, j] = q
-            err = (w - s * (q - z)) / d
+            err = (w - w_hat) / d
             loss += (err.double() ** 2).sum() / 2
             W1[:, i:] -= err[:, None] * Hinv1[i, i:][None, :]
             Err1[:, i] = err
         W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]
 
     invperm = torch.argsort(perm)
-    codes = codes[:, invperm]
     g_idx = None
     if cfg.act_order and not fixed:
         g_idx = (torch.arange(n) // group_size)[invperm].to(torch.int32)
-    qweight = QuantizedWeight(
-        codes=codes.to(torch.uint8),
-        scales=scales,
-        zeros=zeros,
-        bits=bits,
-        group_size=group_size,
-        g_idx=g_idx,
-        bias=None if bias is None else bias.detach().float(),
-    )
+    qweight = grid.build(codes[:, invperm], g_idx, None if bias is None else bias.detach().float())
     return GPTQResult(qweight, damp, float(loss), time.perf_counter() - start)
 
 
-def layer_error(weight: Tensor, qweight: QuantizedWeight, H: Tensor) -> float:
-    """Σ_tokens ||(W - Ŵ) x||² / N * 2 = tr(ΔW H ΔWᵀ) for H = 2/N Σ x xᵀ (the undamped Hessian)."""
+def layer_error(weight: Tensor, qweight, H: Tensor) -> float:
+    """Σ_tokens ||(W - Ŵ) x||² / N * 2 = tr(ΔW H ΔWᵀ) for H = 2/N Σ x xᵀ (the undamped Hessian); qweight is
+    any weight with ``dequantize(dtype)`` (QuantizedWeight, FloatWeight)."""
     delta = weight.float() - qweight.dequantize(torch.float32)
     return float(((delta @ H) * delta).sum())
 
 
 class GPTQ(LayerAlgorithm):
-    """GPTQ inside the calibration pass: one Hessian per (fused) linear from its true-sequential inputs."""
+    """GPTQ inside the calibration pass: one Hessian per (fused) linear from its true-sequential inputs, the
+    columns rounded onto the grid ``grid_for(stage, H)`` gives (default: qcfg's integer grid)."""
 
-    def __init__(self, qcfg: QuantConfig, gcfg: GPTQConfig, log=None):
+    def __init__(self, qcfg: QuantConfig, gcfg: GPTQConfig, log=None, grid_for: GridFactory | None = None):
         self.qcfg, self.gcfg, self.log = qcfg, gcfg, log
+        self.grid_for = grid_for or self.int_grid
         self.stats: list[dict] = []
         self.any_g_idx = False
+
+    def int_grid(self, stage: Stage, H: Tensor) -> IntGrid:
+        group_size = self.qcfg.group_size_for(stage.linear.in_features, stage.full_name)
+        return IntGrid.from_config(self.qcfg.bits, self.qcfg.sym, group_size, self.gcfg)
 
     def quantize_stage(self, stage: Stage) -> None:
         if stage.name not in self.qcfg.modules and not (stage.name == "lm_head" and self.qcfg.lm_head):
@@ -198,10 +289,10 @@ class GPTQ(LayerAlgorithm):
 
         linear = stage.linear
         H = accumulate_hessian(stage.inputs, self.gcfg.first_token_weight)
-        group_size = self.qcfg.group_size_for(linear.in_features, stage.full_name)
-        res = gptq_quantize(linear.weight, H, self.qcfg.bits, self.qcfg.sym, group_size, self.gcfg, linear.bias)
+        grid = self.grid_for(stage, H)
+        res = gptq_on_grid(linear.weight, H, grid, self.gcfg, linear.bias)
         err = layer_error(linear.weight, res.qweight, H)
-        self.any_g_idx |= res.qweight.g_idx is not None
+        self.any_g_idx |= getattr(res.qweight, "g_idx", None) is not None
         self.stats.append(
             {
                 "layer": stage.full_name,
@@ -213,7 +304,7 @@ class GPTQ(LayerAlgorithm):
         )
         if self.log is not None and res.damp > self.gcfg.damp_percent:
             self.log(f"{stage.full_name}: Cholesky needed damping {res.damp:.4f}")
-        set_module(stage.owner, stage.path, quant_linear(res.qweight, self.qcfg.act_quant, linear))
+        set_module(stage.owner, stage.path, grid.module(res.qweight, self.qcfg.act_quant, linear))
 
     def restore_layer(self, layer_idx: int, layer, stats: list[dict]) -> None:
         self.stats.extend(stats)
@@ -226,12 +317,13 @@ class GPTQ(LayerAlgorithm):
         return {"quant_method": "gptq", "desc_act": desc_act, **asdict(self.gcfg), "true_sequential": True}
 
 
-def add_gptq_args(ap) -> None:
+def add_gptq_args(ap, block_flag: str = "--block-size") -> None:
+    """block_flag: the lazy-update block's option (quantize.fp8 uses --block-size for its scale blocks)."""
     g = ap.add_argument_group("GPTQ")
     g.add_argument("--act-order", action="store_true", help="desc_act: quantize columns by decreasing H_ii")
     g.add_argument("--static-groups", action="store_true", help="with --act-order: groups fixed before updates")
     g.add_argument("--damp-percent", type=float, default=0.01, help="damping as a fraction of mean diag(H)")
-    g.add_argument("--block-size", type=int, default=128, help="columns per lazy-update block")
+    g.add_argument(block_flag, type=int, default=128, help="columns per lazy-update block")
     g.add_argument("--mse", action="store_true", help="MSE search of each group's range (clipping)")
     g.add_argument(
         "--first-token-weight",
@@ -241,13 +333,13 @@ def add_gptq_args(ap) -> None:
     )
 
 
-def gptq_config(ap, args) -> GPTQConfig:
+def gptq_config(ap, args, block_dest: str = "block_size") -> GPTQConfig:
     try:
         return GPTQConfig(
             act_order=args.act_order,
             static_groups=args.static_groups,
             damp_percent=args.damp_percent,
-            block_size=args.block_size,
+            block_size=getattr(args, block_dest),
             mse=args.mse,
             first_token_weight=args.first_token_weight,
         )

@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from quantize.formats import awq, gptq
 from quantize.formats import compressed_tensors as ct
 from quantize.formats.errors import CheckpointError, check_safetensors_file
+from quantize.fplinear import FloatWeight, FPLinear
 from quantize.qembedding import shares_quantized_head, tie_quantized_embedding
 from quantize.qlinear import QuantizedWeight, QuantLinear, set_module
 from quantize.rotation import install_online_hadamard
@@ -40,6 +41,7 @@ __all__ = [
     "save_quantized",
     "load_quantized_into",
     "linear_layout",
+    "float_refusal",
 ]
 
 
@@ -178,6 +180,78 @@ def concat_rows(name: str, parts: list[tuple[str, QuantizedWeight]]) -> Quantize
     )
 
 
+def split_float_rows(fw: FloatWeight, sizes: list[int]) -> list[FloatWeight]:
+    """A fused e4m3 FloatWeight -> one per row block; block scales split at block rows (float_refusal checked
+    that every part but the last fills whole blocks)."""
+    parts, start = [], 0
+    for n in sizes:
+        rows = slice(start, start + n)
+        srows = rows if not fw.block else slice(start // fw.block, -(-(start + n) // fw.block))
+        bias = None if fw.bias is None else fw.bias[rows].clone()
+        parts.append(FloatWeight(fw.codes[rows], fw.scales[srows], fw.fmt, fw.block, bias=bias))
+        start += n
+    return parts
+
+
+def concat_float_rows(name: str, parts: list[tuple[str, FloatWeight]]) -> FloatWeight:
+    first = parts[0][1]
+    if first.block and any(fw.out_features % first.block for _, fw in parts[:-1]):
+        raise CheckpointError(
+            f"{name}: the block scales of {[n for n, _ in parts]} do not fill whole {first.block}-row blocks, so "
+            "they cannot be fused into one layer"
+        )
+    biases = [fw.bias for _, fw in parts]
+    if any(b is None for b in biases) and not all(b is None for b in biases):
+        raise CheckpointError(f"{name}: some of {[n for n, _ in parts]} have a bias and some do not")
+    return FloatWeight(
+        torch.cat([fw.codes for _, fw in parts]),
+        torch.cat([fw.scales for _, fw in parts]),
+        "e4m3",
+        first.block,
+        bias=None if biases[0] is None else torch.cat(biases),
+    )
+
+
+def float_layers(model) -> list[tuple[str, FPLinear]]:
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, FPLinear)]
+
+
+def float_refusal(model, names: list[str], fmt: str, block: int) -> str | None:
+    """Why the FP8 layers ``names`` (e4m3, one scale block size) cannot be saved (one line), or None: only
+    compressed-tensors float-quantized holds them, a tied head has no place there, and block scales of a fused
+    layer must not straddle the HF parts it splits into."""
+    if fmt != "e4m3":
+        return f"{fmt} is emulated (no FP4 checkpoint layout is written): only e4m3 layers can be saved"
+    if "lm_head" in names and model.config.tie_word_embeddings:
+        return "lm_head: a quantized head of a tied model cannot be expressed in compressed-tensors: drop --lm-head"
+    for module_name, parts in linear_layout(model, quantized_head=True):
+        sizes = [n for _, n in parts]
+        if module_name in names and block and any(n % block for n in sizes[:-1]):
+            return (
+                f"{module_name}: {block} x {block} scale blocks would straddle its parts {sizes} "
+                "(the checkpoint stores them unfused): use per-channel scales (no --block-size) or a block size "
+                "dividing them"
+            )
+    return None
+
+
+def check_float_expressible(model, fmt: str) -> int:
+    """Raise CheckpointError unless the model's FP8 layers can be saved as ``fmt``; returns their block size."""
+    layers = float_layers(model)
+    if fmt != "compressed-tensors":
+        raise CheckpointError(f"FP8 layers are saved as compressed-tensors (float-quantized) only, not {fmt}")
+    if quantized_layers(model):
+        raise CheckpointError("the model mixes integer (QuantLinear) and FP8 layers; one quantization_config needs one")
+    schemes = {(m.fmt, m.block, m.act_quant) for _, m in layers}
+    if len(schemes) > 1:
+        raise CheckpointError(f"FP8 layers mix schemes (format, block, W8A8) {sorted(schemes)}; one config needs one")
+    fmt_name, block, _ = schemes.pop()
+    why = float_refusal(model, [n for n, _ in layers], fmt_name, block)
+    if why:
+        raise CheckpointError(why)
+    return block
+
+
 def quantized_layers(model) -> list[tuple[str, QuantLinear]]:
     return [(n, m) for n, m in model.named_modules() if isinstance(m, QuantLinear)]
 
@@ -295,8 +369,16 @@ def save_quantized(
         raise ValueError(f"unknown format {fmt!r}; choose one of {FORMATS}")
     if dense_dtype not in DENSE_DTYPES.values():
         raise ValueError(f"dense_dtype must be one of {list(DENSE_DTYPES.values())}, got {dense_dtype}")
-    check_expressible(model, fmt)
-    qconfig = quantization_config_for(model, quant_config, fmt)
+    if float_layers(model):
+        block = check_float_expressible(model, fmt)
+        quantized = {n for n, _ in float_layers(model)}
+        ignore = [hf for name, parts in linear_layout(model) if name not in quantized for hf, _ in parts]
+        if "lm_head" not in quantized and "lm_head" not in ignore:
+            ignore.append("lm_head")  # tied heads too, as for integer compressed-tensors
+        qconfig = ct.float_quantization_config(block, float_layers(model)[0][1].act_quant, ignore)
+    else:
+        check_expressible(model, fmt)
+        qconfig = quantization_config_for(model, quant_config, fmt)
     # dense tensors under HF names, in the declared dtype; quantized layers are replaced below
     state = {k: v.to(dense_dtype) if v.is_floating_point() else v for k, v in model.hf_state_dict().items()}
     if shares_quantized_head(model):
@@ -305,14 +387,18 @@ def save_quantized(
     sym = all(is_symmetric(m) for _, m in quantized_layers(model))  # one scheme: zero points for all or none
     for module_name, parts in linear_layout(model):
         module = model.get_submodule(module_name)
-        if not isinstance(module, QuantLinear):
+        if not isinstance(module, QuantLinear | FPLinear):
             continue
-        for (prefix, _), qw in zip(parts, split_rows(module.qweight(), [n for _, n in parts])):
+        sizes = [n for _, n in parts]
+        split = split_float_rows(module.fweight(), sizes) if isinstance(module, FPLinear) else None
+        for (prefix, _), qw in zip(parts, split or split_rows(module.qweight(), sizes)):
             state.pop(prefix + ".weight", None)
             state.pop(prefix + ".bias", None)
             if qw.bias is not None:
                 qw.bias = qw.bias.to(dense_dtype)
-            if fmt == "awq":
+            if split is not None:
+                state.update(ct.float_to_tensors(prefix, qw))
+            elif fmt == "awq":
                 state.update(awq.to_tensors(prefix, qw))
             elif fmt == "compressed-tensors":
                 state.update(ct.to_tensors(prefix, qw, sym, module.act_quant))
@@ -419,6 +505,8 @@ def load_quantized_into(model, path: str | Path, quantization_config: dict, dtyp
         for prefix, rows in parts:
             if qc["method"] == "gptq":
                 qw = gptq.from_tensors(tensors, prefix, in_features, rows, qc["bits"], qc["group_size"], qc["format"])
+            elif qc["format"] == ct.FLOAT_FORMAT:
+                qw = ct.float_from_tensors(tensors, prefix, in_features, rows, qc)
             elif qc["method"] == "compressed-tensors":
                 qw = ct.from_tensors(tensors, prefix, in_features, rows, qc)
             else:
@@ -428,7 +516,10 @@ def load_quantized_into(model, path: str | Path, quantization_config: dict, dtyp
             used.update(k for k in tensors if k.startswith(prefix + "."))
             qparts.append((prefix, qw))
         act_quant = qc.get("act_quant", False) and qc["bits"] == 8
-        layer = QuantLinear(concat_rows(module_name, qparts), act_quant=act_quant, compute_dtype=dtype)
+        if qc["format"] == ct.FLOAT_FORMAT:
+            layer = FPLinear(concat_float_rows(module_name, qparts), act_quant=act_quant, compute_dtype=dtype)
+        else:
+            layer = QuantLinear(concat_rows(module_name, qparts), act_quant=act_quant, compute_dtype=dtype)
         set_module(model, module_name, layer)
     if cfg.tie_word_embeddings and quantized_head and hf_key(tensors, "model.embed_tokens.weight") is None:
         tie_quantized_embedding(model)

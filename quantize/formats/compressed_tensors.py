@@ -12,6 +12,11 @@ format "pack-quantized" (int weight-only, 2..8 bits, strategy "group" or "channe
 format "int-quantized" (W8A8: int8 weights, dynamic per-token int8 activations):
   P.weight             int8  [out, in]                  q, symmetric per-channel
   P.weight_scale       fp16  [out, 1]
+format "float-quantized" (FP8 e4m3 weights, quantize.fplinear.FloatWeight; W8A8-FP8 adds dynamic per-token
+e4m3 activations, llm-compressor's FP8_DYNAMIC scheme; strategy "channel" or "block" with block_structure):
+  P.weight             float8_e4m3fn [out, in]          the e4m3 codes, W = weight * weight_scale
+  P.weight_scale       fp32  [out, 1] (channel) or [ceil(out/b), ceil(in/b)] (block b x b): stored in fp32,
+                                                       exactly qspec's scales (vLLM loads them into fp32)
 Groups are contiguous: compressed-tensors (>= 0.14) dropped the g_idx layout ("actorder: group"), so act-order
 checkpoints are expressible only with static groups ("actorder: weight", no g_idx). Group sizes must divide
 the input width (the library's group reshape refuses a ragged one).
@@ -23,12 +28,14 @@ import torch
 from torch import Tensor
 
 from quantize.formats.errors import CheckpointError, expect_tensor, fp16_scales, optional_bias
+from quantize.fplinear import E4M3, FloatWeight
 from quantize.packing import pack_codes, unpack_codes
 from quantize.qlinear import QuantizedWeight
 
 # The compressed-tensors release whose layout and config this follows (and the tests decompress with).
 CT_VERSION = "0.20.1"
-FORMATS = ("pack-quantized", "int-quantized")
+FORMATS = ("pack-quantized", "int-quantized", "float-quantized")
+FLOAT_FORMAT = "float-quantized"
 
 
 def packed_words(n: int, bits: int) -> int:
@@ -68,16 +75,35 @@ def weight_args(bits: int, group_size: int, symmetric: bool, actorder: str | Non
     return args
 
 
+def float_weight_args(block: int) -> dict:
+    """QuantizationArgs of FP8 e4m3 weights: per-channel (block 0) or block x block scales."""
+    strategy = {"strategy": "block", "block_structure": [block, block]} if block else {"strategy": "channel"}
+    return {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None, **strategy, "dynamic": False}
+
+
+def token_activation_args(kind: str) -> dict:
+    """Dynamic symmetric per-token 8-bit activations (kind "int" or "float")."""
+    return {"num_bits": 8, "type": kind, "symmetric": True, "group_size": None, "strategy": "token", "dynamic": True}
+
+
 def quantization_config(
     bits: int, group_size: int, symmetric: bool, act_quant: bool, ignore: list[str], actorder: str | None = None
 ) -> dict:
-    """``quantization_config`` as llm-compressor writes it (ModelCompressor.update_config): one config group
-    targeting every Linear, the unquantized ones listed in ``ignore``."""
+    """``quantization_config`` of integer weights as llm-compressor writes it."""
     fmt = "int-quantized" if act_quant else "pack-quantized"
-    inputs = None
-    if act_quant:  # W8A8: dynamic symmetric per-token int8 activations
-        inputs = {"num_bits": 8, "type": "int", "symmetric": True, "group_size": None, "strategy": "token"}
-        inputs["dynamic"] = True
+    inputs = token_activation_args("int") if act_quant else None  # W8A8: per-token int8 activations
+    return config_document(fmt, weight_args(bits, group_size, symmetric, actorder), inputs, ignore)
+
+
+def float_quantization_config(block: int, act_quant: bool, ignore: list[str]) -> dict:
+    """``quantization_config`` of FP8 e4m3 weights (W8A8-FP8 with act_quant) as llm-compressor writes it."""
+    inputs = token_activation_args("float") if act_quant else None
+    return config_document(FLOAT_FORMAT, float_weight_args(block), inputs, ignore)
+
+
+def config_document(fmt: str, weights: dict, inputs: dict | None, ignore: list[str]) -> dict:
+    """llm-compressor's serialisation (ModelCompressor.update_config): one config group targeting every Linear,
+    the unquantized ones listed in ``ignore``."""
     return {
         "version": CT_VERSION,
         "quant_method": "compressed-tensors",
@@ -86,7 +112,7 @@ def quantization_config(
         "config_groups": {
             "group_0": {
                 "targets": ["Linear"],
-                "weights": weight_args(bits, group_size, symmetric, actorder),
+                "weights": weights,
                 "input_activations": inputs,
                 "output_activations": None,
                 "format": fmt,
@@ -132,6 +158,8 @@ def parse_config(qc: dict) -> dict:
     fmt = groups[0].get("format") or fmt
     if fmt not in FORMATS:
         raise CheckpointError(f"unsupported compressed-tensors format {fmt!r}; supported: {FORMATS}")
+    if fmt == FLOAT_FORMAT:
+        return parse_float_config(weights, inputs)
     if not weights or weights.get("type", "int") != "int":
         raise CheckpointError(f"compressed-tensors: only integer weights are supported, got {weights}")
     strategy = weights.get("strategy") or ("group" if (weights.get("group_size") or 0) > 0 else "channel")
@@ -190,4 +218,46 @@ def from_tensors(tensors: dict[str, Tensor], name: str, in_features: int, out_fe
         bits=bits,
         group_size=group_size,
         bias=optional_bias(tensors, name, out_features),
+    )
+
+
+def parse_float_config(weights: dict | None, inputs: dict | None) -> dict:
+    """The float-quantized settings qspec loads: 8-bit float weights, per channel or square blocks, optional
+    dynamic per-token float8 activations."""
+    if not weights or weights.get("type") != "float" or weights.get("num_bits") != 8:
+        raise CheckpointError(
+            f"compressed-tensors float-quantized: only 8-bit float weights are supported, got {weights}"
+        )
+    strategy = weights.get("strategy")
+    structure = weights.get("block_structure") or []
+    if strategy == "block" and (len(structure) != 2 or structure[0] != structure[1]):
+        raise CheckpointError(f"compressed-tensors: block_structure {structure} not supported (square blocks only)")
+    if strategy not in ("channel", "block"):
+        raise CheckpointError(
+            f"compressed-tensors float-quantized: strategy {strategy!r} not supported (channel, block)"
+        )
+    act_quant = inputs is not None
+    if act_quant and {k: inputs.get(k) for k in ("num_bits", "type", "strategy", "dynamic")} != {
+        "num_bits": 8, "type": "float", "strategy": "token", "dynamic": True
+    }:  # fmt: skip
+        raise CheckpointError(f"compressed-tensors: input activations {inputs} not supported (dynamic per-token fp8)")
+    block = int(structure[0]) if strategy == "block" else 0
+    return {"method": "compressed-tensors", "format": FLOAT_FORMAT, "bits": 8, "block": block, "act_quant": act_quant}
+
+
+def float_to_tensors(name: str, fw: FloatWeight) -> dict[str, Tensor]:
+    """One FP8 layer's tensors (its bias, if any, in the caller's dtype)."""
+    tensors = {f"{name}.weight": fw.codes.contiguous(), f"{name}.weight_scale": fw.scales.float().contiguous()}
+    if fw.bias is not None:
+        tensors[f"{name}.bias"] = fw.bias
+    return tensors
+
+
+def float_from_tensors(tensors: dict[str, Tensor], name: str, in_features: int, out_features: int, qc: dict):
+    block = qc["block"]
+    shape = (out_features, 1) if not block else (-(-out_features // block), -(-in_features // block))
+    scales = expect_tensor(tensors, f"{name}.weight_scale", shape, None)
+    codes = expect_tensor(tensors, f"{name}.weight", (out_features, in_features), E4M3)
+    return FloatWeight(
+        codes, scales.float().contiguous(), "e4m3", block, bias=optional_bias(tensors, name, out_features)
     )
