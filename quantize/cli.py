@@ -80,6 +80,12 @@ def parser(
         "SmolLM2); residual = QuaRot's folded norms and rotated residual stream (untied head)",
     )
     ap.add_argument(
+        "--rotate-layers",
+        default=None,
+        help="with --rotate --rotation-mode online: comma list of the decoder layers to rotate (default all); "
+        "the others stay plain (notes/issue-20.md: per-layer measurement)",
+    )
+    ap.add_argument(
         "--no-online-hadamard",
         action="store_true",
         help="with --rotate: skip the online Hadamard on down_proj's input (residual rotation only)",
@@ -191,19 +197,39 @@ def load(ap: argparse.ArgumentParser, args, cfg: QuantConfig):
             cfg.targets(model)
     except (ModelSpecError, QuantConfigError, KeyError) as err:
         ap.error(str(err).strip("'\""))
+    if getattr(args, "rotate_layers", None) is not None and not args.rotate:
+        ap.error("--rotate-layers applies with --rotate")
     if getattr(args, "rotate", False):
         if source is not None:
             ap.error("--rotate needs the whole float model in memory; drop --layer-by-layer")
         try:
-            rotate_model(model, seed=args.seed, online=not args.no_online_hadamard, mode=args.rotation_mode)
+            args.rotate_layers = rotate_layers(args.rotate_layers)
+            rotate_model(
+                model,
+                seed=args.seed,
+                online=not args.no_online_hadamard,
+                mode=args.rotation_mode,
+                layers=args.rotate_layers,
+            )
         except ValueError as err:
             ap.error(f"--rotate: {err}")
         log(
             f"rotated ({args.rotation_mode}, seed {args.seed}, "
-            f"online Hadamard on down_proj: {not args.no_online_hadamard})"
+            f"online Hadamard on down_proj: {not args.no_online_hadamard}, "
+            f"layers: {'all' if args.rotate_layers is None else args.rotate_layers})"
         )
     check_format(ap, args, cfg, model)
     return model, CachedTokenizer(load_tokenizer(str(path))), path, source
+
+
+def rotate_layers(spec) -> list[int] | None:
+    """--rotate-layers "10,12,14" -> [10, 12, 14] (None: every layer); already parsed lists pass through."""
+    if spec is None or isinstance(spec, list):
+        return spec
+    try:
+        return sorted({int(part) for part in spec.split(",") if part.strip()})
+    except ValueError:
+        raise ValueError(f"--rotate-layers {spec!r}: a comma list of layer indices, e.g. 10,12,14") from None
 
 
 def check_format(ap: argparse.ArgumentParser, args, cfg: QuantConfig, model) -> None:
@@ -353,7 +379,9 @@ def finish(
 ) -> dict:
     """Evaluate (if asked), save (if asked) and write the result record."""
     if getattr(args, "rotate", False):
-        cfg.extra["rotation"] = rotation_record(args.seed, not args.no_online_hadamard, args.rotation_mode)
+        cfg.extra["rotation"] = rotation_record(
+            args.seed, not args.no_online_hadamard, args.rotation_mode, getattr(args, "rotate_layers", None)
+        )
     record = {
         "quant_config": cfg.to_dict(),
         "model": args.model,

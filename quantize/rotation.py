@@ -160,17 +160,36 @@ def fold_norms(model: Transformer) -> Transformer:
 MODES = ("residual", "online")
 
 
+def check_layers(layers, n_layers: int, mode: str) -> None:
+    if layers is None:
+        return
+    if mode != "online":
+        raise ValueError("a subset of layers can be rotated only in mode 'online' (the residual mode rotates the "
+                         "residual stream every layer shares)")  # fmt: skip
+    bad = sorted(i for i in layers if not 0 <= i < n_layers)
+    if bad or not layers:
+        raise ValueError(f"layers {bad or list(layers)}: choose a non-empty subset of 0..{n_layers - 1}")
+
+
 @torch.no_grad()
-def rotate_model(model: Transformer, seed: int = 0, online: bool = True, mode: str = "residual") -> Transformer:
+def rotate_model(
+    model: Transformer, seed: int = 0, online: bool = True, mode: str = "residual", layers=None
+) -> Transformer:
     """Rotate in place; the float function is unchanged up to rounding (products are formed in fp64).
 
     mode "residual" (QuaRot): fold norms, rotate the residual stream by a random Hadamard Q (offline), untie
     the head. mode "online": leave the residual stream and the norms as they are and rotate each norm's output
     online (RotatedRMSNorm; qkv_proj and gate_up_proj get W R): the norm weights keep damping the channels
     they damp (folding them into W exposes SmolLM2's two massive residual channels to the weights' rounding
-    error). Either way, ``online`` adds the Hadamard on down_proj's input (HadamardMLP)."""
+    error). Either way, ``online`` adds the Hadamard on down_proj's input (HadamardMLP).
+
+    ``layers`` (mode "online" only; None = all): the decoder layers to rotate; the others keep their plain
+    weights. Each layer's rotation is self-contained in online mode (the residual stream is not rotated), so
+    any subset is the same float function."""
     if mode not in MODES:
         raise ValueError(f"unknown rotation mode {mode!r}; choose from {MODES}")
+    check_layers(layers, len(model.layers), mode)
+    chosen = set(range(len(model.layers)) if layers is None else layers)
     for name, module in model.named_modules():
         if isinstance(module, QuantLinear):
             raise ValueError(f"rotate before quantizing: {name} is already quantized")
@@ -181,7 +200,9 @@ def rotate_model(model: Transformer, seed: int = 0, online: bool = True, mode: s
         raise ValueError("the model is already rotated")
     # q/k norms (Qwen3) act after qkv_proj on head vectors: neither rotation reaches them
     if mode == "online":
-        for layer in model.layers:
+        for i, layer in enumerate(model.layers):
+            if i not in chosen:
+                continue
             layer.input_layernorm = RotatedRMSNorm(layer.input_layernorm)
             layer.post_attention_layernorm = RotatedRMSNorm(layer.post_attention_layernorm)
             for norm, reader in (
@@ -204,7 +225,9 @@ def rotate_model(model: Transformer, seed: int = 0, online: bool = True, mode: s
                     _set(writer.bias, writer.bias.double() @ Q)
         _set(model.lm_head.weight, model.lm_head.weight.double() @ Q)
     if online:
-        for layer in model.layers:
+        for i, layer in enumerate(model.layers):
+            if i not in chosen:
+                continue
             mlp = layer.mlp
             layer.mlp = HadamardMLP(mlp)
             _set(mlp.down_proj.weight, mlp.down_proj.weight.double() @ layer.mlp.rotation.matrix())
@@ -212,8 +235,12 @@ def rotate_model(model: Transformer, seed: int = 0, online: bool = True, mode: s
 
 
 def install_online_hadamard(model: Transformer, rotation: dict) -> Transformer:
-    """Re-install the online rotations a checkpoint's weights were rotated for (loading a rotated checkpoint)."""
-    for layer in model.layers:
+    """Re-install the online rotations a checkpoint's weights were rotated for (loading a rotated checkpoint);
+    a record without ``layers`` rotated every layer."""
+    layers = rotation.get("layers")
+    for i, layer in enumerate(model.layers):
+        if layers is not None and i not in layers:
+            continue
         if rotation.get("online_down") and not isinstance(layer.mlp, HadamardMLP):
             layer.mlp = HadamardMLP(layer.mlp)
         if rotation.get("mode") == "online" and not isinstance(layer.input_layernorm, RotatedRMSNorm):
@@ -222,6 +249,10 @@ def install_online_hadamard(model: Transformer, rotation: dict) -> Transformer:
     return model
 
 
-def rotation_record(seed: int, online: bool, mode: str = "residual") -> dict:
+def rotation_record(seed: int, online: bool, mode: str = "residual", layers=None) -> dict:
     """What a checkpoint's quantization_config says about its rotation (the loader re-installs online ones)."""
-    return {"method": "hadamard", "mode": mode, "online_down": online, "seed": seed, "untied_head": mode == "residual"}
+    record = {"method": "hadamard", "mode": mode, "online_down": online, "seed": seed}
+    record["untied_head"] = mode == "residual"
+    if layers is not None:
+        record["layers"] = sorted(layers)
+    return record

@@ -13,6 +13,7 @@ import torch
 
 from quantize import awq, gptq, int8, rtn
 from quantize.qlinear import QuantLinear
+from quantize.rotation import HadamardMLP, RotatedRMSNorm
 from runtime.loader import load_model
 from runtime.model import random_model
 from tests.conftest import patch_everywhere
@@ -346,6 +347,23 @@ def test_rotate_with_calibrated_quantizers(tiny_checkpoint, tmp_path, main):
     float_ppl = evaluate(random_model(TINY, seed=0), WordTokenizer(), "wiki:2", 2)["perplexity"]["wiki"]
     assert wiki_text("eval")  # the patched text the CLI scored too
     assert abs(record["perplexity"]["wiki"] / float_ppl - 1) < 0.05  # quantized, still the same model
+
+
+def test_rotate_layers_cli_rotates_records_and_reloads_only_those_layers(tiny_checkpoint, tmp_path, capsys):
+    out, rec = tmp_path / "rot", tmp_path / "rec.jsonl"
+    argv = ["--model", str(tiny_checkpoint), "--group-size", "32", "--rotate", "--dense-dtype", "fp32"]
+    rtn.main([*argv, "--rotate-layers", "1", "--out", str(out), "--record", str(rec)])
+    assert json.loads(rec.read_text())["quant_config"]["rotation"]["layers"] == [1]
+    loaded = load_model(str(out))[0]
+    assert [isinstance(layer.input_layernorm, RotatedRMSNorm) for layer in loaded.layers] == [False, True]
+    assert [isinstance(layer.mlp, HadamardMLP) for layer in loaded.layers] == [False, True]
+    argv.extend(["--out", str(tmp_path / "x")])
+    plain = [a for a in argv if a != "--rotate"]
+    assert "--rotate-layers applies with --rotate" in run_error(rtn.main, [*plain, "--rotate-layers", "1"], capsys)
+    assert "a comma list of layer indices" in run_error(rtn.main, [*argv, "--rotate-layers", "a,b"], capsys)
+    assert "choose a non-empty subset of 0..1" in run_error(rtn.main, [*argv, "--rotate-layers", "7"], capsys)
+    bad_mode = [*argv, "--rotate-layers", "1", "--rotation-mode", "residual"]
+    assert "only in mode 'online'" in run_error(rtn.main, bad_mode, capsys)
 
 
 def test_rotate_with_layer_by_layer_is_an_error(tiny_checkpoint, capsys):

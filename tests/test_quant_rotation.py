@@ -18,8 +18,10 @@ from quantize.rotation import (
     HadamardRotation,
     RotatedRMSNorm,
     hadamard,
+    install_online_hadamard,
     random_hadamard,
     rotate_model,
+    rotation_record,
 )
 from runtime.config import ModelConfig
 from runtime.model import random_model
@@ -112,6 +114,38 @@ def test_rotated_model_has_the_same_logits(name, online, mode):
     assert all(isinstance(layer.mlp, HadamardMLP) == online for layer in rotated.layers)
     changed = rotated.layers[0].self_attn.qkv_proj.weight  # a no-op would pass the logits check too
     assert not torch.allclose(changed, model.layers[0].self_attn.qkv_proj.weight)
+
+
+@pytest.mark.parametrize("online", [True, False])
+def test_rotating_a_subset_of_layers_keeps_the_logits_and_leaves_the_other_layers_plain(online):
+    """layers=[1] (online mode): layer 0 keeps its modules and weights bit for bit, layer 1 is rotated, the float
+    model's logits stay within 1e-4; the record names the layers and the loader re-installs only those."""
+    cfg = TINY["untied-gqa-sylvester"]
+    model = random_model(cfg, seed=1)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = model(tokens)
+        rotated = rotate_model(copy.deepcopy(model), seed=0, online=online, mode="online", layers=[1])
+        assert (rotated(tokens) - ref).abs().max() <= 1e-4
+    plain, rot = rotated.layers[0], rotated.layers[1]
+    assert not isinstance(plain.input_layernorm, RotatedRMSNorm) and not isinstance(plain.mlp, HadamardMLP)
+    for name, p in plain.named_parameters():
+        assert torch.equal(p, model.layers[0].get_parameter(name)), name
+    assert isinstance(rot.input_layernorm, RotatedRMSNorm) and isinstance(rot.mlp, HadamardMLP) == online
+    assert not torch.allclose(rot.self_attn.qkv_proj.weight, model.layers[1].self_attn.qkv_proj.weight)
+    record = rotation_record(0, online, "online", [1])
+    assert record["layers"] == [1] and "layers" not in rotation_record(0, online, "online")
+    fresh = install_online_hadamard(random_model(cfg, seed=1), record)
+    assert [isinstance(layer.post_attention_layernorm, RotatedRMSNorm) for layer in fresh.layers] == [False, True]
+
+
+@pytest.mark.parametrize(
+    "mode, layers, match",
+    [("residual", [1], "only in mode 'online'"), ("online", [2], r"layers \[2\]"), ("online", [], "non-empty")],
+)
+def test_bad_layer_subset_is_an_error(mode, layers, match):
+    with pytest.raises(ValueError, match=match):
+        rotate_model(random_model(TINY["untied-gqa-sylvester"], seed=0), mode=mode, layers=layers)
 
 
 def test_rotation_spreads_an_outlier_channel():
