@@ -181,7 +181,14 @@ def dtype_row(ctx, params: dict) -> Variant:
 
 # ---- quantized models (issue 3 quantizers, issue 4 formats) -------------------------------------------
 
-QUANT_MODULES = {"rtn": "quantize.rtn", "int8": "quantize.int8", "gptq": "quantize.gptq", "awq": "quantize.awq"}
+QUANT_MODULES = {
+    "rtn": "quantize.rtn",
+    "int8": "quantize.int8",
+    "gptq": "quantize.gptq",
+    "awq": "quantize.awq",
+    "fp8": "quantize.fp8",  # calibrated FP8 (--gptq) is built once and cached like the int checkpoints
+}
+INT_GRID_METHODS = ("rtn", "gptq", "awq")  # the methods that take --bits and --group-size
 
 
 def quantized_checkpoint(ctx, params: dict) -> tuple[Path, list[str]]:
@@ -192,7 +199,7 @@ def quantized_checkpoint(ctx, params: dict) -> tuple[Path, list[str]]:
     if method not in QUANT_MODULES:
         raise ValueError(f"rows.params.method: {method!r} not in {sorted(QUANT_MODULES)}")
     args = ["--model", ctx.cfg.model.spec]
-    if method != "int8":
+    if method in INT_GRID_METHODS:
         args += ["--bits", str(params.get("bits", 4)), "--group-size", str(params.get("group_size", 64))]
     args += [str(a) for a in params.get("args", [])]
     key = hashlib.sha256(json.dumps([method, args]).encode()).hexdigest()[:10]
@@ -214,7 +221,7 @@ def quantized_row(ctx, params: dict) -> Variant:
     # measure the quantization alone and score tasks at fp32 speed
     m, _, _ = load_model(str(out), dtype=torch.float32)
     for layer in m.modules():
-        if isinstance(layer, QuantLinear):
+        if isinstance(layer, (QuantLinear, FPLinear)):
             layer.set_path("dense")
     # speed column: what a user runs, the fast int kernels with bf16 activations, against the same model
     # unquantized in bf16 (mixed), so the ratio is the quantization's own speedup
@@ -222,12 +229,14 @@ def quantized_row(ctx, params: dict) -> Variant:
     for layer in fast.modules():
         if isinstance(layer, QuantLinear):
             layer.set_path(layer.auto_path(layer.scales.device), pin=False)
+        elif isinstance(layer, FPLinear):
+            layer.auto = True  # scaled_mm on an FP8 GPU, else dequantize each forward
     bf16_base = copy.deepcopy(ctx.model).set_dtype(torch.bfloat16, mixed=True)
     variant = model_variant(ctx, m, checkpoint=str(out), build_command=" ".join(command[1:]))
     variant.timed = plain_generate(fast)
     variant.baseline_timed = plain_generate(bf16_base)
     variant.baseline_name = "the unquantized model in bf16 (mixed); both sides bf16 activations, batch 1"
-    variant.extra["timed_paths"] = sorted({x.path for x in fast.modules() if isinstance(x, QuantLinear)})
+    variant.extra["timed_paths"] = sorted({x.path for x in fast.modules() if isinstance(x, (QuantLinear, FPLinear))})
     return variant
 
 

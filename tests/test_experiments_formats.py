@@ -4,6 +4,7 @@ through the runner on the tiny random model, with weight bytes and perplexity de
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ import yaml
 
 from experiments.config import load_config
 from experiments.records import read_jsonl
-from experiments.rows import ROWS
+from experiments.rows import ROWS, quantized_checkpoint
 from experiments.run import main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -23,7 +24,7 @@ def test_formats_config_loads():
     kinds = {(r.kind, r.params.get("format") or r.params.get("method") or r.params.get("dtype")) for r in cfg.rows}
     for want in [("dtype", "bf16"), ("float_quant", "e4m3"), ("float_quant", "mxfp4"), ("float_quant", "nvfp4")]:
         assert want in kinds
-    for method in ("int8", "rtn", "gptq", "awq"):
+    for method in ("int8", "rtn", "gptq", "awq", "fp8"):
         assert ("quantized", method) in kinds
     assert all(r.lossless_class == "approximate" for r in cfg.rows[1:])
 
@@ -57,3 +58,15 @@ def test_float_quant_rows_run_on_the_tiny_model(tmp_path, one_thread):
     assert fp4["weight_bytes"] < fp8["weight_bytes"] < ref
     assert 0 < fp8["fidelity"]["max_abs_dlogprob"] < fp4["fidelity"]["max_abs_dlogprob"]
     assert fp8["speed"]["speedup"] > 0
+
+
+def test_calibrated_fp8_row_builds_its_checkpoint_with_the_fp8_cli():
+    cfg = load_config(ROOT / "configs" / "formats.yaml")
+    row = next(r for r in cfg.rows if r.kind == "quantized" and r.params["method"] == "fp8")
+    ctx = SimpleNamespace(cfg=cfg)
+    out, command = quantized_checkpoint(ctx, row.params)
+    assert command[1:3] == ["-m", "quantize.fp8"] and command[-2:] == ["--out", str(out)]
+    assert "--gptq" in command and "--bits" not in command and "--group-size" not in command  # no int grid
+    rtn = next(r for r in cfg.rows if r.kind == "quantized" and r.params["method"] == "rtn")
+    rtn_command = quantized_checkpoint(ctx, rtn.params)[1]
+    assert rtn_command[rtn_command.index("--group-size") + 1] == "64"  # 128 would be refused at save time

@@ -187,9 +187,12 @@ def test_rotated_rtn_model_quantizes_every_linear_and_awq_skips_scales_a_rotatio
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["residual", "online"])
 def test_default_model_rotated_logits_within_fp32_rounding(default_model, mode):
-    """On the default model the rotated fp32 logits differ from the plain fp32 ones by 1.4e-4 (residual) and 1.6e-4
-    (online) on these tokens (the issue's bar is 1e-4: not met), while the plain fp32 model is itself 7.5e-5 from the
-    fp64 model: the rotated model stays within 3x the fp32 model's own rounding of the exact (fp64) logits."""
+    """The rotated fp32 model stays within 3x the plain fp32 model's own rounding of the exact (fp64) logits.
+
+    The issue's bar, |rotated - plain| <= 1e-4 in fp32, is not met on the default model (1.2e-4 to 4.4e-4 by token
+    set, mode and thread count) and cannot be: an exact channel permutation of the same model, bit-identical
+    weights in another summation order, is 1.1e-4 to 3.5e-4 from the plain one (scripts/rotation_logits_error.py,
+    notes/issue-20.md). So the test bounds the error against fp64, not against another fp32 rounding."""
     model = copy.deepcopy(default_model[0])
     tokens = torch.randint(0, model.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -198,4 +201,3 @@ def test_default_model_rotated_logits_within_fp32_rounding(default_model, mode):
         out = rotate_model(model, seed=0, mode=mode)(tokens)
     floor = (ref - exact).abs().max()
     assert (out - exact).abs().max() <= 3 * floor
-    assert (out - ref).abs().max() <= 3e-4
