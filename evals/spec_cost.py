@@ -1,6 +1,6 @@
 """Speedup of speculative decoding per hardware: measured acceptance x a hardware cost profile.
 
-    speedup = tokens_per_step x c(1) / (draft_cost + E[c(T)])
+    speedup = tokens_per_step x (c(1) + o_plain) / (draft_cost + E[c(T)] + o_spec)
 
 c(T): seconds of one target forward over T new tokens per row (c(1) is one plain decode step); T per step
 is the histogram of tokens each verify step fed the target (``fed_tokens_hist`` of ``evals.specbench``:
@@ -17,6 +17,12 @@ the T histogram are hardware-independent (measured on the suite); c and draft_co
   agreed with that record): ``verify_curve_s`` {T: seconds} or ``verify_curve_ms`` {T: ms} (T = new tokens
   per row, batch 1, the record's context), optional ``draft_s`` {method label: seconds per propose()} and
   ``device``, ``batch`` (default 1). Anything else is ignored; a record without a curve is an error.
+
+o_plain and o_spec: the host work each loop adds per step beyond its target forward and propose() (sampling,
+acceptance, cache bookkeeping, stop checks). ``measure`` times both loops for real (plain decoding, and a
+speculative loop whose drafts are fixed at k random tokens, so every step feeds T = k + 1) and subtracts the
+forward; on this CPU o_spec was ~6 ms, a fifth of c(1), which a forward-only model misses. Roofline profiles
+assume 0 (captured steps); a gpu_check record may carry ``decode_overhead_s`` / ``step_overhead_s``.
 
 Between measured T the curve is interpolated linearly, beyond the last point extrapolated from the last two.
 
@@ -38,14 +44,15 @@ import torch
 
 from evals.specbench import DEFAULT_METHODS, SMOKE_CONFIG, SMOKE_METHODS, build_method, parse_method
 from runtime.config import DTYPES
+from runtime.decoding import generate
 from runtime.kv_cache import KVCache
 from runtime.loader import DEFAULT_MODEL, load_model
 from runtime.model import prefill_meta, random_model
 from runtime.provenance import module_command, provenance
 from runtime.sampling import SamplingParams
-from speculate.base import SpecState, SpeculatorError
+from speculate.base import Proposal, SpecState, Speculator, SpeculatorError, check_k
 from speculate.draft import default_draft_file
-from speculate.generate import chain_metadata
+from speculate.generate import chain_metadata, speculative_generate
 from speculate.training import head_dir
 
 
@@ -61,6 +68,8 @@ class Profile:
     draft_s: dict[str, float] = field(default_factory=dict)  # method label -> seconds per propose() call
     notes: str = ""
     batch: int = 1  # rows per forward the curve was measured at: predictions are for suite rows of this batch
+    decode_overhead_s: float = 0.0  # o_plain: a plain decode step's host work beyond c(1)
+    step_overhead_s: float = 0.0  # o_spec: a speculative step's host work beyond its forward and propose()
 
     def __post_init__(self):
         if not self.verify_s or 1 not in self.verify_s:
@@ -83,12 +92,13 @@ class Profile:
 
 
 def predict_speedup(tokens_per_step: float, fed_hist: dict, draft_s: float, profile: Profile) -> float:
-    """tokens_per_step x c(1) / (draft_s + E[c(T)]) with T distributed as fed_hist {T: steps}."""
+    """tokens_per_step x (c(1) + o_plain) / (draft_s + E[c(T)] + o_spec), T distributed as fed_hist {T: steps}."""
     steps = sum(fed_hist.values())
     if steps <= 0:
         raise CostError("the fed-token histogram is empty (no speculative steps)")
     mean_verify = sum(n * profile.verify(int(t)) for t, n in fed_hist.items()) / steps
-    return tokens_per_step * profile.verify(1) / (draft_s + mean_verify)
+    plain_step = profile.verify(1) + profile.decode_overhead_s
+    return tokens_per_step * plain_step / (draft_s + mean_verify + profile.step_overhead_s)
 
 
 # ---- roofline profiles ---------------------------------------------------------------------------------
@@ -220,6 +230,8 @@ def load_profile(spec: str, cfg=None, context: int = 512) -> Profile:
             {k: float(v) for k, v in raw.get("draft_s", {}).items()},
             raw.get("notes", ""),
             int(raw.get("batch", 1)),
+            float(raw.get("decode_overhead_s", 0.0)),
+            float(raw.get("step_overhead_s", 0.0)),
         )
     if "verify_curve_s" in raw or "verify_curve_ms" in raw:
         scale, curve = (1.0, raw["verify_curve_s"]) if "verify_curve_s" in raw else (1e-3, raw["verify_curve_ms"])
@@ -229,6 +241,8 @@ def load_profile(spec: str, cfg=None, context: int = 512) -> Profile:
             {int(t): float(c) * scale for t, c in curve.items()},
             {k: float(v) for k, v in raw.get("draft_s", {}).items()},
             batch=int(raw.get("batch", 1)),
+            decode_overhead_s=float(raw.get("decode_overhead_s", 0.0)),
+            step_overhead_s=float(raw.get("step_overhead_s", 0.0)),
         )
     raise CostError(f"{path} holds no cost curve (expected kind=measured, verify_curve_s or verify_curve_ms)")
 
@@ -325,13 +339,7 @@ def measure(model, speculators: dict, context: int, Ts: list[int], repeats: int,
         lengths = torch.full((batch,), context + 1)
 
         def median(fn) -> float:
-            fn()  # warm-up
-            times = []
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - t0)
-            return sorted(times)[len(times) // 2]
+            return median_seconds(fn, repeats)
 
         verify = {}
         for T in Ts:
@@ -349,8 +357,71 @@ def measure(model, speculators: dict, context: int, Ts: list[int], repeats: int,
                 generators=[gen] * batch,
             )
             draft[label] = median(lambda sp=sp, state=state: sp.propose(state))
-    notes = f"context {context}, batch {batch}, median of {repeats}"
-    return Profile("cpu-measured", "measured", verify, draft, notes=notes, batch=batch)
+        notes = f"context {context}, batch {batch}, median of {repeats}"
+        prof = Profile("cpu-measured", "measured", verify, draft, notes, batch)
+        prof.decode_overhead_s, prof.step_overhead_s = loop_overheads(model, tokens[:, :context], prof.verify, repeats)
+    return prof
+
+
+def median_seconds(fn, repeats: int) -> float:
+    """Median wall seconds of fn() over ``repeats`` calls after one warm-up call."""
+    return median_of(lambda: _seconds(fn), repeats)
+
+
+def median_of(value, repeats: int) -> float:
+    """Median of value() over ``repeats`` calls after one warm-up call."""
+    value()
+    values = sorted(value() for _ in range(repeats))
+    return values[len(values) // 2]
+
+
+def _seconds(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+class FixedDrafts(Speculator):
+    """k random drafts per row, every step: the target rejects them almost surely, so each step feeds T = k + 1
+    tokens and a timed run shows the speculative loop's own per-step work beside the forward it pays for."""
+
+    name = "fixed-drafts"
+
+    def __init__(self, k: int, vocab_size: int, seed: int = 0):
+        self.k, self.vocab_size = check_k(k), vocab_size
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def max_tokens_per_step(self) -> int:
+        return self.k + 1
+
+    def propose(self, state: SpecState) -> Proposal:
+        B = len(state.ids)
+        tokens = torch.randint(2, self.vocab_size, (B, self.k), generator=self.generator)
+        return Proposal(tokens=tokens.to(state.device), num_drafted=torch.full((B,), self.k, device=state.device))
+
+
+OVERHEAD_K = 4  # drafts per step of the overhead run: T = 5, inside the measured curve
+OVERHEAD_STEPS = 24
+
+
+def loop_overheads(model, prompts: torch.Tensor, cost, repeats: int) -> tuple[float, float]:
+    """(o_plain, o_spec): seconds per step each real loop spends beyond its forward (median of repeated runs of
+    OVERHEAD_STEPS steps from ``prompts``, greedy, EOS ignored), the forward c(T) = ``cost(T)`` taken from the
+    measured curve."""
+    rows = prompts.tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=OVERHEAD_STEPS + 1, ignore_eos=True)
+    plain_step = median_of(lambda: sorted(generate(model, rows, params).step_times_s)[OVERHEAD_STEPS // 2], repeats)
+    drafts = FixedDrafts(OVERHEAD_K, model.config.vocab_size)
+
+    def spec_step() -> float:
+        out = speculative_generate(model, rows, params, drafts, compile="off")
+        return out.decode_s / max(out.stats.steps, 1)
+
+    state = SpecState(
+        ids=list(range(len(rows))), token_ids=rows, hidden=None, params=[params] * len(rows), generators=[None]
+    )
+    propose = median_seconds(lambda: drafts.propose(state), repeats)
+    return plain_step - cost(1), median_of(spec_step, repeats) - cost(OVERHEAD_K + 1) - propose
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -408,12 +479,19 @@ def main(argv: list[str] | None = None) -> None:
             "draft_s": prof.draft_s,
             "notes": prof.notes,
             "batch": prof.batch,
+            "decode_overhead_s": prof.decode_overhead_s,
+            "step_overhead_s": prof.step_overhead_s,
             "dtype": args.dtype,
         }
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(record, indent=2))
         c1 = prof.verify_s[1]
         print(" ".join(f"T={t}:{c / c1:.2f}" for t, c in prof.verify_s.items()), file=sys.stderr)
+        print(
+            f"c(1) {c1 * 1e3:.1f} ms; loop overhead per step: plain {prof.decode_overhead_s * 1e3:.2f} ms, "
+            f"speculative {prof.step_overhead_s * 1e3:.2f} ms",
+            file=sys.stderr,
+        )
         return
     suite = json.loads(Path(args.suite).read_text())
     cfg = None

@@ -4,12 +4,15 @@ profile files (measured and gpu_check), and a tiny measured curve."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
+import torch
 
 from evals.spec_cost import (
     GPU,
     CostError,
+    FixedDrafts,
     Profile,
     Shapes,
     choose_draft,
@@ -21,9 +24,12 @@ from evals.spec_cost import (
 )
 from evals.specbench import SMOKE_CONFIG, build_method
 from quantize.qlinear import QuantLinear
+from runtime.decoding import generate
 from runtime.model import random_model
-from speculate.base import SpeculatorError
+from runtime.sampling import SamplingParams
+from speculate.base import SpecState, SpeculatorError
 from speculate.draft import FALLBACK_DRAFT, default_draft_file, parse_draft_spec
+from speculate.generate import speculative_generate
 
 
 def test_curve_and_speedup_exact():
@@ -155,3 +161,37 @@ def test_unset_draft_is_the_measured_choice_else_the_int4_copy(monkeypatch, tmp_
     path.write_text(json.dumps({"draft": "layers:1"}))  # what choose-draft --write stores
     draft, label = parse_draft_spec(None, model)
     assert label == "layers:1" and draft.config.num_layers == 1
+
+
+def test_loop_overheads_enter_both_sides_of_the_speedup(tmp_path):
+    p = Profile("x", "measured", {1: 1.0, 5: 2.0}, decode_overhead_s=0.5, step_overhead_s=1.0)
+    assert predict_speedup(3.0, {5: 1}, 0.5, p) == pytest.approx(3.0 * (1.0 + 0.5) / (0.5 + 2.0 + 1.0))
+    path = tmp_path / "p.json"
+    path.write_text(
+        json.dumps({"kind": "measured", "verify_s": {"1": 1.0}, "decode_overhead_s": 0.25, "step_overhead_s": 0.75})
+    )
+    loaded = load_profile(str(path))
+    assert (loaded.decode_overhead_s, loaded.step_overhead_s) == (0.25, 0.75)
+
+
+def test_fixed_drafts_feed_k_plus_one_tokens_every_step():
+    model = random_model(SMOKE_CONFIG, seed=0)
+    prompts = torch.randint(2, SMOKE_CONFIG.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0)).tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True)
+    drafts = FixedDrafts(3, SMOKE_CONFIG.vocab_size)
+    state = SpecState(ids=[0, 1], token_ids=prompts, hidden=None, params=[params] * 2, generators=[None] * 2)
+    proposal = drafts.propose(state)
+    assert proposal.num_drafted.tolist() == [3, 3] and proposal.tokens.shape == (2, 3)
+    out = speculative_generate(model, prompts, params, drafts, compile="off")
+    # k drafts at every step until the row's token budget cuts them (the loop's draft_budget)
+    assert out.stats.proposed_at[2] >= out.stats.row_steps // 2
+    plain = generate(model, prompts, params).tokens
+    assert out.tokens == plain  # random drafts change nothing but the work done
+
+
+def test_measured_profile_carries_the_loop_overheads():
+    model = random_model(SMOKE_CONFIG, seed=0)
+    prof = measure(model, {}, context=16, Ts=[1, 2, 5], repeats=1)
+    assert set(prof.verify_s) == {1, 2, 5}
+    assert math.isfinite(prof.decode_overhead_s) and math.isfinite(prof.step_overhead_s)
+    assert prof.step_overhead_s > -prof.verify(5)  # a speculative step costs more than nothing
