@@ -23,33 +23,16 @@ from quantize.rotation import (
     rotate_model,
     rotation_record,
 )
-from runtime.config import ModelConfig
 from runtime.model import random_model
+from tests.tiny_models import tiny_model_config
 
 TINY = {
     # hidden 48 = 12 * 4 and intermediate 96 = 12 * 8 exercise Paley's factor; 64/128 are pure Sylvester
-    "tied-paley": ModelConfig(
-        vocab_size=80,
-        hidden_size=48,
-        intermediate_size=96,
-        num_layers=2,
-        num_heads=3,
-        num_kv_heads=3,
-        head_dim=16,
-        tie_word_embeddings=True,
-        eos_token_ids=[1],
+    "tied-paley": tiny_model_config(
+        vocab_size=80, hidden_size=48, num_heads=3, num_kv_heads=3, tie_word_embeddings=True
     ),
-    "untied-gqa-sylvester": ModelConfig(
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        eos_token_ids=[1],
-    ),
-    "qwen2-bias-576": ModelConfig(
+    "untied-gqa-sylvester": tiny_model_config(intermediate_size=128),
+    "qwen2-bias-576": tiny_model_config(
         architecture="qwen2",
         vocab_size=64,
         hidden_size=576,  # SmolLM2's width: 12 * 12 * 4
@@ -59,7 +42,6 @@ TINY = {
         num_kv_heads=3,
         head_dim=64,
         attention_bias=True,
-        eos_token_ids=[1],
     ),
 }
 
