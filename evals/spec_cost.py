@@ -338,14 +338,12 @@ def measure(model, speculators: dict, context: int, Ts: list[int], repeats: int,
         hidden = model(tokens[:, :context], prefill_meta(batch, context, torch.device("cpu")), cache, hidden_only=True)
         lengths = torch.full((batch,), context + 1)
 
-        def median(fn) -> float:
-            return median_seconds(fn, repeats)
-
         verify = {}
         for T in Ts:
             feed = tokens[:, context : context + T]
-            verify[T] = median(
-                lambda feed=feed, T=T: model.logits(model(feed, chain_metadata(lengths, T), cache, hidden_only=True))
+            verify[T] = median_seconds(
+                lambda feed=feed, T=T: model.logits(model(feed, chain_metadata(lengths, T), cache, hidden_only=True)),
+                repeats,
             )
         draft = {}
         for label, sp in speculators.items():
@@ -356,7 +354,7 @@ def measure(model, speculators: dict, context: int, Ts: list[int], repeats: int,
                 params=[SamplingParams(temperature=0.0)] * batch,
                 generators=[gen] * batch,
             )
-            draft[label] = median(lambda sp=sp, state=state: sp.propose(state))
+            draft[label] = median_seconds(lambda sp=sp, state=state: sp.propose(state), repeats)
         notes = f"context {context}, batch {batch}, median of {repeats}"
         prof = Profile("cpu-measured", "measured", verify, draft, notes, batch)
         prof.decode_overhead_s, prof.step_overhead_s = loop_overheads(model, tokens[:, :context], prof.verify, repeats)

@@ -178,7 +178,7 @@ class AWQ(LayerAlgorithm):
         if self.gptq is not None:
             self.gptq.quantize_stage(stage)
             return
-        if stage.name not in self.qcfg.modules and not (stage.name == "lm_head" and self.qcfg.lm_head):
+        if not self.qcfg.quantizes(stage.name):
             return
 
         linear = stage.linear

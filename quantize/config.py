@@ -73,6 +73,10 @@ class QuantConfig:
             self.group_size_for(model.get_submodule(name).in_features, name)
         return names
 
+    def quantizes(self, linear_name: str) -> bool:
+        """Whether a linear of this short name (qkv_proj, ..., lm_head) is one this config quantizes."""
+        return linear_name in self.modules or (linear_name == "lm_head" and self.lm_head)
+
     def target_names(self, model: nn.Module) -> list[str]:
         """targets() without the group check."""
         names = decoder_linear_names(len(model.layers), self.modules)

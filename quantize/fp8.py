@@ -199,7 +199,7 @@ class FP8Searched(FP8GPTQ):
     error: the scale-search lever alone, with the calibration pass only supplying H."""
 
     def quantize_stage(self, stage: Stage) -> None:
-        if stage.name not in self.qcfg.modules and not (stage.name == "lm_head" and self.qcfg.lm_head):
+        if not self.qcfg.quantizes(stage.name):
             return
         linear = stage.linear
         grid = self.fp8_grid(stage, accumulate_hessian(stage.inputs, self.gcfg.first_token_weight))
@@ -261,7 +261,7 @@ def parse_args(argv: list[str] | None):
 
 def main(argv: list[str] | None = None) -> None:
     ap, args = parse_args(argv)
-    gcfg = gptq_config(ap, args, block_dest="gptq_block_size")
+    gcfg = gptq_config(ap, args)
     modules = tuple(m for m in args.modules.split(",") if m)
     try:
         cfg = float_config(

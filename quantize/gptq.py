@@ -284,7 +284,7 @@ class GPTQ(LayerAlgorithm):
         return IntGrid.from_config(self.qcfg.bits, self.qcfg.sym, group_size, self.gcfg)
 
     def quantize_stage(self, stage: Stage) -> None:
-        if stage.name not in self.qcfg.modules and not (stage.name == "lm_head" and self.qcfg.lm_head):
+        if not self.qcfg.quantizes(stage.name):
             return
 
         linear = stage.linear
@@ -323,7 +323,7 @@ def add_gptq_args(ap, block_flag: str = "--block-size") -> None:
     g.add_argument("--act-order", action="store_true", help="desc_act: quantize columns by decreasing H_ii")
     g.add_argument("--static-groups", action="store_true", help="with --act-order: groups fixed before updates")
     g.add_argument("--damp-percent", type=float, default=0.01, help="damping as a fraction of mean diag(H)")
-    g.add_argument(block_flag, type=int, default=128, help="columns per lazy-update block")
+    g.add_argument(block_flag, dest="gptq_block_size", type=int, default=128, help="columns per lazy-update block")
     g.add_argument("--mse", action="store_true", help="MSE search of each group's range (clipping)")
     g.add_argument(
         "--first-token-weight",
@@ -333,13 +333,13 @@ def add_gptq_args(ap, block_flag: str = "--block-size") -> None:
     )
 
 
-def gptq_config(ap, args, block_dest: str = "block_size") -> GPTQConfig:
+def gptq_config(ap, args) -> GPTQConfig:
     try:
         return GPTQConfig(
             act_order=args.act_order,
             static_groups=args.static_groups,
             damp_percent=args.damp_percent,
-            block_size=getattr(args, block_dest),
+            block_size=args.gptq_block_size,
             mse=args.mse,
             first_token_weight=args.first_token_weight,
         )

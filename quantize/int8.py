@@ -81,7 +81,7 @@ class SmoothQuant(LayerAlgorithm):
         self.stats.append({"layer": stage.full_name, "act_absmax": float(x_absmax.max()), "scale_max": float(s.max())})
 
     def quantize_stage(self, stage: Stage) -> None:
-        if stage.name not in self.qcfg.modules and not (stage.name == "lm_head" and self.qcfg.lm_head):
+        if not self.qcfg.quantizes(stage.name):
             return
 
         linear = stage.linear

@@ -235,9 +235,8 @@ def float_refusal(model, names: list[str], fmt: str, block: int) -> str | None:
     return None
 
 
-def check_float_expressible(model, fmt: str) -> int:
-    """Raise CheckpointError unless the model's FP8 layers can be saved as ``fmt``; returns their block size."""
-    layers = float_layers(model)
+def check_float_expressible(model, layers: list[tuple[str, FPLinear]], fmt: str) -> int:
+    """Raise CheckpointError unless the model's FP8 ``layers`` can be saved as ``fmt``; returns their block size."""
     if fmt != "compressed-tensors":
         raise CheckpointError(f"FP8 layers are saved as compressed-tensors (float-quantized) only, not {fmt}")
     if quantized_layers(model):
@@ -369,13 +368,14 @@ def save_quantized(
         raise ValueError(f"unknown format {fmt!r}; choose one of {FORMATS}")
     if dense_dtype not in DENSE_DTYPES.values():
         raise ValueError(f"dense_dtype must be one of {list(DENSE_DTYPES.values())}, got {dense_dtype}")
-    if float_layers(model):
-        block = check_float_expressible(model, fmt)
-        quantized = {n for n, _ in float_layers(model)}
+    floats = float_layers(model)
+    if floats:
+        block = check_float_expressible(model, floats, fmt)
+        quantized = {n for n, _ in floats}
         ignore = [hf for name, parts in linear_layout(model) if name not in quantized for hf, _ in parts]
         if "lm_head" not in quantized and "lm_head" not in ignore:
             ignore.append("lm_head")  # tied heads too, as for integer compressed-tensors
-        qconfig = ct.float_quantization_config(block, float_layers(model)[0][1].act_quant, ignore)
+        qconfig = ct.float_quantization_config(block, floats[0][1].act_quant, ignore)
     else:
         check_expressible(model, fmt)
         qconfig = quantization_config_for(model, quant_config, fmt)
