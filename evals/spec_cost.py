@@ -7,8 +7,10 @@ is the histogram of tokens each verify step fed the target (``fed_tokens_hist`` 
 k + 1 for a chain, the tree size for a tree), so E[c(T)] = sum_T n_T c(T) / sum_T n_T. tokens_per_step and
 the T histogram are hardware-independent (measured on the suite); c and draft_cost come from a profile:
 
-- ``measured``: this machine's curve, from ``python -m evals.spec_cost measure`` (target forward for
-  T = 1..32 at a fixed context, and each draft method's propose() call), a JSON file;
+- ``measured``: this machine's curve, from ``python -m evals.spec_cost measure`` (c(T) for T = 1..32 at a fixed
+  context, and each draft method's propose() call), a JSON file. By default (``--timing loop``) c(T) is a step
+  of the real loops (c(1) a plain decoding step, c(T) a speculative step feeding T tokens), so their host work
+  is in the curve and o_plain = o_spec = 0; ``--timing forward`` times bare forwards and the overheads apart;
 - ``roofline``: a named GPU (``h200``: 4.2 TB/s measured copy bandwidth of the 4.8 nominal, 990 TFLOP/s bf16
   dense, a per-forward + per-layer launch overhead) and the model's shapes: c(T) = max(bytes / BW,
   FLOPs / peak) + overhead; ``h200-eager`` uses the launch overhead measured with eager PyTorch (DESIGN.md:
@@ -19,7 +21,7 @@ the T histogram are hardware-independent (measured on the suite); c and draft_co
   ``device``, ``batch`` (default 1). Anything else is ignored; a record without a curve is an error.
 
 o_plain and o_spec: the host work each loop adds per step beyond its target forward and propose() (sampling,
-acceptance, cache bookkeeping, stop checks). ``measure`` times both loops for real (plain decoding, and a
+acceptance, cache bookkeeping, stop checks). ``measure --timing forward`` times both loops for real (plain decoding, and a
 speculative loop whose drafts are fixed at k random tokens, so every step feeds T = k + 1) and subtracts the
 forward; on this CPU o_spec was ~6 ms, a fifth of c(1), which a forward-only model misses. Roofline profiles
 assume 0 (captured steps); a gpu_check record may carry ``decode_overhead_s`` / ``step_overhead_s``.
@@ -326,9 +328,15 @@ def choose_draft(suite: dict, profile: Profile, cfg=None, context: int = 512, ba
 # ---- measuring this machine ----------------------------------------------------------------------------
 
 
-def measure(model, speculators: dict, context: int, Ts: list[int], repeats: int, batch: int = 1) -> Profile:
-    """Median seconds of a target forward over T new tokens (``batch`` rows, ``context`` cached) and of each
-    speculator's propose() on a state after a prefill of ``context`` tokens."""
+def measure(
+    model, speculators: dict, context: int, Ts: list[int], repeats: int, batch: int = 1, in_loop: bool = True
+) -> Profile:
+    """This machine's cost curve at ``batch`` rows and ``context`` cached tokens, and each speculator's propose().
+
+    in_loop (the default): c(T) is timed inside the real loops, so their host work is inside the curve: c(1) is a
+    plain decoding step, c(T > 1) a speculative step whose T - 1 drafts are rejected (FixedDrafts) less its
+    propose(); no separate overhead terms. Otherwise c(T) is a bare target forward over T new tokens and the
+    loops' own overheads are measured apart (loop_overheads)."""
     cfg = model.config
     gen = torch.Generator().manual_seed(0)
     capacity = context + max(Ts) + 64
@@ -338,13 +346,6 @@ def measure(model, speculators: dict, context: int, Ts: list[int], repeats: int,
         hidden = model(tokens[:, :context], prefill_meta(batch, context, torch.device("cpu")), cache, hidden_only=True)
         lengths = torch.full((batch,), context + 1)
 
-        verify = {}
-        for T in Ts:
-            feed = tokens[:, context : context + T]
-            verify[T] = median_seconds(
-                lambda feed=feed, T=T: model.logits(model(feed, chain_metadata(lengths, T), cache, hidden_only=True)),
-                repeats,
-            )
         draft = {}
         for label, sp in speculators.items():
             state = SpecState(
@@ -355,9 +356,21 @@ def measure(model, speculators: dict, context: int, Ts: list[int], repeats: int,
                 generators=[gen] * batch,
             )
             draft[label] = median_seconds(lambda sp=sp, state=state: sp.propose(state), repeats)
+        prompts = tokens[:, :context]
+        if in_loop:
+            verify = {T: loop_step_seconds(model, prompts, T, repeats) for T in Ts}
+            notes = f"in-loop steps of {OVERHEAD_STEPS} from context {context}, batch {batch}, median of {repeats}"
+            return Profile("cpu-measured", "measured", verify, draft, notes, batch)
+        verify = {}
+        for T in Ts:
+            feed = tokens[:, context : context + T]
+            verify[T] = median_seconds(
+                lambda feed=feed, T=T: model.logits(model(feed, chain_metadata(lengths, T), cache, hidden_only=True)),
+                repeats,
+            )
         notes = f"context {context}, batch {batch}, median of {repeats}"
         prof = Profile("cpu-measured", "measured", verify, draft, notes, batch)
-        prof.decode_overhead_s, prof.step_overhead_s = loop_overheads(model, tokens[:, :context], prof.verify, repeats)
+        prof.decode_overhead_s, prof.step_overhead_s = loop_overheads(model, prompts, prof.verify, repeats)
     return prof
 
 
@@ -402,14 +415,15 @@ OVERHEAD_K = 4  # drafts per step of the overhead run: T = 5, inside the measure
 OVERHEAD_STEPS = 24
 
 
-def loop_overheads(model, prompts: torch.Tensor, cost, repeats: int) -> tuple[float, float]:
-    """(o_plain, o_spec): seconds per step each real loop spends beyond its forward (median of repeated runs of
-    OVERHEAD_STEPS steps from ``prompts``, greedy, EOS ignored), the forward c(T) = ``cost(T)`` taken from the
-    measured curve."""
+def loop_step_seconds(model, prompts: torch.Tensor, T: int, repeats: int) -> float:
+    """Seconds per step of the real loop from ``prompts`` (greedy, EOS ignored, OVERHEAD_STEPS steps, median
+    of repeated runs): T = 1 is plain decoding (its median step), T > 1 a speculative step feeding T tokens (T - 1
+    rejected FixedDrafts) less the drafts' propose()."""
     rows = prompts.tolist()
     params = SamplingParams(temperature=0.0, max_tokens=OVERHEAD_STEPS + 1, ignore_eos=True)
-    plain_step = median_of(lambda: sorted(generate(model, rows, params).step_times_s)[OVERHEAD_STEPS // 2], repeats)
-    drafts = FixedDrafts(OVERHEAD_K, model.config.vocab_size)
+    if T == 1:
+        return median_of(lambda: sorted(generate(model, rows, params).step_times_s)[OVERHEAD_STEPS // 2], repeats)
+    drafts = FixedDrafts(T - 1, model.config.vocab_size)
 
     def spec_step() -> float:
         out = speculative_generate(model, rows, params, drafts, compile="off")
@@ -418,8 +432,15 @@ def loop_overheads(model, prompts: torch.Tensor, cost, repeats: int) -> tuple[fl
     state = SpecState(
         ids=list(range(len(rows))), token_ids=rows, hidden=None, params=[params] * len(rows), generators=[None]
     )
-    propose = median_seconds(lambda: drafts.propose(state), repeats)
-    return plain_step - cost(1), median_of(spec_step, repeats) - cost(OVERHEAD_K + 1) - propose
+    return median_of(spec_step, repeats) - median_seconds(lambda: drafts.propose(state), repeats)
+
+
+def loop_overheads(model, prompts: torch.Tensor, cost, repeats: int) -> tuple[float, float]:
+    """(o_plain, o_spec): seconds per step each real loop spends beyond its forward c(T) = ``cost(T)`` (taken
+    from a bare-forward curve)."""
+    plain = loop_step_seconds(model, prompts, 1, repeats)
+    spec = loop_step_seconds(model, prompts, OVERHEAD_K + 1, repeats)
+    return plain - cost(1), spec - cost(OVERHEAD_K + 1)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -429,6 +450,14 @@ def main(argv: list[str] | None = None) -> None:
     m.add_argument("--model", default=None)
     m.add_argument("--context", type=int, default=256)
     m.add_argument("--max-T", type=int, default=32)
+    m.add_argument("--Ts", default=None, help="comma list of T to time (default 1..--max-T)")
+    m.add_argument(
+        "--timing",
+        choices=("loop", "forward"),
+        default="loop",
+        help="loop: c(T) timed as steps of the real loops (their host work included); forward: bare forwards "
+        "plus separately measured loop overheads",
+    )
     m.add_argument("--repeats", type=int, default=7)
     m.add_argument("--batch", type=int, default=1, help="rows per forward (predicts the suite's rows of this batch)")
     m.add_argument("--methods", nargs="*", default=None, help="draft methods to time (evals.specbench syntax)")
@@ -459,7 +488,12 @@ def main(argv: list[str] | None = None) -> None:
         else:
             model, _, path = load_model(args.model or DEFAULT_MODEL, dtype=DTYPES[args.dtype])
             heads = {kind: head_dir(kind, path) for kind in ("medusa", "eagle")}
-        Ts = list(range(1, args.max_T + 1))
+        try:
+            Ts = sorted({int(t) for t in args.Ts.split(",")}) if args.Ts else list(range(1, args.max_T + 1))
+        except ValueError:
+            ap.error(f"--Ts {args.Ts!r}: a comma list of token counts, e.g. 1,2,4,8")
+        if Ts[0] != 1:
+            ap.error(f"--Ts must include T = 1 (a plain step) and no T < 1, got {Ts}")
         sps = {}
         for spec in args.methods if args.methods is not None else (SMOKE_METHODS if args.smoke else DEFAULT_METHODS):
             if spec == "plain":
@@ -468,7 +502,7 @@ def main(argv: list[str] | None = None) -> None:
                 sps[spec] = build_method(*parse_method(spec), model, heads, args.smoke)
             except SpeculatorError as err:
                 print(f"[spec_cost] skipping {spec}: {err}", file=sys.stderr)
-        prof = measure(model, sps, args.context, Ts, args.repeats, args.batch)
+        prof = measure(model, sps, args.context, Ts, args.repeats, args.batch, in_loop=args.timing == "loop")
         record = {
             **provenance(command=module_command("evals.spec_cost", argv)),
             "kind": "measured",
@@ -480,6 +514,7 @@ def main(argv: list[str] | None = None) -> None:
             "decode_overhead_s": prof.decode_overhead_s,
             "step_overhead_s": prof.step_overhead_s,
             "dtype": args.dtype,
+            "timing": args.timing,
         }
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(record, indent=2))

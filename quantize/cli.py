@@ -7,6 +7,7 @@ import argparse
 import json
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -14,7 +15,8 @@ import torch
 from quantize.calibration import LayerStore, ShardedCheckpoint
 from quantize.config import DECODER_LINEARS, QuantConfig, QuantConfigError
 from quantize.formats import DENSE_DTYPES, FORMATS, CheckpointError, default_format, refusal, save_quantized
-from quantize.rotation import rotate_model, rotation_record
+from quantize.grid import expand_groups, fake_quantize, group_params
+from quantize.rotation import choose_layers, rotate_model, rotation_record
 from runtime.cliutil import ArgumentParser, interrupted, run  # noqa: F401 (run: the quantizers' __main__ entry)
 from runtime.config import ModelConfig, UnsupportedModelError
 from runtime.data import load_text, mixed_calibration_windows, parse_mixture, token_windows
@@ -23,6 +25,8 @@ from runtime.paths import qspec_home
 from runtime.provenance import module_command
 from runtime.provenance import provenance as record_provenance
 from runtime.scoring import window_nlls
+
+AUTO_ROTATE_WINDOWS = 4  # calibration windows of 512 tokens --rotate-layers auto scores each layer on
 
 EXPECTED_ERRORS = (QuantConfigError, CheckpointError, UnsupportedModelError)
 STARTED = time.perf_counter()  # the closing summary says how long the whole command took
@@ -82,8 +86,9 @@ def parser(
     ap.add_argument(
         "--rotate-layers",
         default=None,
-        help="with --rotate --rotation-mode online: comma list of the decoder layers to rotate (default all); "
-        "the others stay plain (notes/issue-20.md: per-layer measurement)",
+        help="with --rotate --rotation-mode online: comma list of the decoder layers to rotate (default all), "
+        "or auto: the layers whose rotation lowers the calibration loss of RTN-quantizing that layer alone "
+        f"({AUTO_ROTATE_WINDOWS} windows of 512); the others stay plain",
     )
     ap.add_argument(
         "--no-online-hadamard",
@@ -199,10 +204,13 @@ def load(ap: argparse.ArgumentParser, args, cfg: QuantConfig):
         ap.error(str(err).strip("'\""))
     if getattr(args, "rotate_layers", None) is not None and not args.rotate:
         ap.error("--rotate-layers applies with --rotate")
+    tokenizer = CachedTokenizer(load_tokenizer(str(path)))
     if getattr(args, "rotate", False):
         if source is not None:
             ap.error("--rotate needs the whole float model in memory; drop --layer-by-layer")
         try:
+            if args.rotate_layers == "auto":
+                args.rotate_layers = auto_rotate_layers(ap, args, cfg, model, tokenizer)
             args.rotate_layers = rotate_layers(args.rotate_layers)
             rotate_model(
                 model,
@@ -219,7 +227,33 @@ def load(ap: argparse.ArgumentParser, args, cfg: QuantConfig):
             f"layers: {'all' if args.rotate_layers is None else args.rotate_layers})"
         )
     check_format(ap, args, cfg, model)
-    return model, CachedTokenizer(load_tokenizer(str(path))), path, source
+    return model, tokenizer, path, source
+
+
+def auto_rotate_layers(ap: argparse.ArgumentParser, args, cfg: QuantConfig, model, tokenizer) -> list[int]:
+    """--rotate-layers auto: the layers whose rotation lowers the calibration loss of quantizing that layer alone
+    (quantize.rotation.choose_layers), each layer round-tripped through RTN on this run's grid."""
+    if args.rotation_mode != "online":
+        ap.error("--rotate-layers auto needs --rotation-mode online")
+    mse = getattr(args, "mse", False)
+
+    def round_trip(w: torch.Tensor, name: str) -> torch.Tensor:
+        w = w.float()
+        group_size = cfg.group_size_for(w.shape[1], name)
+        scales, zeros = group_params(w, cfg.bits, cfg.sym, group_size, mse=mse)
+        expand = partial(expand_groups, in_features=w.shape[1], group_size=group_size)
+        return fake_quantize(w, expand(scales), expand(zeros), cfg.maxq)
+
+    calib = getattr(args, "calib", None) or "wiki"
+    windows = mixed_calibration_windows(tokenizer, calib, AUTO_ROTATE_WINDOWS, 512, args.seed)
+    log(f"choosing the layers to rotate: RTN of one layer at a time, plain vs rotated, {len(windows)} {calib} windows")
+    chosen, records = choose_layers(model, windows, round_trip, args.seed, not args.no_online_hadamard)
+    for r in records:
+        gain = (r["plain_nll"] - r["rotated_nll"]) / (len(windows) * 511)
+        log(f"  layer {r['layer']:2d}: NLL/token change from rotating {-gain:+.5f}")
+    if not chosen:
+        ap.error("--rotate-layers auto: rotating no layer lowers the calibration loss; drop --rotate")
+    return chosen
 
 
 def rotate_layers(spec) -> list[int] | None:

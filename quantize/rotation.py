@@ -20,15 +20,19 @@ cover SmolLM2's widths (576 = 12 · 12 · 4, 1536 = 12 · 128); other widths are
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from quantize.qlinear import QuantLinear
+from runtime.layout import decoder_linear_names
 from runtime.model import MLP, Linear, RMSNorm, Transformer
+from runtime.scoring import window_nlls
 
 
 def paley12() -> Tensor:
@@ -256,3 +260,39 @@ def rotation_record(seed: int, online: bool, mode: str = "residual", layers=None
     if layers is not None:
         record["layers"] = sorted(layers)
     return record
+
+
+@torch.no_grad()
+def choose_layers(
+    model: Transformer,
+    windows: list[list[int]],
+    round_trip: Callable[[Tensor, str], Tensor],
+    seed: int = 0,
+    online: bool = True,
+) -> tuple[list[int], list[dict]]:
+    """The decoder layers whose online rotation lowers the loss of quantizing that layer: for each layer i, the
+    summed NLL of ``windows`` with only layer i's linears replaced by ``round_trip(weight, name)`` (their
+    quantize-dequantize), once in the plain model and once in the online-rotated one; a layer is chosen when
+    the rotated loss is lower. One layer at a time because in online mode each layer's rotation is
+    self-contained (any subset is the same float model). Returns (chosen layers, one record per layer)."""
+    rotated = rotate_model(copy.deepcopy(model), seed=seed, online=online, mode="online")
+    names = decoder_linear_names(len(model.layers))
+
+    def loss_with_layer_quantized(m: Transformer, i: int) -> float:
+        linears = {name: m.get_submodule(name) for name in names if name.startswith(f"layers.{i}.")}
+        saved = {name: lin.weight.data for name, lin in linears.items()}
+        for name, lin in linears.items():
+            lin.weight.data = round_trip(lin.weight.data, name).to(lin.weight.dtype)
+        try:
+            return sum(window_nlls(m, windows, 1))
+        finally:
+            for name, lin in linears.items():
+                lin.weight.data = saved[name]
+
+    chosen, records = [], []
+    for i in range(len(model.layers)):
+        plain, turned = loss_with_layer_quantized(model, i), loss_with_layer_quantized(rotated, i)
+        records.append({"layer": i, "plain_nll": plain, "rotated_nll": turned})
+        if turned < plain:
+            chosen.append(i)
+    return chosen, records

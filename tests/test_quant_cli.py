@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from quantize import awq, gptq, int8, rtn
-from quantize.qlinear import QuantLinear
+from quantize.qlinear import QuantLinear, quant_linear, set_module
 from quantize.rotation import HadamardMLP, RotatedRMSNorm
 from runtime.loader import load_model
 from runtime.model import random_model
@@ -413,3 +413,42 @@ def test_bad_calibration_mixture_is_one_clear_error(tiny_checkpoint, capsys, cal
     argv = ["--model", str(tiny_checkpoint), "--eval", "wiki", "--group-size", "32", "--calib", calib]
     err = run_error(gptq.main, argv, capsys)
     assert message in err and "--calib" in err, err
+
+
+def test_rotate_layers_auto_rotates_the_layers_the_per_layer_loss_chooses(
+    tiny_checkpoint, tmp_path, capsys, monkeypatch
+):
+    """--rotate-layers auto: the recorded layers are exactly those whose rotation lowered the calibration loss in
+    an independent check: the model rotated at that one layer (rotate_model(layers=[i])), that layer's linears
+    replaced by RTN QuantLinears (quantize.rtn), scored on the same windows."""
+    from quantize.cli import AUTO_ROTATE_WINDOWS
+    from quantize.rotation import rotate_model
+    from runtime.data import mixed_calibration_windows
+    from runtime.scoring import window_nlls
+
+    monkeypatch.setenv("QSPEC_FAST_DECODE", "0")  # the fixture's fresh QSPEC_HOME would compile the C++ step
+    rec = tmp_path / "rec.jsonl"
+    argv = ["--model", str(tiny_checkpoint), "--group-size", "32", "--bits", "3", "--rotate", "--rotate-layers"]
+    try:
+        rtn.main([*argv, "auto", "--out", str(tmp_path / "q"), "--record", str(rec)])
+        chosen = json.loads(rec.read_text())["quant_config"]["rotation"]["layers"]
+    except SystemExit:  # no layer gains: a one-line error, nothing written
+        assert "rotating no layer lowers the calibration loss" in capsys.readouterr().err
+        chosen = []
+    windows = mixed_calibration_windows(WordTokenizer(), "wiki", AUTO_ROTATE_WINDOWS, 512, 0)
+    cfg = rtn.QuantConfig(bits=3, group_size=32)
+
+    def loss(model, i):
+        for name in [n for n in cfg.targets(model) if n.startswith(f"layers.{i}.")]:
+            lin = model.get_submodule(name)
+            set_module(model, name, quant_linear(rtn.quantize_weight(lin.weight, cfg, lin.bias), False, lin))
+        with torch.no_grad():
+            return sum(window_nlls(model, windows, 1))
+
+    expected = []
+    for i in range(TINY.num_layers):
+        plain = loss(random_model(TINY, seed=0), i)
+        rotated = loss(rotate_model(random_model(TINY, seed=0), mode="online", layers=[i]), i)
+        if rotated < plain:
+            expected.append(i)
+    assert chosen == expected

@@ -189,9 +189,19 @@ def test_fixed_drafts_feed_k_plus_one_tokens_every_step():
     assert out.tokens == plain  # random drafts change nothing but the work done
 
 
+def test_in_loop_profile_has_no_separate_overheads():
+    """--timing loop: c(T) is a step of the real loops, so the overhead terms stay zero and the speedup is
+    tokens_per_step x c(1) / (draft + E[c(T)])."""
+    model = random_model(SMOKE_CONFIG, seed=0)
+    prof = measure(model, {}, context=16, Ts=[1, 3], repeats=1)
+    assert set(prof.verify_s) == {1, 3} and all(v > 0 for v in prof.verify_s.values())
+    assert (prof.decode_overhead_s, prof.step_overhead_s) == (0.0, 0.0) and "in-loop" in prof.notes
+    assert predict_speedup(2.0, {3: 1}, 0.0, prof) == pytest.approx(2.0 * prof.verify_s[1] / prof.verify_s[3])
+
+
 def test_measured_profile_carries_the_loop_overheads():
     model = random_model(SMOKE_CONFIG, seed=0)
-    prof = measure(model, {}, context=16, Ts=[1, 2, 5], repeats=1)
+    prof = measure(model, {}, context=16, Ts=[1, 2, 5], repeats=1, in_loop=False)
     assert set(prof.verify_s) == {1, 2, 5}
     assert math.isfinite(prof.decode_overhead_s) and math.isfinite(prof.step_overhead_s)
     assert prof.step_overhead_s > -prof.verify(5)  # a speculative step costs more than nothing
