@@ -23,8 +23,8 @@ the T histogram are hardware-independent (measured on the suite); c and draft_co
 o_plain and o_spec: the host work each loop adds per step beyond its target forward and propose() (sampling,
 acceptance, cache bookkeeping, stop checks). ``measure --timing forward`` times both loops for real (plain
 decoding, and a speculative loop whose drafts are fixed at k random tokens, so every step feeds T = k + 1) and
-subtracts the forward; on this CPU o_spec was ~6 ms, a fifth of c(1), which a forward-only model misses. Roofline profiles
-assume 0 (captured steps); a gpu_check record may carry ``decode_overhead_s`` / ``step_overhead_s``.
+subtracts the forward; on this CPU o_spec was ~6 ms, a fifth of c(1), which a forward-only model misses.
+Roofline profiles assume 0 (captured steps); a gpu_check record may carry ``decode_overhead_s`` / ``step_overhead_s``.
 
 Between measured T the curve is interpolated linearly, beyond the last point extrapolated from the last two.
 
