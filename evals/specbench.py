@@ -78,6 +78,10 @@ SMOKE_METHODS = [
     "medusa:tree=4",
     "eagle:tree=4,depth=2",
 ]
+# Rewriting / translation passages: SmolLM2's tokenizer averages 4.7 characters per token on the extracts (the
+# most in 400 documents: 6.7; typos split words: 4.1), so 7 characters per token keep the passage longer than
+# the answer.
+COPY_CHARS_PER_TOKEN = 7.0
 METHOD_OPTIONS = {"k", "fixed", "layers", "bits", "tree", "depth", "topk", "frontier"}
 SMOKE_CONFIG = ModelConfig(
     vocab_size=96,
@@ -128,25 +132,42 @@ def first_sentences(text: str, n: int) -> str:
     return " ".join(parts[:n])
 
 
-def build_suite(per_category: int, seed: int = 0, min_chars: int = 300, max_chars: int = 900) -> list[SuitePrompt]:
-    """per_category prompts of each category, documents drawn with a fixed seed from the eval split."""
+def build_suite(
+    per_category: int, seed: int = 0, min_chars: int = 300, max_chars: int = 900, copy_tokens: int = 128
+) -> list[SuitePrompt]:
+    """per_category prompts of each category, documents drawn with a fixed seed from the eval split.
+
+    Rewriting and translation answers are as long as their passage, so their passages hold at least
+    ``copy_tokens`` tokens (COPY_CHARS_PER_TOKEN characters each): a shorter passage ends the answer early and
+    the rest of a fixed-length generation is the model inventing a new conversation after its end-of-turn,
+    which measures neither task."""
     if per_category < 1:
         raise SuiteError(f"per_category must be >= 1, got {per_category}")
-    docs = [d for d in wiki_split("eval") if min_chars <= len(d.extract) <= max_chars]
+    evaluation = wiki_split("eval")
+    docs = [d for d in evaluation if min_chars <= len(d.extract) <= max_chars]
+    copy_min = int(copy_tokens * COPY_CHARS_PER_TOKEN)
+    long_docs = [d for d in evaluation if len(d.extract) >= copy_min]
     rng = random.Random(seed)
     rng.shuffle(docs)
+    rng.shuffle(long_docs)
     parallel = {lang: {d.title: d for d in wiki_docs(lang)} for lang in ("fr", "es")}
     out: list[SuitePrompt] = []
     used: set[str] = set()
 
-    def take(pred) -> list:
+    def take(pred, pool=docs) -> list:
         picked = []
-        for d in docs:
+        for d in pool:
             if d.title not in used and pred(d):
                 picked.append(d)
                 used.add(d.title)
                 if len(picked) == per_category:
                     return picked
+        if pool is long_docs:
+            raise SuiteError(
+                f"the eval split has too few passages of >= {copy_min} characters (~{copy_tokens} tokens) for "
+                f"{per_category} rewriting/translation prompts; lower --max-tokens (its longest passage: "
+                f"{max(len(d.extract) for d in evaluation)} characters)"
+            )
         raise SuiteError(f"the eval split has too few documents for {per_category} prompts per category")
 
     def user(text: str) -> list[dict]:
@@ -172,7 +193,7 @@ def build_suite(per_category: int, seed: int = 0, min_chars: int = 300, max_char
                 ),
             )
         )
-    for d in take(lambda d: True):
+    for d in take(lambda d: True, long_docs):
         out.append(
             SuitePrompt(
                 "rewriting",
@@ -184,7 +205,7 @@ def build_suite(per_category: int, seed: int = 0, min_chars: int = 300, max_char
                 reference=d.extract,
             )
         )
-    for i, d in enumerate(take(lambda d: d.title in parallel["fr"] or d.title in parallel["es"])):
+    for i, d in enumerate(take(lambda d: d.title in parallel["fr"] or d.title in parallel["es"], long_docs)):
         lang = "fr" if d.title in parallel["fr"] and (i % 2 == 0 or d.title not in parallel["es"]) else "es"
         name = {"fr": "French", "es": "Spanish"}[lang]
         out.append(
@@ -585,7 +606,11 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         model, _, path = load_model(args.model, dtype=DTYPES[args.dtype])
         tokenizer = load_tokenizer(str(path))
-        suite = [s for s in build_suite(args.per_category, args.seed) if s.category in args.categories]
+        suite = [
+            s
+            for s in build_suite(args.per_category, args.seed, copy_tokens=args.max_tokens)
+            if s.category in args.categories
+        ]
         prompts = [(s.category, encode_messages(tokenizer, s.messages)) for s in suite]
         heads_dir = {
             "medusa": Path(args.medusa_heads) if args.medusa_heads else head_dir("medusa", path),

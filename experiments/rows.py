@@ -429,7 +429,8 @@ def specbench_row(ctx, params: dict) -> Variant:
         spec = build_method(*parse_method(method), m, heads, smoke=False)
     except (SpeculatorError, ValueError) as err:
         raise RowUnavailable(f"{method}: {err}") from err
-    suite = build_suite(int(params.get("per_category", 2)), ctx.cfg.seed)
+    max_tokens = int(params.get("max_tokens", 128))
+    suite = build_suite(int(params.get("per_category", 2)), ctx.cfg.seed, copy_tokens=max_tokens)
     suite = [s for s in suite if s.category in params.get("categories", [s.category])]
     prompts = [(s.category, encode_messages(ctx.tokenizer, s.messages)) for s in suite]
     temperature = float(params.get("temperature", 0.0))
@@ -438,7 +439,7 @@ def specbench_row(ctx, params: dict) -> Variant:
         prompts,
         ["plain", method],
         [int(b) for b in params.get("batch_sizes", [1])],
-        int(params.get("max_tokens", 128)),
+        max_tokens,
         heads,
         tokenizer=ctx.tokenizer,
         seed=ctx.cfg.seed,

@@ -45,6 +45,23 @@ def test_suite_categories_and_sources():
         build_suite(per_category=0)
 
 
+@pytest.mark.parametrize("copy_tokens", [64, 128])
+def test_copy_task_passages_outlast_the_generation(default_model, copy_tokens):
+    """Rewriting and translation answers are as long as their passage: the passage (as the target tokenizes it)
+    must hold the generation budget, so a fixed-length run measures the task, not text after the answer."""
+    tokenizer = default_model[1]
+    suite = build_suite(per_category=4, seed=1, copy_tokens=copy_tokens)
+    eval_docs = {d.title: d for d in wiki_split("eval")}
+    copy = [s for s in suite if s.category in ("rewriting", "translation")]
+    assert len(copy) == 8
+    for s in copy:
+        extract = eval_docs[s.title].extract
+        passage = add_typos(extract, s.title) if s.category == "rewriting" else extract
+        assert len(tokenizer.encode(passage)) >= copy_tokens, (s.category, s.title)
+    with pytest.raises(SuiteError, match="too few passages of >= 1792 characters"):
+        build_suite(per_category=4, seed=1, copy_tokens=256)  # the eval split's longest extract: ~2.1k characters
+
+
 def test_every_speculator_matches_plain_greedy():
     model = random_model(SMOKE_CONFIG, seed=0)
     prompts = [p for p in smoke_suite(1, 0, SMOKE_CONFIG.vocab_size) if p[0] in ("rewriting", "chat")]
