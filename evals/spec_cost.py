@@ -337,15 +337,14 @@ def measure(
     plain decoding step, c(T > 1) a speculative step whose T - 1 drafts are rejected (FixedDrafts) less its
     propose(); no separate overhead terms. Otherwise c(T) is a bare target forward over T new tokens and the
     loops' own overheads are measured apart (loop_overheads)."""
-    cfg = model.config
     gen = torch.Generator().manual_seed(0)
     capacity = context + max(Ts) + 64
-    tokens = torch.randint(2, cfg.vocab_size, (batch, capacity), generator=gen)
-    cache = KVCache(cfg, batch, capacity, model.compute_dtype, torch.device("cpu"))
+    tokens = torch.randint(2, model.config.vocab_size, (batch, capacity), generator=gen)
+    prompts = tokens[:, :context]
     with torch.inference_mode():
-        hidden = model(tokens[:, :context], prefill_meta(batch, context, torch.device("cpu")), cache, hidden_only=True)
-        lengths = torch.full((batch,), context + 1)
-
+        # The drafts' states read the prompt's hidden states, the bare forwards its KV cache; the real loops
+        # (in_loop) prefill for themselves, so there the prefill runs only when there are drafts to time.
+        cache, hidden = prefill(model, prompts, capacity) if speculators or not in_loop else (None, None)
         draft = {}
         for label, sp in speculators.items():
             state = SpecState(
@@ -356,11 +355,11 @@ def measure(
                 generators=[gen] * batch,
             )
             draft[label] = median_seconds(lambda sp=sp, state=state: sp.propose(state), repeats)
-        prompts = tokens[:, :context]
         if in_loop:
             verify = {T: loop_step_seconds(model, prompts, T, repeats) for T in Ts}
             notes = f"in-loop steps of {OVERHEAD_STEPS} from context {context}, batch {batch}, median of {repeats}"
             return Profile("cpu-measured", "measured", verify, draft, notes, batch)
+        lengths = torch.full((batch,), context + 1)
         verify = {}
         for T in Ts:
             feed = tokens[:, context : context + T]
@@ -372,6 +371,13 @@ def measure(
         prof = Profile("cpu-measured", "measured", verify, draft, notes, batch)
         prof.decode_overhead_s, prof.step_overhead_s = loop_overheads(model, prompts, prof.verify, repeats)
     return prof
+
+
+def prefill(model, prompts: torch.Tensor, capacity: int) -> tuple[KVCache, torch.Tensor]:
+    """A KV cache of ``capacity`` positions per row holding ``prompts`` [B, n], and their hidden states."""
+    batch, n = prompts.shape
+    cache = KVCache(model.config, batch, capacity, model.compute_dtype, torch.device("cpu"))
+    return cache, model(prompts, prefill_meta(batch, n, torch.device("cpu")), cache, hidden_only=True)
 
 
 def median_seconds(fn, repeats: int) -> float:

@@ -30,7 +30,7 @@ from quantize.gptq import GPTQ, add_gptq_args, gptq_config
 from quantize.grid import expand_groups, fake_quantize, find_params, group_bounds
 from quantize.qlinear import quant_linear, set_module
 from quantize.rotation import HadamardMLP, RotatedRMSNorm
-from quantize.rtn import quantize_weight
+from quantize.rtn_weight import quantize_weight
 
 
 @dataclass
@@ -48,15 +48,6 @@ class AWQConfig:
             raise ValueError("AWQ grids need at least one point")
         if self.search_windows < 1:
             raise ValueError(f"search_windows must be >= 1, got {self.search_windows}")
-
-
-def fake_quantize_weight(w: Tensor, qcfg: QuantConfig, group_size: int) -> Tensor:
-    """RTN round trip of w [out, in] on qcfg's grid (shorter last group allowed)."""
-    out = torch.empty_like(w)
-    for a, b in group_bounds(w.shape[1], group_size):
-        s, z = find_params(w[:, a:b], qcfg.bits, qcfg.sym)
-        out[:, a:b] = fake_quantize(w[:, a:b], s[:, None], z[:, None], qcfg.maxq)
-    return out
 
 
 def weight_magnitude(w: Tensor, group_size: int) -> Tensor:
@@ -97,7 +88,7 @@ def search_scale(
         for k in range(acfg.grid):
             ratio = k / acfg.grid
             s = scale_candidates(x_mean, w_mean, ratio)
-            linear.weight.copy_(fake_quantize_weight(w_orig.float() * s, qcfg, group_size) / s)
+            linear.weight.copy_(quantize_weight(w_orig.float() * s, qcfg, name=stage.full_name).dequantize() / s)
             loss = sum(
                 float((stage.block(b, stage.inputs[b]) - reference[i]).float().pow(2).mean())
                 for i, b in enumerate(batches)

@@ -7,7 +7,6 @@ import argparse
 import json
 import sys
 import time
-from functools import partial
 from pathlib import Path
 
 import torch
@@ -15,8 +14,8 @@ import torch
 from quantize.calibration import LayerStore, ShardedCheckpoint
 from quantize.config import DECODER_LINEARS, QuantConfig, QuantConfigError
 from quantize.formats import DENSE_DTYPES, FORMATS, CheckpointError, default_format, refusal, save_quantized
-from quantize.grid import expand_groups, fake_quantize, group_params
 from quantize.rotation import choose_layers, rotate_model, rotation_record
+from quantize.rtn_weight import quantize_weight
 from runtime.cliutil import ArgumentParser, interrupted, run  # noqa: F401 (run: the quantizers' __main__ entry)
 from runtime.config import ModelConfig, UnsupportedModelError
 from runtime.data import load_text, mixed_calibration_windows, parse_mixture, token_windows
@@ -238,11 +237,7 @@ def auto_rotate_layers(ap: argparse.ArgumentParser, args, cfg: QuantConfig, mode
     mse = getattr(args, "mse", False)
 
     def round_trip(w: torch.Tensor, name: str) -> torch.Tensor:
-        w = w.float()
-        group_size = cfg.group_size_for(w.shape[1], name)
-        scales, zeros = group_params(w, cfg.bits, cfg.sym, group_size, mse=mse)
-        expand = partial(expand_groups, in_features=w.shape[1], group_size=group_size)
-        return fake_quantize(w, expand(scales), expand(zeros), cfg.maxq)
+        return quantize_weight(w, cfg, mse=mse, name=name).dequantize()
 
     calib = getattr(args, "calib", None) or "wiki"
     windows = mixed_calibration_windows(tokenizer, calib, AUTO_ROTATE_WINDOWS, 512, args.seed)

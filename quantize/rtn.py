@@ -8,34 +8,14 @@ against.
 from __future__ import annotations
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from quantize import cli
 from quantize.cli import log
 from quantize.config import QuantConfig
-from quantize.grid import expand_groups, group_params, quantize_codes
 from quantize.qembedding import tie_quantized_embedding
-from quantize.qlinear import QuantizedWeight, quant_linear, set_module
-
-
-def quantize_weight(
-    weight: Tensor, cfg: QuantConfig, bias: Tensor | None = None, mse: bool = False, name: str = "layer"
-) -> QuantizedWeight:
-    """RTN of one weight [out, in] onto cfg's grid (groups of consecutive input columns)."""
-    w = weight.detach().float()
-    group_size = cfg.group_size_for(w.shape[1], name)
-    scales, zeros = group_params(w, cfg.bits, cfg.sym, group_size, mse=mse)
-    codes = quantize_codes(
-        w, expand_groups(scales, w.shape[1], group_size), expand_groups(zeros, w.shape[1], group_size), cfg.maxq
-    )
-    return QuantizedWeight(
-        codes=codes.to(torch.uint8),
-        scales=scales,
-        zeros=zeros,
-        bits=cfg.bits,
-        group_size=group_size,
-        bias=None if bias is None else bias.detach().float(),
-    )
+from quantize.qlinear import quant_linear, set_module
+from quantize.rtn_weight import quantize_weight  # defined below cli; re-exported here
 
 
 @torch.no_grad()

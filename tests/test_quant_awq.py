@@ -8,11 +8,12 @@ import copy
 import pytest
 import torch
 
-from quantize.awq import AWQ, AWQConfig, fake_quantize_weight, scale_candidates, search_clip, weight_magnitude
+from quantize.awq import AWQ, AWQConfig, scale_candidates, search_clip, weight_magnitude
 from quantize.calibration import calibrate, layer0_inputs
 from quantize.config import QuantConfig
 from quantize.gptq import GPTQ, GPTQConfig
 from quantize.rtn import quantize_model as rtn_quantize
+from quantize.rtn import quantize_weight
 from runtime.model import random_model
 from tests.tiny_models import TINY_CONFIGS
 
@@ -69,7 +70,7 @@ def test_alpha_search_is_no_worse_than_no_scaling():
         return err
 
     w = attn.qkv_proj.weight.detach().clone()
-    plain = block_error(fake_quantize_weight(w, qcfg, 32))  # α = 0: s = 1
+    plain = block_error(quantize_weight(w, qcfg).dequantize())  # α = 0: s = 1
     algo = ScaleOnly(qcfg, AWQConfig(clip=False), batch_size=4)
     algo.prepare_layer(0, layer, xs, rope)
     stat = algo.stats[0]
@@ -77,7 +78,7 @@ def test_alpha_search_is_no_worse_than_no_scaling():
     # the chosen scale, applied to the original float weights, gives at most the plain-RTN block error
     x_mean = h.reshape(-1, h.shape[-1]).abs().mean(0)
     s = scale_candidates(x_mean, weight_magnitude(w, 32), stat["alpha"])
-    assert block_error(fake_quantize_weight(w * s, qcfg, 32) / s) <= plain * (1 + 1e-6)
+    assert block_error(quantize_weight(w * s, qcfg).dequantize() / s) <= plain * (1 + 1e-6)
 
 
 def test_duo_scaling_formula():
@@ -100,7 +101,7 @@ def test_clip_search_minimises_group_output_error():
     def out_error(bound):  # recomputed from scratch: clamp, fake-quantize, full output error
         b = bound.repeat_interleave(16, 1)[:, :40]
         wc = torch.maximum(torch.minimum(w, b), -b)
-        return float(((x @ fake_quantize_weight(wc, qcfg, 16).T - x @ w.T) ** 2).mean())
+        return float(((x @ quantize_weight(wc, qcfg).dequantize().T - x @ w.T) ** 2).mean())
 
     no_clip = (
         w.abs()
