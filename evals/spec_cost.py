@@ -27,6 +27,9 @@ subtracts the forward; on this CPU o_spec was ~6 ms, a fifth of c(1), which a fo
 Roofline profiles assume 0 (captured steps); a gpu_check record may carry ``decode_overhead_s`` / ``step_overhead_s``.
 
 Between measured T the curve is interpolated linearly, beyond the last point extrapolated from the last two.
+The prediction is of the decode phase (after the first token), so ``predict`` checks it against the suite's
+``decode_speedup_vs_plain``: the prefill is the same for every method (a draft model adds its own) and is no
+term of this model.
 
     python -m evals.spec_cost measure --out results/cpu_profile.json        # this machine's curve (quiet!)
     python -m evals.spec_cost predict --suite results/specbench.json --profile results/cpu_profile.json
@@ -275,7 +278,8 @@ def predict_suite(
         else:
             draft = r["draft_s_per_step"]
         pred = predict_speedup(r["tokens_per_step"], r["fed_tokens_hist"], draft, profile)
-        measured = r.get("speedup_vs_plain")
+        # the decode phase: what the model predicts (the prefill is no speculation cost); older records: end to end
+        measured = r.get("decode_speedup_vs_plain", r.get("speedup_vs_plain"))
         rows.append(
             {
                 "batch": r["batch"],
@@ -421,6 +425,15 @@ OVERHEAD_K = 4  # drafts per step of the overhead run: T = 5, inside the measure
 OVERHEAD_STEPS = 24
 
 
+def plain_step(model, rows: list[list[int]], params: SamplingParams) -> float:
+    """Seconds per step of plain decoding, all its host work included: the wall time after the first token over
+    the steps, as the speculative loop's ``decode_s / steps`` (generate's own step times cover only the forward,
+    not the lm_head and sampling that follow it)."""
+    first: list[float] = []  # when the first token was committed: the decode clock starts there, as in the loop
+    out = generate(model, rows, params, on_token=lambda b, tok: first or first.append(time.perf_counter()))
+    return (time.perf_counter() - first[0]) / max(len(out.step_times_s), 1)
+
+
 def loop_step_seconds(model, prompts: torch.Tensor, T: int, repeats: int) -> float:
     """Seconds per step of the real loop from ``prompts`` (greedy, EOS ignored, OVERHEAD_STEPS steps, median
     of repeated runs): T = 1 is plain decoding (its median step), T > 1 a speculative step feeding T tokens (T - 1
@@ -428,7 +441,7 @@ def loop_step_seconds(model, prompts: torch.Tensor, T: int, repeats: int) -> flo
     rows = prompts.tolist()
     params = SamplingParams(temperature=0.0, max_tokens=OVERHEAD_STEPS + 1, ignore_eos=True)
     if T == 1:
-        return median_of(lambda: sorted(generate(model, rows, params).step_times_s)[OVERHEAD_STEPS // 2], repeats)
+        return median_of(lambda: plain_step(model, rows, params), repeats)
     drafts = FixedDrafts(T - 1, model.config.vocab_size)
 
     def spec_step() -> float:

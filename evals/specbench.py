@@ -374,13 +374,12 @@ class Cell:
     proposed_at: list[int] = field(default_factory=list)
     fed: dict = field(default_factory=dict)
 
-    def add_stats(self, stats, draft_s: float, decode_s: float, fed: Counter) -> None:
+    def add_stats(self, stats, draft_s: float, fed: Counter) -> None:
         self.steps += stats.steps
         self.row_steps += stats.row_steps
         self.accepted += stats.accepted
         self.drafted += stats.drafted
         self.draft_s += draft_s
-        self.decode_s += decode_s
         for j, (a, n) in enumerate(zip(stats.accepted_at, stats.proposed_at)):
             if j >= len(self.accepted_at):
                 self.accepted_at.append(0)
@@ -401,8 +400,13 @@ def summarize(cell: Cell, base: Cell | None, lossless: bool) -> dict:
         "identical": cell.exact_rows == cell.rows,
         "lossless": lossless,
     }
+    # decode phase (after the first token): what speculation changes, and what evals.spec_cost predicts;
+    # end to end the prefill (the same for every method, plus a draft model's own) is counted too
+    decode_tps = (cell.tokens - cell.rows) / max(cell.decode_s, 1e-12)
+    row["decode_tok_per_s"] = round(decode_tps, 3)
     if base is not None:
         row["speedup_vs_plain"] = round(tps / (base.tokens / max(base.seconds, 1e-12)), 4)
+        row["decode_speedup_vs_plain"] = round(decode_tps / ((base.tokens - base.rows) / max(base.decode_s, 1e-12)), 4)
     if cell.row_steps:
         steps = max(cell.steps, 1)
         row.update(
@@ -479,11 +483,14 @@ def run_suite(
 
     def run(spec: str, batch: list[list[int]], n: int = max_tokens):
         p = SamplingParams(temperature=temperature, max_tokens=n, seed=seed, ignore_eos=True)
-        if spec == "plain":
-            return generate(model, batch, p, tokenizer=tokenizer).tokens, None
+        if spec == "plain":  # its decode clock starts at the first token, as the speculative loop's decode_s
+            first: list[float] = []
+            stamp = lambda b, t: first or first.append(time.perf_counter())  # noqa: E731
+            out = generate(model, batch, p, tokenizer=tokenizer, on_token=stamp)
+            return out.tokens, time.perf_counter() - first[0], None
         timed = TimedSpeculator(speculators[spec])
         out = speculative_generate(model, batch, p, timed, tokenizer=tokenizer)
-        return out.tokens, (out.stats, timed.draft_s, out.decode_s, timed.fed)
+        return out.tokens, out.decode_s, (out.stats, timed.draft_s, timed.fed)
 
     for spec in active:  # untimed warm-up (first-call allocations, kernel choice, compiled steps)
         for _ in range(warmup):
@@ -502,10 +509,11 @@ def run_suite(
                 outputs = {}
                 for spec in order:
                     t0 = time.perf_counter()
-                    toks, extra = run(spec, batch)
+                    toks, decode_s, extra = run(spec, batch)
                     dt = time.perf_counter() - t0
                     cell = cells.setdefault((B, cat, spec), Cell())
                     cell.seconds += dt
+                    cell.decode_s += decode_s
                     cell.tokens += sum(len(t) for t in toks)
                     cell.rows += len(batch)
                     outputs[spec] = toks
@@ -544,14 +552,15 @@ def tabulate(cells, active, speculators, skipped, flagged, batch_sizes, categori
 
 def print_tables(result: dict, out=sys.stderr) -> None:
     head = (
-        f"{'batch':>5s} {'category':14s} {'method':34s} {'tok/s':>8s} {'vs plain':>8s} {'tok/step':>8s} "
+        f"{'batch':>5s} {'category':14s} {'method':34s} {'tok/s':>8s} {'vs plain':>8s} {'decode':>7s} {'tok/step':>8s} "
         f"{'draft%':>6s} {'same':>6s} per-position acceptance"
     )
     print(head, file=out)
     for r in result["rows"]:
         print(
             f"{r['batch']:5d} {r['category']:14s} {r['method']:34s} {r['tok_per_s']:8.2f} "
-            f"{r.get('speedup_vs_plain', float('nan')):7.2f}x {r.get('tokens_per_step', 1.0):8.2f} "
+            f"{r.get('speedup_vs_plain', float('nan')):7.2f}x {r.get('decode_speedup_vs_plain', float('nan')):6.2f}x "
+            f"{r.get('tokens_per_step', 1.0):8.2f} "
             f"{100 * r.get('draft_fraction', 0.0):5.1f}% {r['exact_rows']:>6s} {r.get('per_position_acceptance', '')}",
             file=out,
         )

@@ -86,6 +86,10 @@ def test_profile_files(tmp_path):
     (row,) = predict_suite(suite, measured)
     assert row["predicted_speedup"] == pytest.approx(2.0 * 0.01 / 0.015, abs=1e-4)
     assert row["error"] == pytest.approx(round(row["predicted_speedup"] / 1.6 - 1, 4))
+    suite["rows"][0]["decode_speedup_vs_plain"] = 1.9  # a record with the decode phase: checked against that
+    (row,) = predict_suite(suite, measured)
+    assert row["measured_speedup"] == 1.9
+    assert row["error"] == pytest.approx(row["predicted_speedup"] / 1.9 - 1, abs=2e-4)
 
 
 def test_measure_tiny():

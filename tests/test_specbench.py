@@ -84,6 +84,11 @@ def test_every_speculator_matches_plain_greedy():
         if m != "plain":
             assert r["tokens_per_step"] >= 1 and sum(r["fed_tokens_hist"].values()) == r["steps"]
             assert 0 <= r["draft_fraction"] <= 1 and r["speedup_vs_plain"] > 0
+            # the decode phase alone: tokens after the first over the decode seconds, against plain's in the same run
+            plain = rows[(B, cat, "plain")]
+            assert r["decode_speedup_vs_plain"] == pytest.approx(
+                r["decode_tok_per_s"] / plain["decode_tok_per_s"], rel=2e-3
+            )
     over = rows[(1, "overall", "ngram:k=4")]
     cats = [rows[(1, c, "ngram:k=4")] for c in ("rewriting", "chat")]
     assert over["tokens"] == sum(c["tokens"] for c in cats) and over["steps"] == sum(c["steps"] for c in cats)
