@@ -286,6 +286,9 @@ class TimedSpeculator(Speculator):
     def max_tokens_per_step(self) -> int:
         return self.inner.max_tokens_per_step()
 
+    def prefill(self, state: SpecState) -> None:  # a draft model's prompt KV: the prefill phase, not a step
+        self.inner.prefill(state)
+
     def release(self, ids) -> None:
         self.inner.release(ids)
 

@@ -213,6 +213,11 @@ class Speculator(Protocol):
         the last committed token and each draft; tree: after each node's path)."""
         ...
 
+    def prefill(self, state: SpecState) -> None:
+        """Build these sequences' own state before their first proposal (a draft model's KV of the prompt), so a
+        loop can count it in the prefill phase as a serving system does; propose() works without it (lazily)."""
+        ...
+
     def release(self, ids: list[Hashable]) -> None:
         """Forget the per-sequence state of these ids (finished, aborted, or the loop ended)."""
         ...

@@ -40,6 +40,9 @@ class Speculator:
     def propose(self, state: SpecState) -> Proposal:
         raise NotImplementedError
 
+    def prefill(self, state: SpecState) -> None:
+        """Per-sequence state to build before the first proposal (none here; the draft model prefills its KV)."""
+
     def release(self, ids: list[Hashable]) -> None:
         """Per-sequence state to forget (none here; the draft model keeps a KV cache per sequence)."""
 

@@ -144,6 +144,21 @@ class DraftModelSpeculator(Speculator):
         last = torch.tensor([len(f) - 1 for f in feeds], device=device)
         return self.draft.logits(hidden[torch.arange(len(feeds), device=device), last])
 
+    def prefill(self, state: SpecState) -> None:
+        """The draft's KV of every committed token but the last (which each proposal feeds to start its drafts)."""
+        rows = [self.seqs.setdefault(key, _DraftSeq()) for key in state.ids]
+        todo = [(r, seq) for r, seq in zip(rows, state.token_ids) if r.committed < len(seq) - 1]
+        if not todo:
+            return
+        self._reserve([r for r, _ in todo], [len(seq) + self.k - 1 for _, seq in todo])
+        self._forward(
+            [r for r, _ in todo],
+            [seq[r.committed : len(seq) - 1] for r, seq in todo],
+            [list(range(r.committed, len(seq) - 1)) for r, seq in todo],
+        )
+        for r, seq in todo:
+            r.tokens, r.committed = list(seq[:-1]), len(seq) - 1
+
     def propose(self, state: SpecState) -> Proposal:
         rows = [self.seqs.setdefault(key, _DraftSeq()) for key in state.ids]
         self._reserve(rows, [len(seq) + self.k - 1 for seq in state.token_ids])

@@ -204,6 +204,17 @@ def speculative_generate(
                 break
         lengths[b] += kept
 
+    def row_state(rows: list[int]) -> SpecState:
+        return SpecState(
+            ids=[keys[b] for b in rows],
+            token_ids=[seqs[b] for b in rows],
+            hidden=last_hidden[rows],
+            params=[row_params[b] for b in rows],
+            generators=[generators[b] for b in rows],
+            device=device,
+            constraints=[constraints[b] for b in rows] if any(c is not None for c in constraints) else None,
+        )
+
     t0 = time.perf_counter()
     T = int(lengths.max())
     tokens = torch.tensor([p + [0] * (T - len(p)) for p in prompts], device=device)
@@ -218,21 +229,15 @@ def speculative_generate(
     )
     for b, tok in enumerate(sample_rows(probs, row_params, generators).tolist()):
         commit(b, [tok])
-    out.ttft_s = time.perf_counter() - t0
-
-    t1 = time.perf_counter()
     try:
+        rows = [b for b in range(B) if active[b]]
+        if rows:  # the speculator's own prefill (a draft model's KV) belongs to the prefill phase, as in serving
+            speculator.prefill(row_state(rows))
+        out.ttft_s = time.perf_counter() - t0
+        t1 = time.perf_counter()
         while any(active):
             rows = [b for b in range(B) if active[b]]
-            state = SpecState(
-                ids=[keys[b] for b in rows],
-                token_ids=[seqs[b] for b in rows],
-                hidden=last_hidden[rows],
-                params=[row_params[b] for b in rows],
-                generators=[generators[b] for b in rows],
-                device=device,
-                constraints=[constraints[b] for b in rows] if any(c is not None for c in constraints) else None,
-            )
+            state = row_state(rows)
             budgets = [draft_budget(len(out.tokens[b]), row_params[b].max_tokens) for b in rows]
             proposal = speculator.propose(state).within(budgets)
             hidden = _verify_forward(model, cache, proposal, rows, seqs, lengths, decoder)  # [B, T, H]

@@ -14,6 +14,7 @@ from runtime.decoding import generate
 from runtime.engine import EngineConfig, LLMEngine
 from runtime.model import random_model
 from runtime.sampling import SamplingParams
+from runtime.speculation import SpecState
 from speculate.base import SpeculatorError
 from speculate.draft import DraftModelSpeculator, layer_skip_draft, quantized_draft
 from speculate.generate import speculative_generate, tree_metadata
@@ -193,6 +194,29 @@ def test_engine_keeps_draft_state_per_request_and_frees_it():
         engine.step()
     assert not spec.seqs and spec.blocks.num_used_blocks == 0
     assert c not in engine.seqs
+
+
+def test_draft_prefill_hook_gives_the_lazy_proposals():
+    """DraftModelSpeculator.prefill (called by the static loop before its decode clock) writes the draft's prompt
+    KV; the proposals after it equal those of a speculator that prefills lazily inside its first propose()."""
+    model = random_model(CFG, seed=0)
+    prompts = repetitive_prompts(3, seed=4)
+    params = SamplingParams(temperature=0.8, seed=3)
+    state = lambda: SpecState(  # noqa: E731
+        ids=[0, 1, 2], token_ids=prompts, hidden=None, params=[params] * 3,
+        generators=[torch.Generator().manual_seed(7 + b) for b in range(3)],
+    )  # fmt: skip
+    draft = random_model(CFG, seed=5)
+    eager, lazy = DraftModelSpeculator(model, draft, k=3), DraftModelSpeculator(model, draft, k=3)
+    eager.prefill(state())
+    assert [eager.seqs[b].committed for b in range(3)] == [len(p) - 1 for p in prompts]
+    a, b = eager.propose(state()), lazy.propose(state())
+    assert torch.equal(a.tokens, b.tokens) and torch.allclose(a.draft_probs, b.draft_probs, atol=1e-6)
+    calls = []
+    spec = DraftModelSpeculator(model, draft, k=3)
+    spec.prefill = lambda st: calls.append([len(t) for t in st.token_ids])  # the loop's hook, once, before steps
+    speculative_generate(model, prompts, SamplingParams(max_tokens=6, ignore_eos=True), spec)
+    assert calls == [[len(p) + 1 for p in prompts]]  # prompt + the prefill's first token
 
 
 def test_stats_are_consistent():
