@@ -12,8 +12,9 @@ and commits ``verdict.tokens[b]``. Implementations live in ``speculate/`` (their
 ``speculate.verify``); this module is the lowest layer and imports none of them.
 
 Sequences are identified by ``SpecState.ids`` (the engine's request ids; a loop's own row keys), so a
-speculator with per-sequence state (a draft model's KV cache) keys it by id, builds it lazily, and frees
-it on ``release(ids)``, which the loop calls when a sequence finishes or is aborted.
+speculator with per-sequence state (a draft model's KV cache) keys it by id, builds it lazily (or in
+``prefill(state)``, which the static loop calls after the target's prefill so that cost counts as prefill), and
+frees it on ``release(ids)``, which the loop calls when a sequence finishes or is aborted.
 
 Randomness: every row draws only from its own generator (``SpecState.generators``) under its own
 SamplingParams, always in the same order (draft samples, then acceptance tests, then the residual or
