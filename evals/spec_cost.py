@@ -54,9 +54,9 @@ from evals.specbench import (
     TimedSpeculator,
     build_method,
     parse_method,
+    plain_decode,
 )
 from runtime.config import DTYPES
-from runtime.decoding import generate
 from runtime.kv_cache import KVCache
 from runtime.loader import DEFAULT_MODEL, load_model
 from runtime.model import prefill_meta, random_model
@@ -433,17 +433,14 @@ OVERHEAD_STEPS = 24
 
 
 def plain_step(model, rows: list[list[int]], params: SamplingParams) -> float:
-    """Seconds per step of plain decoding, all its host work included: the wall time after the first token over
-    the steps, as the speculative loop's ``decode_s / steps`` (generate's own step times cover only the forward,
-    not the lm_head and sampling that follow it)."""
-    first: list[float] = []  # when the first token was committed: the decode clock starts there, as in the loop
-    out = generate(model, rows, params, on_token=lambda b, tok: first or first.append(time.perf_counter()))
-    return (time.perf_counter() - first[0]) / max(len(out.step_times_s), 1)
+    """Seconds per step of plain decoding, all its host work included (the suite's decode clock)."""
+    out, decode_s = plain_decode(model, rows, params)
+    return decode_s / max(len(out.step_times_s), 1)
 
 
 def loop_step_seconds(model, prompts: torch.Tensor, T: int, repeats: int) -> float:
     """Seconds per step of the real loop from ``prompts`` (greedy, EOS ignored, OVERHEAD_STEPS steps, median
-    of repeated runs): T = 1 is plain decoding (its median step), T > 1 a speculative step feeding T tokens (T - 1
+    of repeated runs): T = 1 is a plain decoding step (plain_step), T > 1 a speculative step feeding T tokens (T - 1
     rejected FixedDrafts) less the drafts' propose()."""
     rows = prompts.tolist()
     params = SamplingParams(temperature=0.0, max_tokens=OVERHEAD_STEPS + 1, ignore_eos=True)

@@ -274,6 +274,16 @@ def parse_method(spec: str) -> tuple[str, dict]:
     return name, kwargs
 
 
+def plain_decode(model, prompts: list[list[int]], params: SamplingParams, tokenizer=None):
+    """(plain generate's output, its decode seconds): the clock starts when the first token is committed, as the
+    speculative loop's ``decode_s`` does, so the two decode phases compare like with like (generate's own step
+    times cover only the forward, not the lm_head and sampling after it)."""
+    first: list[float] = []
+    stamp = lambda b, t: first or first.append(time.perf_counter())  # noqa: E731
+    out = generate(model, prompts, params, tokenizer=tokenizer, on_token=stamp)
+    return out, time.perf_counter() - first[0]
+
+
 class TimedSpeculator(Speculator):
     """Wraps a speculator: times propose() (the draft cost) and counts the tokens each step feeds the target."""
 
@@ -486,11 +496,9 @@ def run_suite(
 
     def run(spec: str, batch: list[list[int]], n: int = max_tokens):
         p = SamplingParams(temperature=temperature, max_tokens=n, seed=seed, ignore_eos=True)
-        if spec == "plain":  # its decode clock starts at the first token, as the speculative loop's decode_s
-            first: list[float] = []
-            stamp = lambda b, t: first or first.append(time.perf_counter())  # noqa: E731
-            out = generate(model, batch, p, tokenizer=tokenizer, on_token=stamp)
-            return out.tokens, time.perf_counter() - first[0], None
+        if spec == "plain":
+            out, decode_s = plain_decode(model, batch, p, tokenizer)
+            return out.tokens, decode_s, None
         timed = TimedSpeculator(speculators[spec])
         out = speculative_generate(model, batch, p, timed, tokenizer=tokenizer)
         return out.tokens, out.decode_s, (out.stats, timed.draft_s, timed.fed)
