@@ -8,9 +8,11 @@ k + 1 for a chain, the tree size for a tree), so E[c(T)] = sum_T n_T c(T) / sum_
 the T histogram are hardware-independent (measured on the suite); c and draft_cost come from a profile:
 
 - ``measured``: this machine's curve, from ``python -m evals.spec_cost measure`` (c(T) for T = 1..32 at a fixed
-  context, and each draft method's propose() call), a JSON file. By default (``--timing loop``) c(T) is a step
-  of the real loops (c(1) a plain decoding step, c(T) a speculative step feeding T tokens), so their host work
-  is in the curve and o_plain = o_spec = 0; ``--timing forward`` times bare forwards and the overheads apart;
+  context, and each draft method's propose() call; ``--tree-Ts``: a second curve for steps that verify a T-node
+  candidate tree, which Medusa and EAGLE rows use: on this CPU trees run eager under a tree mask), a JSON file.
+  By default (``--timing loop``) c(T) is a step of the real loops (c(1) a plain decoding step, c(T) a
+  speculative step feeding T tokens), so their host work is in the curve and o_plain = o_spec = 0;
+  ``--timing forward`` times bare forwards and the overheads apart;
 - ``roofline``: a named GPU (``h200``: 4.2 TB/s measured copy bandwidth of the 4.8 nominal, 990 TFLOP/s bf16
   dense, a per-forward + per-layer launch overhead) and the model's shapes: c(T) = max(bytes / BW,
   FLOPs / peak) + overhead; ``h200-eager`` uses the launch overhead measured with eager PyTorch (DESIGN.md:
@@ -62,6 +64,7 @@ from runtime.loader import DEFAULT_MODEL, load_model
 from runtime.model import prefill_meta, random_model
 from runtime.provenance import module_command, provenance
 from runtime.sampling import SamplingParams
+from runtime.speculation import CandidateTree
 from speculate.base import Proposal, SpecState, Speculator, SpeculatorError, check_k
 from speculate.draft import default_draft_file
 from speculate.generate import chain_metadata, speculative_generate
@@ -82,16 +85,22 @@ class Profile:
     batch: int = 1  # rows per forward the curve was measured at: predictions are for suite rows of this batch
     decode_overhead_s: float = 0.0  # o_plain: a plain decode step's host work beyond c(1)
     step_overhead_s: float = 0.0  # o_spec: a speculative step's host work beyond its forward and propose()
+    # T -> seconds of a speculative step that verifies a T-node candidate tree (tree attention mask; the CPU
+    # loop runs trees eager where chains use the compiled step); empty: trees cost what chains do (roofline)
+    tree_verify_s: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self):
         if not self.verify_s or 1 not in self.verify_s:
             raise CostError(f"profile {self.name!r} needs the cost of a one-token forward (T = 1)")
-        if any(t < 1 or s <= 0 for t, s in self.verify_s.items()):
-            raise CostError(f"profile {self.name!r}: every T must be >= 1 and every cost > 0")
+        for curve in (self.verify_s, self.tree_verify_s):
+            if any(t < 1 or s <= 0 for t, s in curve.items()):
+                raise CostError(f"profile {self.name!r}: every T must be >= 1 and every cost > 0")
 
-    def verify(self, T: float) -> float:
-        """c(T), linear between measured points, extrapolated from the last two beyond them."""
-        pts = sorted(self.verify_s.items())
+    def verify(self, T: float, tree: bool = False) -> float:
+        """c(T) of a chain (or, with ``tree`` and a tree curve, of a T-node tree): linear between measured points,
+        beyond the last one extended along the last two's slope, never below the last point (measured curves
+        are noisy: a falling last segment would extrapolate to nothing)."""
+        pts = sorted((self.tree_verify_s if tree and self.tree_verify_s else self.verify_s).items())
         if T <= pts[0][0]:
             return pts[0][1]
         for (t0, c0), (t1, c1) in zip(pts, pts[1:]):
@@ -100,15 +109,18 @@ class Profile:
         if len(pts) == 1:
             return pts[0][1]
         (t0, c0), (t1, c1) = pts[-2], pts[-1]
-        return c1 + (c1 - c0) * (T - t1) / (t1 - t0)
+        return c1 + max(c1 - c0, 0.0) * (T - t1) / (t1 - t0)
 
 
-def predict_speedup(tokens_per_step: float, fed_hist: dict, draft_s: float, profile: Profile) -> float:
-    """tokens_per_step x (c(1) + o_plain) / (draft_s + E[c(T)] + o_spec), T distributed as fed_hist {T: steps}."""
+def predict_speedup(
+    tokens_per_step: float, fed_hist: dict, draft_s: float, profile: Profile, tree: bool = False
+) -> float:
+    """tokens_per_step x (c(1) + o_plain) / (draft_s + E[c(T)] + o_spec), T distributed as fed_hist {T: steps};
+    tree: the steps verify candidate trees (the profile's tree curve where it has one)."""
     steps = sum(fed_hist.values())
     if steps <= 0:
         raise CostError("the fed-token histogram is empty (no speculative steps)")
-    mean_verify = sum(n * profile.verify(int(t)) for t, n in fed_hist.items()) / steps
+    mean_verify = sum(n * profile.verify(int(t), tree) for t, n in fed_hist.items()) / steps
     plain_step = profile.verify(1) + profile.decode_overhead_s
     return tokens_per_step * plain_step / (draft_s + mean_verify + profile.step_overhead_s)
 
@@ -209,7 +221,7 @@ def draft_time(gpu: GPU, s: Shapes, method: dict, context: int) -> float | None:
     raise CostError(f"no roofline draft cost for method {name!r}")
 
 
-def roofline_profile(gpu_name: str, cfg, context: int = 512, max_T: int = 32) -> Profile:
+def roofline_profile(gpu_name: str, cfg, context: int = 512, max_T: int = 128) -> Profile:
     if gpu_name not in GPUS:
         raise CostError(f"unknown GPU profile {gpu_name!r}; known: {', '.join(GPUS)}")
     gpu, s = GPUS[gpu_name], Shapes.of(cfg)
@@ -244,6 +256,7 @@ def load_profile(spec: str, cfg=None, context: int = 512) -> Profile:
             int(raw.get("batch", 1)),
             float(raw.get("decode_overhead_s", 0.0)),
             float(raw.get("step_overhead_s", 0.0)),
+            {int(t): float(c) for t, c in raw.get("tree_verify_s", {}).items()},
         )
     if "verify_curve_s" in raw or "verify_curve_ms" in raw:
         scale, curve = (1.0, raw["verify_curve_s"]) if "verify_curve_s" in raw else (1e-3, raw["verify_curve_ms"])
@@ -284,7 +297,8 @@ def predict_suite(
             draft = r["draft_s_per_step"] if draft is None else draft
         else:
             draft = r["draft_s_per_step"]
-        pred = predict_speedup(r["tokens_per_step"], r["fed_tokens_hist"], draft, profile)
+        tree = "tree_size" in describe.get(method, {})  # Medusa / EAGLE: every step verifies a candidate tree
+        pred = predict_speedup(r["tokens_per_step"], r["fed_tokens_hist"], draft, profile, tree)
         # the decode phase: what the model predicts (the prefill is no speculation cost); older records: end to end
         measured = r.get("decode_speedup_vs_plain", r.get("speedup_vs_plain"))
         rows.append(
@@ -340,14 +354,22 @@ def choose_draft(suite: dict, profile: Profile, cfg=None, context: int = 512, ba
 
 
 def measure(
-    model, speculators: dict, context: int, Ts: list[int], repeats: int, batch: int = 1, in_loop: bool = True
+    model,
+    speculators: dict,
+    context: int,
+    Ts: list[int],
+    repeats: int,
+    batch: int = 1,
+    in_loop: bool = True,
+    tree_Ts: list[int] = (),
 ) -> Profile:
     """This machine's cost curve at ``batch`` rows and ``context`` cached tokens, and each speculator's propose().
 
     in_loop (the default): c(T) and propose() are timed inside the real loops, so their host work is inside the
     curve: c(1) is a plain decoding step, c(T > 1) a speculative step whose T - 1 drafts are rejected (FixedDrafts)
     less its propose(), a draft's cost its propose() per step of a real speculative run; no separate overhead
-    terms. Otherwise c(T) is a bare target forward over T new tokens, propose() is called alone, and the loops'
+    terms; tree_Ts: the same for steps that verify a T-node candidate tree (FixedDrafts with a tree). Otherwise
+    c(T) is a bare target forward over T new tokens, propose() is called alone, and the loops'
     own overheads are measured apart (loop_overheads)."""
     gen = torch.Generator().manual_seed(0)
     capacity = context + max(Ts) + 64
@@ -356,9 +378,10 @@ def measure(
     with torch.inference_mode():
         if in_loop:  # the real loops prefill for themselves
             verify = {T: loop_step_seconds(model, prompts, T, repeats) for T in Ts}
+            trees = {T: loop_step_seconds(model, prompts, T, repeats, tree=True) for T in tree_Ts}
             draft = {label: loop_draft_seconds(model, prompts, sp, repeats) for label, sp in speculators.items()}
             notes = f"in-loop steps of {OVERHEAD_STEPS} from context {context}, batch {batch}, median of {repeats}"
-            return Profile("cpu-measured", "measured", verify, draft, notes, batch)
+            return Profile("cpu-measured", "measured", verify, draft, notes, batch, tree_verify_s=trees)
         cache, hidden = prefill(model, prompts, capacity)  # the drafts' states and the bare forwards read it
         draft = {}
         for label, sp in speculators.items():
@@ -411,21 +434,27 @@ def _seconds(fn) -> float:
 
 class FixedDrafts(Speculator):
     """k random drafts per row, every step: the target rejects them almost surely, so each step feeds T = k + 1
-    tokens and a timed run shows the speculative loop's own per-step work beside the forward it pays for."""
+    tokens and a timed run shows the speculative loop's own per-step work beside the forward it pays for.
+    tree: the drafts as a k-node candidate tree (a chain-shaped CandidateTree), so each step runs the loop's
+    tree verification (tree mask, eager) as Medusa and EAGLE steps do."""
 
     name = "fixed-drafts"
 
-    def __init__(self, k: int, vocab_size: int, seed: int = 0):
+    def __init__(self, k: int, vocab_size: int, seed: int = 0, tree: bool = False):
         self.k, self.vocab_size = check_k(k), vocab_size
         self.generator = torch.Generator().manual_seed(seed)
+        self.tree = CandidateTree.chain(k) if tree else None
 
     def max_tokens_per_step(self) -> int:
         return self.k + 1
 
     def propose(self, state: SpecState) -> Proposal:
         B = len(state.ids)
-        tokens = torch.randint(2, self.vocab_size, (B, self.k), generator=self.generator)
-        return Proposal(tokens=tokens.to(state.device), num_drafted=torch.full((B,), self.k, device=state.device))
+        tokens = torch.randint(2, self.vocab_size, (B, self.k), generator=self.generator).to(state.device)
+        if self.tree is not None:
+            root = torch.tensor([seq[-1] for seq in state.token_ids], device=state.device)[:, None]
+            return Proposal(tokens=torch.cat([root, tokens], 1), tree=self.tree)
+        return Proposal(tokens=tokens, num_drafted=torch.full((B,), self.k, device=state.device))
 
 
 OVERHEAD_K = 4  # drafts per step of the overhead run: T = 5, inside the measured curve
@@ -438,15 +467,17 @@ def plain_step(model, rows: list[list[int]], params: SamplingParams) -> float:
     return decode_s / max(len(out.step_times_s), 1)
 
 
-def loop_step_seconds(model, prompts: torch.Tensor, T: int, repeats: int) -> float:
+def loop_step_seconds(model, prompts: torch.Tensor, T: int, repeats: int, tree: bool = False) -> float:
     """Seconds per step of the real loop from ``prompts`` (greedy, EOS ignored, OVERHEAD_STEPS steps, median
     of repeated runs): T = 1 is a plain decoding step (plain_step), T > 1 a speculative step feeding T tokens (T - 1
-    rejected FixedDrafts) less the drafts' propose()."""
+    rejected FixedDrafts; tree: a T-node candidate tree) less the drafts' propose()."""
     rows = prompts.tolist()
     params = SamplingParams(temperature=0.0, max_tokens=OVERHEAD_STEPS + 1, ignore_eos=True)
-    if T == 1:
+    if T == 1 and not tree:
         return median_of(lambda: plain_step(model, rows, params), repeats)
-    drafts = FixedDrafts(T - 1, model.config.vocab_size)
+    if T < 2:
+        raise CostError(f"a candidate tree step feeds at least 2 tokens, got T = {T}")
+    drafts = FixedDrafts(T - 1, model.config.vocab_size, tree=tree)
 
     def spec_step() -> float:
         out = speculative_generate(model, rows, params, drafts, compile="off")
@@ -490,6 +521,11 @@ def main(argv: list[str] | None = None) -> None:
     m.add_argument("--max-T", type=int, default=32)
     m.add_argument("--Ts", default=None, help="comma list of T to time (default 1..--max-T)")
     m.add_argument(
+        "--tree-Ts",
+        default="",
+        help="comma list of candidate-tree sizes T (nodes incl. the root) to time as tree steps (Medusa / EAGLE)",
+    )
+    m.add_argument(
         "--timing",
         choices=("loop", "forward"),
         default="loop",
@@ -532,6 +568,12 @@ def main(argv: list[str] | None = None) -> None:
             ap.error(f"--Ts {args.Ts!r}: a comma list of token counts, e.g. 1,2,4,8")
         if Ts[0] != 1:
             ap.error(f"--Ts must include T = 1 (a plain step) and no T < 1, got {Ts}")
+        try:
+            tree_Ts = sorted({int(t) for t in args.tree_Ts.split(",") if t.strip()})
+        except ValueError:
+            ap.error(f"--tree-Ts {args.tree_Ts!r}: a comma list of tree sizes, e.g. 9,16,32")
+        if tree_Ts and (tree_Ts[0] < 2 or args.timing != "loop"):
+            ap.error("--tree-Ts: tree sizes >= 2, timed in the real loop (--timing loop)")
         sps = {}
         for spec in args.methods if args.methods is not None else (SMOKE_METHODS if args.smoke else DEFAULT_METHODS):
             if spec == "plain":
@@ -540,12 +582,15 @@ def main(argv: list[str] | None = None) -> None:
                 sps[spec] = build_method(*parse_method(spec), model, heads, args.smoke)
             except SpeculatorError as err:
                 print(f"[spec_cost] skipping {spec}: {err}", file=sys.stderr)
-        prof = measure(model, sps, args.context, Ts, args.repeats, args.batch, in_loop=args.timing == "loop")
+        prof = measure(
+            model, sps, args.context, Ts, args.repeats, args.batch, in_loop=args.timing == "loop", tree_Ts=tree_Ts
+        )
         record = {
             **provenance(command=module_command("evals.spec_cost", argv)),
             "kind": "measured",
             "name": prof.name,
             "verify_s": prof.verify_s,
+            "tree_verify_s": prof.tree_verify_s,
             "draft_s": prof.draft_s,
             "notes": prof.notes,
             "batch": prof.batch,
@@ -558,6 +603,8 @@ def main(argv: list[str] | None = None) -> None:
         Path(args.out).write_text(json.dumps(record, indent=2))
         c1 = prof.verify_s[1]
         print(" ".join(f"T={t}:{c / c1:.2f}" for t, c in prof.verify_s.items()), file=sys.stderr)
+        if prof.tree_verify_s:
+            print("trees " + " ".join(f"T={t}:{c / c1:.2f}" for t, c in prof.tree_verify_s.items()), file=sys.stderr)
         print(
             f"c(1) {c1 * 1e3:.1f} ms; loop overhead per step: plain {prof.decode_overhead_s * 1e3:.2f} ms, "
             f"speculative {prof.step_overhead_s * 1e3:.2f} ms",

@@ -21,7 +21,7 @@ import torch
 
 from evals.fidelity import Scorer, batched_scorer, cached_scorer, greedy_outputs, model_scorer
 from evals.naive_attention import naive_attention
-from evals.specbench import build_method, build_suite, encode_messages, parse_method, run_suite
+from evals.specbench import build_method, parse_method, run_suite
 from quantize.fp8 import float_config
 from quantize.fp8 import quantize_model as float_quantize_model
 from quantize.fplinear import FPLinear
@@ -31,6 +31,7 @@ from runtime.decoding import generate
 from runtime.engine import EngineConfig, LLMEngine
 from runtime.loader import is_checkpoint_dir, load_model
 from runtime.paths import qspec_home
+from runtime.prompts import build_suite, encode_messages
 from runtime.sampling import SamplingParams
 from speculate.base import SpeculatorError
 from speculate.cli import build_speculator

@@ -66,7 +66,7 @@ def build_speculator(
     elif not heads.config.accuracy:
         raise SpeculatorError("the Medusa checkpoint has no accuracy table to build a tree from; retrain it")
     else:
-        tree = build_tree(heads.config.accuracy, tree_size)
+        tree = build_tree(heads.config.accuracy, tree_size, paths=heads.config.paths)
     return MedusaSpeculator(model, heads, tree, acceptance=acceptance)
 
 

@@ -1,6 +1,7 @@
 """What every draft-head trainer shares (Medusa heads, the EAGLE head): training windows from the wiki TRAIN
-split, a wall-clock budget with a warm-up + cosine learning rate, progress lines, periodic saves, and a
-Ctrl-C that keeps the head trained so far.
+split (raw text, or the target's own answers to task prompts: self-distillation data), a wall-clock budget
+with a warm-up + cosine learning rate, progress lines, periodic saves, and a Ctrl-C that keeps the head
+trained so far.
 
 A trainer supplies one function, ``step_fn(step) -> StepResult``, that computes the loss of one update; the
 loop here does the rest, so both trainers log, schedule, save and stop the same way.
@@ -8,19 +9,25 @@ loop here does the rest, so both trainers log, schedule, save and stop the same 
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from runtime.cliutil import interrupted
 from runtime.data import wiki_split
+from runtime.decoding import generate
+from runtime.loader import load_model
 from runtime.paths import qspec_home
+from runtime.prompts import CATEGORIES, build_suite, encode_messages
+from runtime.sampling import SamplingParams
 
 WARMUP_STEPS = 20
 
@@ -44,6 +51,217 @@ def training_windows(tokenizer, seqlen: int, max_tokens: int, seed: int) -> list
             break
     n = len(ids) // seqlen
     return [ids[j * seqlen : (j + 1) * seqlen] for j in range(n)]
+
+
+# ---- self-distillation data: the target's own answers --------------------------------------------------
+
+ANSWERS_VERSION = 1  # bump when the prompts or the generation change: the cache key changes with it
+
+
+@dataclass(frozen=True)
+class AnswerSpec:
+    """What the self-distillation data is: greedy answers of ``max_tokens`` tokens (end-of-turn ignored, as the
+    suite generates) to ``runtime.prompts`` task prompts of every category from the wiki TRAIN split."""
+
+    per_category: int = 320
+    max_tokens: int = 128
+    seed: int = 0
+    batch: int = 32
+
+    def cache_path(self, model_name: str) -> Path:
+        name = f"answers-v{ANSWERS_VERSION}-{model_name}-n{self.per_category}-t{self.max_tokens}-s{self.seed}.json"
+        return qspec_home() / "data" / name
+
+
+def training_prompts(tokenizer, spec: AnswerSpec) -> list[list[int]]:
+    """Chat-templated task prompts from the TRAIN split (documents >= 5000, never the suite's). Translation gets
+    its own draw: the split's few long passages with a French/Spanish counterpart would otherwise go to rewriting."""
+    others = tuple(c for c in CATEGORIES if c != "translation")
+    prompts = build_suite(
+        spec.per_category, spec.seed, copy_tokens=spec.max_tokens, split="train", strict=False, categories=others
+    )
+    prompts += build_suite(
+        spec.per_category,
+        spec.seed,
+        copy_tokens=spec.max_tokens,
+        split="train",
+        strict=False,
+        categories=("translation",),
+    )
+    return [encode_messages(tokenizer, p.messages) for p in prompts]
+
+
+@torch.inference_mode()
+def target_answers(model, tokenizer, spec: AnswerSpec, model_name: str, log=None) -> list[list[int]]:
+    """prompt + answer token ids per training prompt, the answers greedy from ``model``; cached per model and
+    spec in $QSPEC_HOME/data (generated once: ~15 min for the default 1.5k prompts on a 2-core CPU in bf16)."""
+    path = spec.cache_path(model_name)
+    if path.is_file():
+        return json.loads(path.read_text())["sequences"]
+    prompts = training_prompts(tokenizer, spec)
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths share a prefill
+    params = SamplingParams(temperature=0.0, max_tokens=spec.max_tokens, ignore_eos=True)
+    sequences: list[list[int]] = [[] for _ in prompts]
+    if log is not None:
+        log(f"generating the target's answers to {len(prompts)} training prompts -> {path} (once)")
+    for i in tqdm(range(0, len(order), spec.batch), desc="answers", unit="batch", file=sys.stderr):
+        rows = order[i : i + spec.batch]
+        out = generate(model, [prompts[r] for r in rows], params, compile="off")
+        for r, toks in zip(rows, out.tokens):
+            sequences[r] = prompts[r] + toks
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    record = {"spec": asdict(spec), "version": ANSWERS_VERSION, "model": model_name, "sequences": sequences}
+    tmp.write_text(json.dumps(record))
+    tmp.replace(path)
+    return sequences
+
+
+@dataclass
+class AnswerFeatures:
+    """The frozen target over each full prompt + answer, kept for the answer: tokens [N, span] and final-norm
+    hidden states [N, span, H] of each sequence's last ``span`` positions (its last prompt token, whose hidden
+    state predicts the first answer token, and the answer)."""
+
+    tokens: torch.Tensor
+    hidden: torch.Tensor
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+    def rows(self, index) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.tokens[index], self.hidden[index]
+
+    def split(self, held_out: int) -> tuple[AnswerFeatures, AnswerFeatures]:
+        """(first held_out rows, the rest): the heads' validation rows and their training rows."""
+        return (
+            AnswerFeatures(self.tokens[:held_out], self.hidden[:held_out]),
+            AnswerFeatures(self.tokens[held_out:], self.hidden[held_out:]),
+        )
+
+
+@torch.no_grad()
+def answer_features(
+    model, sequences: list[list[int]], span: int, seed: int, batch: int = 8, bf16: bool = True
+) -> AnswerFeatures:
+    """Target features of the answers, the whole prompt in context (a window cut from the prompt would change
+    every hidden state of a copying answer). Rows shuffled with a fixed seed; hidden kept in bf16 (the trainers
+    run under bf16 autocast). Sequences are right-padded per batch: attention is causal, so padding after a
+    row's end never reaches its positions."""
+    if any(len(s) <= span for s in sequences):
+        raise ValueError(f"every sequence needs more than {span} tokens (the answer span and a prompt)")
+    order = list(range(len(sequences)))
+    random.Random(seed).shuffle(order)
+    device = model.embed_tokens.weight.device
+    tokens, hidden = [], []
+    by_length = sorted(order, key=lambda i: len(sequences[i]))  # little padding per batch
+    rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for i in tqdm(range(0, len(by_length), batch), desc="answer features", unit="batch", file=sys.stderr):
+        chunk = by_length[i : i + batch]
+        T = max(len(sequences[r]) for r in chunk)
+        ids = torch.tensor([sequences[r] + [0] * (T - len(sequences[r])) for r in chunk], device=device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            h = model(ids, hidden_only=True)
+        for j, r in enumerate(chunk):
+            end = len(sequences[r])
+            rows[r] = (ids[j, end - span : end].cpu().clone(), h[j, end - span : end].to(torch.bfloat16).cpu().clone())
+    for r in order:
+        tokens.append(rows[r][0])
+        hidden.append(rows[r][1])
+    return AnswerFeatures(torch.stack(tokens).to(device), torch.stack(hidden).to(device))
+
+
+def add_data_args(ap) -> None:
+    """The trainers' --data options (one spelling for Medusa and EAGLE)."""
+    ap.add_argument(
+        "--data",
+        choices=("answers", "wiki"),
+        default="answers",
+        help="answers: the target's own greedy answers to training-split task prompts (self-distillation, "
+        "generated once and cached); wiki: windows of the training split's raw text",
+    )
+    spec = AnswerSpec()
+    ap.add_argument(
+        "--answers-per-category", type=int, default=spec.per_category, help="answers: task prompts per category"
+    )
+    ap.add_argument("--answer-tokens", type=int, default=spec.max_tokens, help="answers: tokens per answer")
+
+
+def answer_spec(args) -> AnswerSpec:
+    if args.answers_per_category < 1 or args.answer_tokens < 2:
+        raise ValueError("--answers-per-category must be >= 1 and --answer-tokens >= 2")
+    return AnswerSpec(per_category=args.answers_per_category, max_tokens=args.answer_tokens)
+
+
+def load_answer_features(
+    model, tokenizer, model_spec: str, model_name: str, spec: AnswerSpec, seed: int, log=None
+) -> AnswerFeatures:
+    """The self-distillation training data of a trainer: the target's answers (generated once with a bf16
+    copy of the target, cached) through the frozen target (cached beside them: the trainers share it)."""
+    path = spec.cache_path(model_name).with_suffix(f".features-s{seed}.pt")
+    if path.is_file():
+        saved = torch.load(path)
+        device = model.embed_tokens.weight.device
+        return AnswerFeatures(saved["tokens"].to(device), saved["hidden"].to(device))
+    generator = None if spec.cache_path(model_name).is_file() else load_model(model_spec, dtype=torch.bfloat16)[0]
+    sequences = target_answers(generator, tokenizer, spec, model_name, log)
+    features = answer_features(model, sequences, spec.max_tokens + 1, seed)
+    tmp = path.with_suffix(".tmp")
+    torch.save({"tokens": features.tokens.cpu(), "hidden": features.hidden.cpu()}, tmp)
+    tmp.replace(path)
+    return features
+
+
+@dataclass
+class TrainingData:
+    """What a head trainer reads: rows of tokens [n, T] with the frozen target's hidden states [n, T, H], split
+    into training rows and held-out rows (the accuracy table of a final save)."""
+
+    train_rows: Callable[[list[int]], tuple[torch.Tensor, torch.Tensor]]
+    held_out_rows: Callable[[list[int]], tuple[torch.Tensor, torch.Tensor]]
+    n_train: int
+    n_held_out: int
+    unit: str  # what a row is, for the progress line
+
+    def batch(self, first: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``size`` training rows from row ``first`` on, wrapping around (epochs)."""
+        return self.train_rows([(first + j) % self.n_train for j in range(size)])
+
+    def held_out(self, size: int):
+        """The held-out rows in batches of ``size``."""
+        for i in range(0, self.n_held_out, size):
+            yield self.held_out_rows(list(range(i, min(i + size, self.n_held_out))))
+
+
+def training_data(model, tokenizer, args, model_name: str, log=None) -> TrainingData:
+    """The trainer's --data: ``answers`` (the target's own answers, features cached) or ``wiki`` windows (features
+    computed per batch). args: --data, --answers-per-category, --answer-tokens, --model, --seed, --seqlen,
+    --train-tokens and --eval-windows (held-out rows). A split too small for its held-out rows: ValueError."""
+    if args.data == "answers":
+        data = load_answer_features(model, tokenizer, args.model, model_name, answer_spec(args), args.seed, log)
+        if len(data) <= args.eval_windows:
+            raise ValueError(f"only {len(data)} answers for {args.eval_windows} held-out rows; lower --eval-windows")
+        held_out, train = data.split(args.eval_windows)
+        unit = f"answers x {data.tokens.shape[1]} positions"
+        return TrainingData(train.rows, held_out.rows, len(train), len(held_out), unit)
+    if log is not None:
+        log(f"tokenizing up to {args.train_tokens:,} tokens of the training split")
+    windows = training_windows(tokenizer, args.seqlen, args.train_tokens, args.seed)
+    if len(windows) <= args.eval_windows:
+        raise ValueError(f"only {len(windows)} windows of {args.seqlen} tokens; raise --train-tokens")
+    device = model.embed_tokens.weight.device
+
+    def features(pool: list[list[int]]):
+        @torch.no_grad()
+        def rows(index: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+            tokens = torch.tensor([pool[i] for i in index], device=device)
+            return tokens, model(tokens, hidden_only=True)
+
+        return rows
+
+    held_out, train = windows[: args.eval_windows], windows[args.eval_windows :]
+    unit = f"windows x {args.seqlen} tokens"
+    return TrainingData(features(train), features(held_out), len(train), len(held_out), unit)
 
 
 @dataclass

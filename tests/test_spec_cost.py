@@ -209,3 +209,37 @@ def test_measured_profile_carries_the_loop_overheads():
     assert set(prof.verify_s) == {1, 2, 5}
     assert math.isfinite(prof.decode_overhead_s) and math.isfinite(prof.step_overhead_s)
     assert prof.step_overhead_s > -prof.verify(5)  # a speculative step costs more than nothing
+
+
+def test_tree_rows_use_the_tree_curve_and_extrapolation_never_falls():
+    p = Profile("x", "measured", {1: 1.0, 8: 2.0, 12: 1.8}, tree_verify_s={9: 3.0, 17: 4.0})
+    assert p.verify(20) == 1.8  # a falling last segment is held flat, not extended to nothing
+    assert p.verify(9, tree=True) == 3.0 and p.verify(13, tree=True) == 3.5 and p.verify(9) == 2.0 - 0.05
+    assert Profile("y", "roofline", {1: 1.0, 9: 2.0}).verify(9, tree=True) == 2.0  # no tree curve: the chain's
+    suite = {
+        "speculators": {"medusa:tree=8": {"name": "medusa", "tree_size": 8}, "ngram:k=8": {"name": "ngram"}},
+        "rows": [
+            {"batch": 1, "category": "qa", "method": m, "tokens_per_step": 2.0, "fed_tokens_hist": {"9": 4},
+             "draft_s_per_step": 0.0, "decode_speedup_vs_plain": 1.0}
+            for m in ("medusa:tree=8", "ngram:k=8")
+        ],
+    }  # fmt: skip
+    medusa, ngram = predict_suite(suite, p)
+    assert medusa["predicted_speedup"] == pytest.approx(2.0 / 3.0, abs=1e-4)
+    assert ngram["predicted_speedup"] == pytest.approx(2.0 / 1.95, abs=1e-4)
+
+
+def test_tree_steps_are_timed_through_the_tree_verifier():
+    model = random_model(SMOKE_CONFIG, seed=0)
+    prompts = torch.randint(2, SMOKE_CONFIG.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0)).tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    drafts = FixedDrafts(4, SMOKE_CONFIG.vocab_size, tree=True)
+    state = SpecState(ids=[0], token_ids=prompts, hidden=None, params=[params], generators=[None])
+    proposal = drafts.propose(state)
+    assert proposal.tree is not None and len(proposal.tree) == 5 and proposal.tokens[0, 0] == prompts[0][-1]
+    assert (
+        speculative_generate(model, prompts, params, drafts, compile="off").tokens
+        == generate(model, prompts, params).tokens
+    )
+    prof = measure(model, {}, context=16, Ts=[1], repeats=1, tree_Ts=[3, 5])
+    assert set(prof.tree_verify_s) == {3, 5} and all(v > 0 for v in prof.tree_verify_s.values())

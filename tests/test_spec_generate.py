@@ -301,6 +301,51 @@ def test_build_tree_is_best_first_and_prefix_closed():
     assert len(build_tree(acc, size=30)) == 31
 
 
+def test_build_tree_prefers_measured_paths_over_the_product_of_marginals():
+    """Heads right on the same positions: the measured path (0, 0, 0) beats (1,) and (2,), which the product of
+    marginals (0.6 x 0.5 x 0.4 = 0.12 < 0.2) ranks above it."""
+    acc = [[0.6, 0.2, 0.1], [0.5, 0.2, 0.1], [0.4, 0.1, 0.05]]
+    paths = [[[0], 0.6], [[0, 0], 0.5], [[0, 0, 0], 0.4], [[1], 0.2], [[2], 0.1], [[0, 1], 0.05]]
+    tree = build_tree(acc, size=3, paths=paths)
+    assert tree.choices[1:] == [(0,), (0, 0), (0, 0, 0)]
+    assert set(build_tree(acc, size=3).choices[1:]) == {(0,), (0, 0), (1,)}
+    assert build_tree(acc, size=2, max_depth=1, paths=paths).choices[1:] == [(0,), (1,)]
+    assert len(build_tree(acc, size=10, paths=paths)) == 11  # more nodes than measured paths: the marginals
+
+
+def test_held_out_tables_equal_a_count_by_hand():
+    """accuracy and joint path frequencies of random heads on random hidden states, against loops over positions."""
+    from speculate.medusa.train import MAX_TOP, held_out_tables
+
+    cfg = TINY_CONFIGS["llama"]
+    model = random_model(cfg, seed=2)
+    heads = random_heads(model, num_heads=2)
+    hidden = torch.randn(2, 9, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    accuracy, paths = held_out_tables(heads, model, [hidden[:1], hidden[1:]])
+    target = model.logits(hidden).argmax(-1)
+    order = heads(hidden, model.lm_head).argsort(-1, descending=True)  # [K, B, T, V]
+    K, T = 2, hidden.shape[1]
+
+    def rank(k, b, t):  # head k's rank of the target's token t + 1 + k (MAX_TOP: not in its top)
+        r = order[k - 1, b, t].tolist().index(int(target[b, t + k]))
+        return r if r < MAX_TOP else MAX_TOP
+
+    for k in (1, 2):
+        for i in range(MAX_TOP):
+            n = sum(rank(k, b, t) == i for b in range(2) for t in range(T - k))
+            assert accuracy[k - 1][i] == pytest.approx(n / (2 * (T - k)))
+    counts: dict = {}
+    for b in range(2):
+        for t in range(T - K):
+            r = (rank(1, b, t), rank(2, b, t))
+            for d in (1, 2):
+                if r[d - 1] == MAX_TOP:
+                    break
+                counts[r[:d]] = counts.get(r[:d], 0) + 1
+    assert {tuple(p): v for p, v in paths} == pytest.approx({p: n / (2 * (T - K)) for p, n in counts.items()})
+    assert all(tuple(p[:-1]) in {tuple(q) for q, _ in paths[:i]} for i, (p, _) in enumerate(paths) if len(p) > 1)
+
+
 # ---- end-to-end distribution: speculative sampling vs plain sampling of the target ---------------------
 
 SMALL = TINY_CONFIGS["llama"]

@@ -9,22 +9,30 @@ import pytest
 import torch
 
 from runtime.cliutil import EXIT_INTERRUPTED
-from runtime.loader import load_model
+from runtime.data import wiki_split
+from runtime.loader import load_model, load_tokenizer, resolve
+from runtime.model import random_model
+from runtime.prompts import CATEGORIES
 from speculate.eagle import train as eagle_train
 from speculate.eagle.head import load_eagle
 from speculate.medusa import train as medusa_train
 from speculate.medusa.heads import load_medusa
 from speculate.training import (
     WARMUP_STEPS,
+    AnswerSpec,
     StepResult,
     TrainingProgress,
+    answer_features,
     head_dir,
     learning_rate,
+    target_answers,
     train_within_budget,
+    training_prompts,
 )
 from tests.serve_helpers import save_tiny_checkpoint
+from tests.tiny_models import tiny_model_config
 
-COMMON = ["--seqlen", "32", "--train-tokens", "3000", "--eval-windows", "2", "--batch-size", "2"]
+COMMON = ["--data", "wiki", "--seqlen", "32", "--train-tokens", "3000", "--eval-windows", "2", "--batch-size", "2"]
 
 
 @pytest.fixture(scope="module")
@@ -101,3 +109,63 @@ def test_heads_live_under_one_directory_per_kind_and_model(monkeypatch, tmp_path
     monkeypatch.setenv("QSPEC_HOME", str(tmp_path))
     assert head_dir("medusa", "/x/models/smollm2-135m") == tmp_path / "medusa" / "smollm2-135m"
     assert head_dir("eagle", "./SmolLM2.Q4_1.gguf") == tmp_path / "eagle" / "SmolLM2.Q4_1"
+
+
+@pytest.mark.parametrize(
+    "trainer, loader, extra",
+    [(medusa_train, load_medusa, ["--num-heads", "2"]), (eagle_train, load_eagle, ["--window", "3", "--reuse", "1"])],
+    ids=["medusa", "eagle"],
+)
+def test_trainer_on_the_targets_own_answers(tmp_path, monkeypatch, trainer, loader, extra):
+    """--data answers: the target answers training-split prompts (cached under $QSPEC_HOME), the heads fit on
+    the answer positions, and the held-out table comes from held-out answers."""
+    ckpt = save_tiny_checkpoint(tmp_path / "ckpt", max_len=1024)  # whole prompts: passages of up to ~600 tokens
+    monkeypatch.setenv("QSPEC_HOME", str(tmp_path / "home"))
+    data = ["--data", "answers", "--answers-per-category", "1", "--answer-tokens", "6", "--eval-windows", "2"]
+    out = tmp_path / "head"
+    args = ["--model", str(ckpt), *data, "--batch-size", "2", *extra, "--max-steps", "2", "--minutes", "5"]
+    trainer.main([*args, "--out", str(out)])
+    cached = list((tmp_path / "home" / "data").glob("answers-*"))
+    assert len(cached) == 2  # the answers and their features, shared by the next trainer
+    model, _, _ = load_model(str(ckpt), dtype=torch.float32)
+    head = loader(out, model)
+    assert head.config.training["steps"] == 2 and head.config.training["tokens"] == 2 * 2 * 7
+    assert head.config.accuracy
+
+
+def test_training_prompts_cover_every_category_from_the_training_split_only():
+    tokenizer = load_tokenizer(str(resolve("smollm2-135m")))
+    spec = AnswerSpec(per_category=2, max_tokens=16)
+    prompts = training_prompts(tokenizer, spec)
+    assert len(prompts) == 2 * len(CATEGORIES)
+    text = [tokenizer.decode(p) for p in prompts]
+    eval_titles = {d.title for d in wiki_split("eval")}
+    train_titles = {d.title for d in wiki_split("train")}
+    assert all(any(t in x for t in train_titles) for x in text)
+    assert not any(f"Tell me about {t}." in x for x in text for t in eval_titles)  # chat turns name their document
+
+
+def test_answers_are_greedy_and_features_equal_each_sequence_alone(tmp_path, monkeypatch):
+    """Oracles: each answer is the argmax continuation by full forwards (no cache, one row); each row's features
+    are the hidden states of its own unpadded forward, cut to the answer span, whatever its batch mates."""
+    monkeypatch.setenv("QSPEC_HOME", str(tmp_path))
+    tokenizer = load_tokenizer(str(resolve("smollm2-135m")))
+    cfg = tiny_model_config(vocab_size=len(tokenizer), max_position_embeddings=1024)
+    model = random_model(cfg, seed=1)
+    spec = AnswerSpec(per_category=1, max_tokens=3, batch=4)
+    sequences = target_answers(model, tokenizer, spec, "tiny")
+    assert spec.cache_path("tiny").is_file() and target_answers(None, tokenizer, spec, "tiny") == sequences
+    prompts = training_prompts(tokenizer, spec)
+    for prompt, seq in list(zip(prompts, sequences))[:2]:
+        ids = list(prompt)
+        for _ in range(spec.max_tokens):
+            ids.append(int(model.logits(model(torch.tensor([ids]), hidden_only=True))[0, -1].argmax()))
+        assert seq == ids
+    span = spec.max_tokens + 1
+    feats = answer_features(model, sequences, span, seed=0, batch=3, bf16=False)
+    assert feats.tokens.shape == (len(sequences), span)
+    assert feats.hidden.shape == (len(sequences), span, cfg.hidden_size)
+    for row in range(len(feats)):
+        seq = next(s for s in sequences if s[-span:] == feats.tokens[row].tolist())
+        alone = model(torch.tensor([seq]), hidden_only=True)[0, -span:]
+        torch.testing.assert_close(feats.hidden[row].float(), alone, atol=2e-2, rtol=2e-2)  # kept in bf16

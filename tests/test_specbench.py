@@ -8,19 +8,10 @@ import json
 
 import pytest
 
-from evals.specbench import (
-    CATEGORIES,
-    SMOKE_CONFIG,
-    SuiteError,
-    add_typos,
-    build_suite,
-    main,
-    parse_method,
-    run_suite,
-    smoke_suite,
-)
+from evals.specbench import SMOKE_CONFIG, main, parse_method, run_suite, smoke_suite
 from runtime.data import wiki_docs, wiki_split
 from runtime.model import random_model
+from runtime.prompts import CATEGORIES, SuiteError, add_typos, build_suite
 
 
 def test_suite_categories_and_sources():

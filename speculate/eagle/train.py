@@ -1,5 +1,9 @@
 """Fit an EAGLE-style draft head on the frozen target by self-distillation (wiki TRAIN split, documents >= 5000).
 
+Data (``--data``, as the Medusa trainer): ``answers`` (default), the target's own greedy answers to task prompts
+from the training split, features taken with the whole prompt in context (``speculate.training``); or ``wiki``,
+windows of raw text.
+
 Per position t of a window of target hidden states h (final norm) and tokens x: the head's input is
 fc([embed(x[t+1]); h[t]]); its output regresses h[t+1] (smooth L1) and, through the target's lm_head,
 matches the target's distribution of token t+2 (KL over the union of the target's top-``candidates`` tokens,
@@ -29,7 +33,15 @@ import torch.nn.functional as F
 from runtime.cliutil import ArgumentParser, run
 from runtime.loader import DEFAULT_MODEL, check_model_arg, load_model, load_tokenizer
 from speculate.eagle.head import EagleConfig, EagleHead
-from speculate.training import StepResult, TrainingProgress, head_dir, train_within_budget, training_windows
+from speculate.training import (
+    StepResult,
+    TrainingProgress,
+    add_data_args,
+    answer_spec,
+    head_dir,
+    train_within_budget,
+    training_data,
+)
 
 
 def windowed(x: torch.Tensor, window: int, offset: int) -> torch.Tensor:
@@ -39,11 +51,15 @@ def windowed(x: torch.Tensor, window: int, offset: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def teacher(model, tokens: torch.Tensor, candidates: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+def teacher(
+    model, tokens: torch.Tensor, candidates: int, hidden: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """tokens [B, T] -> (hidden [B, T, H] of the frozen target, log-probs [B, T, S] of its next token over the
     union S of its top-``candidates`` tokens (S = the vocabulary when 0), subset indices [S] or None).
-    Computed once per batch and reused by ``--reuse`` head updates (the target forward is the dominant cost)."""
-    hidden = model(tokens, hidden_only=True)
+    Computed once per batch and reused by ``--reuse`` head updates (the target forward is the dominant cost).
+    hidden: the target's features of ``tokens`` when already computed (answers data)."""
+    if hidden is None:
+        hidden = model(tokens, hidden_only=True)
     logits = model.logits(hidden).float()
     subset = logits.topk(candidates, -1).indices.unique() if candidates else None
     if subset is not None:
@@ -84,15 +100,15 @@ def eagle_loss(
 
 
 @torch.no_grad()
-def draft_accuracy(head: EagleHead, model, windows: list[list[int]], depth: int) -> list[float]:
+def draft_accuracy(head: EagleHead, model, batches, depth: int) -> list[float]:
     """Held-out: P(the head's greedy draft at depth d equals the target's greedy token | depths < d matched),
-    drafting from the head's own features as at run time (acc[d-1] for d = 1..depth)."""
+    drafting from the head's own features as at run time (acc[d-1] for d = 1..depth). batches: (tokens [1, T],
+    hidden [1, T, H] of the frozen target) pairs, one row each."""
     hits, counts = [0] * depth, [0] * depth
-    for ids in windows:
-        toks = torch.tensor([ids], device=model.embed_tokens.weight.device)
-        hidden = model(toks, hidden_only=True)[0]  # [T, H]
+    for toks, hidden in batches:
+        hidden = hidden[0].to(model.norm.weight.dtype)  # [T, H]
         target = model.logits(hidden).argmax(-1)  # [T]: target's greedy token after each position
-        T = len(ids)
+        T = toks.shape[1]
         starts = torch.arange(0, T - depth - 2, device=toks.device)  # root at position s: feature h[s], token x[s+1]
         feats = hidden[starts]  # [S, H]
         embeds = model.embed_tokens(toks[0, starts + 1])
@@ -115,7 +131,8 @@ def main(argv: list[str] | None = None) -> None:
     ap = ArgumentParser(prog="python -m speculate.eagle.train", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=DEFAULT_MODEL, help="base model spec (frozen)")
     ap.add_argument("--out", default=None, help="checkpoint directory (default $QSPEC_HOME/eagle/MODEL)")
-    ap.add_argument("--seqlen", type=int, default=256)
+    add_data_args(ap)
+    ap.add_argument("--seqlen", type=int, default=256, help="wiki window length")
     ap.add_argument("--window", type=int, default=6, help="causal window (longest draft path) the head is fit on")
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--lr", type=float, default=1e-3)
@@ -124,8 +141,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--reuse", type=int, default=3, help="head updates per batch of target features")
     ap.add_argument("--max-steps", type=int, default=100000)
     ap.add_argument("--minutes", type=float, default=20.0, help="wall-clock training budget")
-    ap.add_argument("--train-tokens", type=int, default=1_500_000)
-    ap.add_argument("--eval-windows", type=int, default=4, help="held-out windows for the accuracy table")
+    ap.add_argument("--train-tokens", type=int, default=1_500_000, help="wiki: tokens of the training split to draw")
+    ap.add_argument("--eval-windows", type=int, default=None, help="held-out windows (wiki, 4) or answers (16)")
     ap.add_argument("--save-every", type=int, default=50)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="default: cuda if present")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
@@ -135,6 +152,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.minutes <= 0 or args.window < 2 or args.batch_size < 1 or args.reuse < 1:
         ap.error("--minutes must be > 0, --window >= 2, --batch-size >= 1, --reuse >= 1")
     check_model_arg(ap, args.model)  # before anything loads: a bad spec is one line, not a traceback
+    answers = args.data == "answers"
+    args.eval_windows = args.eval_windows or (16 if answers else 4)
+    try:
+        answer_spec(args)  # a bad --answers-* value: one line before anything loads
+    except ValueError as err:
+        ap.error(str(err))
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -144,17 +167,17 @@ def main(argv: list[str] | None = None) -> None:
     model.requires_grad_(False)
     tokenizer = load_tokenizer(str(path))
     out = Path(args.out) if args.out else head_dir("eagle", path)
-    windows = training_windows(tokenizer, args.seqlen, args.train_tokens, args.seed)
-    if len(windows) <= args.eval_windows:
-        ap.error(f"only {len(windows)} windows of {args.seqlen} tokens; raise --train-tokens")
-    eval_windows, train_windows = windows[: args.eval_windows], windows[args.eval_windows :]
+    try:
+        data = training_data(model, tokenizer, args, Path(path).name, log=_log)
+    except ValueError as err:
+        ap.error(str(err))
     config = EagleConfig.for_model(model, args.model, args.window)
     head = EagleHead(config).to(device)
     params = list(head.parameters())
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
     command = "python -m speculate.eagle.train " + shlex.join(argv if argv is not None else sys.argv[1:])
     print(
-        f"[eagle] {len(train_windows)} train windows x {args.seqlen} tokens, window {args.window}, "
+        f"[eagle] {data.n_train} {data.unit}, window {args.window}, "
         f"{sum(p.numel() for p in params) / 1e6:.2f}M trainable params, budget {args.minutes} min -> {out}",
         file=sys.stderr,
     )
@@ -164,7 +187,7 @@ def main(argv: list[str] | None = None) -> None:
         head.eval()
         config.training = progress.record(final)
         if final:
-            acc = draft_accuracy(head, model, eval_windows, args.window - 1)
+            acc = draft_accuracy(head, model, data.held_out(1), args.window - 1)
             config.accuracy = {"greedy_draft_at_depth": [round(a, 4) for a in acc]}
         head.save(out)
         head.train()
@@ -175,11 +198,9 @@ def main(argv: list[str] | None = None) -> None:
     def step_fn(step: int) -> StepResult:
         new_tokens = 0
         if step % args.reuse == 0:  # a new batch of target features every --reuse updates
-            first = (step // args.reuse) * args.batch_size
-            ids = [train_windows[(first + j) % len(train_windows)] for j in range(args.batch_size)]
-            batch = torch.tensor(ids, device=device)
+            batch, hidden = data.batch((step // args.reuse) * args.batch_size, args.batch_size)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
-                features[:] = [batch, *teacher(model, batch, args.candidates)]
+                features[:] = [batch, *teacher(model, batch, args.candidates, hidden)]
             new_tokens = batch.numel()
         offset = int(torch.randint(0, args.window, (1,), generator=gen))
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
@@ -206,6 +227,10 @@ def main(argv: list[str] | None = None) -> None:
         f"greedy draft acceptance per depth {config.accuracy['greedy_draft_at_depth']} -> {out}",
         file=sys.stderr,
     )
+
+
+def _log(msg: str) -> None:
+    print(f"[eagle] {msg}", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

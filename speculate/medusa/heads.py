@@ -56,6 +56,9 @@ class MedusaConfig:
     # top-i accuracy of head k on held-out data: accuracy[k][i] = P(target's next-next token == i-th
     # candidate of head k). Used to build the candidate tree (speculate.medusa.tree).
     accuracy: list[list[float]] = field(default_factory=list)
+    # measured joint acceptance of rank paths, [[i1, .., id], p] (speculate.medusa.train.held_out_tables); when
+    # present the tree is built from it (older checkpoints: from the product of ``accuracy``)
+    paths: list[list] = field(default_factory=list)
     training: dict = field(default_factory=dict)  # command, steps, tokens, seconds, losses
 
     def __post_init__(self):

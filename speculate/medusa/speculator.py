@@ -3,9 +3,10 @@ tree of candidates (node (i1, .., id) = head-1's i1-th token, then head-2's i2-t
 target forward with a tree attention mask. Lossless with the rejection/greedy verifier; Medusa's typical
 acceptance is available as an APPROXIMATE mode.
 
-The tree is built from the heads' measured top-i accuracies (stored in the checkpoint by the trainer):
-best-first, each path scored by the product of its ranks' accuracies, the ``tree_size`` best paths kept
-(a prefix-closed set, since extending a path never raises its score).
+The tree is built from what the trainer measured on held-out data and stored in the checkpoint: the
+``tree_size`` paths of candidate ranks most often accepted whole (``paths``, the joint measurement), or for
+checkpoints without it best-first by the product of each rank's marginal accuracy. Either way a prefix-closed
+set, since extending a path never raises its score.
 """
 
 from __future__ import annotations
@@ -19,11 +20,20 @@ from speculate.base import Proposal, SpecState, Speculator, SpeculatorError
 from speculate.medusa.heads import MedusaHeads
 
 
-def build_tree(accuracy: list[list[float]], size: int, max_depth: int | None = None) -> CandidateTree:
-    """The ``size`` candidate paths (root excluded) with the highest estimated acceptance probability."""
+def build_tree(
+    accuracy: list[list[float]], size: int, max_depth: int | None = None, paths: list[list] | None = None
+) -> CandidateTree:
+    """The ``size`` candidate paths (root excluded) with the highest acceptance probability: measured (``paths``,
+    [[ranks], p] sorted by p then depth, as the trainer stores them) when it holds ``size`` paths within the depth
+    limit, else estimated as the product of each rank's marginal ``accuracy``."""
     if size < 1:
         raise SpeculatorError(f"the Medusa tree needs at least 1 candidate node, got {size}")
     depth_limit = len(accuracy) if max_depth is None else min(max_depth, len(accuracy))
+    measured = [
+        tuple(p) for p, _ in sorted(paths or [], key=lambda e: (-e[1], len(e[0]), e[0])) if len(p) <= depth_limit
+    ]
+    if len(measured) >= size:
+        return CandidateTree.from_choices(measured[:size])
     heap: list[tuple[float, tuple[int, ...]]] = [(-accuracy[0][i], (i,)) for i in range(len(accuracy[0]))]
     heapq.heapify(heap)
     chosen: list[tuple[int, ...]] = []

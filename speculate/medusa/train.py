@@ -1,13 +1,17 @@
 """Fit Medusa heads on the frozen target's hidden states with self-distilled targets.
 
-Data: windows of the wiki training split (``runtime.data.wiki_split("train")``, documents >= 5000, never
-the evaluation documents). Targets: the base model's own next-token distribution (self-distillation), so
-head k at position t learns softmax(lm_head(h[t + k])), the target's distribution for token t + 1 + k.
+Data (``--data``): ``answers`` (default), the base model's own greedy answers to task prompts of every
+``runtime.prompts`` category built from the wiki training split (``speculate.training.load_answer_features``:
+generated once, ~15 min, then cached), the full prompt in context and the heads fit on the answer positions,
+i.e. on the text the heads must predict at run time; or ``wiki``, windows of the training split's raw text.
+Both draw only documents >= 5000, never the evaluation documents. Targets: the base model's own next-token
+distribution (self-distillation), so head k at position t learns softmax(lm_head(h[t + k])), the target's
+distribution for token t + 1 + k.
 Loss: KL(target || head), averaged over heads. The base model is frozen; only the residual blocks (and
 the vocabulary projections when not shared) are trained.
 
-At the end the heads' top-i accuracy against the target's argmax is measured on held-out training-split
-windows and stored in the checkpoint; ``speculate.medusa.tree`` builds the candidate tree from it.
+At the end the heads' top-i accuracy against the target's argmax is measured on held-out rows of the same
+data and stored in the checkpoint; ``speculate.medusa.tree`` builds the candidate tree from it.
 
     python -m speculate.medusa.train --model smollm2-135m --num-heads 3 --minutes 25
 """
@@ -17,6 +21,7 @@ from __future__ import annotations
 import shlex
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -24,10 +29,19 @@ import torch.nn.functional as F
 
 from runtime.cliutil import ArgumentParser, run
 from runtime.loader import DEFAULT_MODEL, check_model_arg, load_model, load_tokenizer
-from speculate.medusa.heads import MedusaConfig, MedusaHeads, model_fingerprint
-from speculate.training import StepResult, TrainingProgress, head_dir, train_within_budget, training_windows
+from speculate.medusa.heads import MedusaCheckpointError, MedusaConfig, MedusaHeads, load_medusa, model_fingerprint
+from speculate.training import (
+    StepResult,
+    TrainingProgress,
+    add_data_args,
+    answer_spec,
+    head_dir,
+    train_within_budget,
+    training_data,
+)
 
 MAX_TOP = 10  # accuracy table width: candidates per head the tree may use
+MAX_PATHS = 512  # measured tree paths kept in the checkpoint (trees of up to this many candidates)
 
 
 def distill_loss(
@@ -65,22 +79,44 @@ def distill_loss(
 
 
 @torch.no_grad()
-def topk_accuracy(heads: MedusaHeads, model, windows: list[list[int]], batch_size: int) -> list[list[float]]:
-    """accuracy[k][i]: fraction of positions where head k's i-th ranked token is the target's argmax."""
+def held_out_tables(heads: MedusaHeads, model, hidden_batches) -> tuple[list[list[float]], list[list]]:
+    """(accuracy, paths) of the heads on held-out hidden states [B, T, H] of the frozen target.
+
+    accuracy[k][i]: fraction of positions where head k's i-th ranked token is the target's argmax.
+    paths: the MAX_PATHS likeliest rank paths as [[i1, .., id], p]: p is the fraction of positions t (those where
+    every head has a target) at which head j's i_j-th token is the target's token t + 1 + j for every j <= d, i.e.
+    the measured probability that a tree node's whole path is accepted. Heads that are right on the same
+    positions make deep paths likelier than the product of their accuracies, so a tree built from paths
+    (``speculate.medusa.speculator.build_tree``) goes deeper where that pays. Sorted by p, then depth: every
+    path's prefixes come before it."""
     K = heads.config.num_heads
     hits = torch.zeros(K, MAX_TOP, dtype=torch.float64)
     counts = torch.zeros(K, dtype=torch.float64)
-    for i in range(0, len(windows), batch_size):
-        batch = torch.tensor(windows[i : i + batch_size])
-        hidden = model(batch, hidden_only=True)
+    joint: Counter = Counter()
+    positions = 0
+    for hidden in hidden_batches:
+        hidden = hidden.to(model.norm.weight.dtype)
         target = model.logits(hidden).argmax(-1)  # [B, T]
         logits = heads(hidden, model.lm_head)
-        T = batch.shape[1]
+        T = hidden.shape[1]
+        ranks = []
         for k in range(1, K + 1):
             top = logits[k - 1, :, : T - k].topk(MAX_TOP, -1).indices  # [B, T-k, MAX_TOP]
-            hits[k - 1] += (top == target[:, k:, None]).flatten(0, 1).sum(0).double()
+            match = top == target[:, k:, None]
+            hits[k - 1] += match.flatten(0, 1).sum(0).double()
             counts[k - 1] += top.shape[0] * top.shape[1]
-    return (hits / counts[:, None]).tolist()
+            rank = torch.where(match.any(-1), match.int().argmax(-1), MAX_TOP)  # [B, T-k]; MAX_TOP: not in the top
+            ranks.append(rank[:, : T - K])  # positions where every head has a target
+        rows = torch.stack(ranks, -1).flatten(0, 1).tolist()  # [N, K]
+        positions += len(rows)
+        for row in rows:
+            for d in range(1, K + 1):
+                if row[d - 1] >= MAX_TOP:
+                    break
+                joint[tuple(row[:d])] += 1
+    accuracy = (hits / counts[:, None]).tolist()
+    best = sorted(joint.items(), key=lambda e: (-e[1], len(e[0]), e[0]))[:MAX_PATHS]
+    return accuracy, [[list(path), n / max(positions, 1)] for path, n in best]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -93,15 +129,21 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--own-projection", action="store_true", help="a vocabulary projection per head (default: share lm_head)"
     )
-    ap.add_argument("--seqlen", type=int, default=256)
-    ap.add_argument("--batch-size", type=int, default=2)
+    add_data_args(ap)
+    ap.add_argument("--seqlen", type=int, default=256, help="wiki window length")
+    ap.add_argument("--batch-size", type=int, default=None, help="windows (wiki, default 2) or answers (default 4)")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--max-steps", type=int, default=100000)
     ap.add_argument("--minutes", type=float, default=25.0, help="wall-clock training budget (the bar is < 30 min)")
-    ap.add_argument("--train-tokens", type=int, default=1_500_000, help="tokens of the training split to draw from")
-    ap.add_argument("--eval-windows", type=int, default=8, help="held-out windows for the accuracy table")
+    ap.add_argument("--train-tokens", type=int, default=1_500_000, help="wiki: tokens of the training split to draw")
+    ap.add_argument("--eval-windows", type=int, default=None, help="held-out windows (wiki, 8) or answers (32)")
     ap.add_argument("--save-every", type=int, default=50)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="no training: re-measure the tree tables (accuracy, paths) of the heads at --out on the held-out rows",
+    )
     ap.add_argument(
         "--candidates",
         type=int,
@@ -118,6 +160,13 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"--num-heads must be >= 1, got {args.num_heads}")
     if args.minutes <= 0:
         ap.error(f"--minutes must be > 0, got {args.minutes}")
+    answers = args.data == "answers"
+    try:
+        answer_spec(args)  # a bad --answers-* value: one line before anything loads
+    except ValueError as err:
+        ap.error(str(err))
+    args.batch_size = args.batch_size or (4 if answers else 2)
+    args.eval_windows = args.eval_windows or (32 if answers else 8)
     for name in ("seqlen", "batch_size", "max_steps", "save_every", "eval_windows", "train_tokens"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -127,11 +176,21 @@ def main(argv: list[str] | None = None) -> None:
     model.requires_grad_(False)
     tokenizer = load_tokenizer(str(path))
     out = Path(args.out) if args.out else head_dir("medusa", path)
-    print(f"[medusa] tokenizing up to {args.train_tokens:,} tokens of the training split", file=sys.stderr, flush=True)
-    windows = training_windows(tokenizer, args.seqlen, args.train_tokens, args.seed)
-    if len(windows) <= args.eval_windows:
-        ap.error(f"only {len(windows)} windows of {args.seqlen} tokens; raise --train-tokens")
-    eval_windows, train_windows = windows[: args.eval_windows], windows[args.eval_windows :]
+    try:
+        data = training_data(model, tokenizer, args, Path(path).name, log=_log)
+    except ValueError as err:
+        ap.error(str(err))
+    if args.calibrate:
+        try:
+            heads = load_medusa(out, model)
+        except MedusaCheckpointError as err:
+            ap.error(str(err))
+        heads.config.accuracy, heads.config.paths = held_out_tables(
+            heads, model, (h for _, h in data.held_out(args.batch_size))
+        )
+        heads.save(out)
+        _log(f"re-measured tree tables on {data.n_held_out} held-out {data.unit} -> {out}")
+        return
     config = MedusaConfig(
         num_heads=args.num_heads,
         num_layers=args.num_layers,
@@ -149,7 +208,7 @@ def main(argv: list[str] | None = None) -> None:
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
     command = "python -m speculate.medusa.train " + shlex.join(argv if argv is not None else sys.argv[1:])
     print(
-        f"[medusa] {len(train_windows)} train windows x {args.seqlen} tokens, {config.num_heads} heads, "
+        f"[medusa] {data.n_train} {data.unit}, {config.num_heads} heads, "
         f"{sum(p.numel() for p in params) / 1e6:.2f}M trainable params, budget {args.minutes} min -> {out}",
         file=sys.stderr,
     )
@@ -160,18 +219,17 @@ def main(argv: list[str] | None = None) -> None:
         heads.eval()
         config.training = progress.record(final)
         if final:
-            config.accuracy = topk_accuracy(heads, model, eval_windows, args.batch_size)
+            config.accuracy, config.paths = held_out_tables(
+                heads, model, (h for _, h in data.held_out(args.batch_size))
+            )
         heads.save(out)
         heads.train()
 
     def step_fn(step: int) -> StepResult:
-        n = len(train_windows)
-        batch = torch.tensor([train_windows[(step * args.batch_size + j) % n] for j in range(args.batch_size)])
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
-            with torch.no_grad():
-                hidden = model(batch, hidden_only=True)
+            _, hidden = data.batch(step * args.batch_size, args.batch_size)
             loss, top1 = distill_loss(heads, model, hidden, args.candidates)
-        return StepResult(loss, top1, batch.numel())
+        return StepResult(loss, top1, hidden.shape[0] * hidden.shape[1])
 
     heads.train()
     train_within_budget(
@@ -193,6 +251,10 @@ def main(argv: list[str] | None = None) -> None:
         f"top-1 per head {[round(a[0], 3) for a in acc]}, top-5 {[round(sum(a[:5]), 3) for a in acc]} -> {out}",
         file=sys.stderr,
     )
+
+
+def _log(msg: str) -> None:
+    print(f"[medusa] {msg}", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":
