@@ -324,7 +324,11 @@ def run_suite(
     warmup: int = 1,
     log=print,
     on_progress=None,
+    stop_at_eos: bool = False,
 ) -> dict:
+    """Every method on every prompt. stop_at_eos: an answer ends at the model's end of turn (Spec-Bench's
+    protocol; answers differ in length); otherwise every answer is max_tokens long, EOS ignored, and whatever the
+    model writes after its end of turn is measured too."""
     parsed = [parse_method(m) for m in methods]
     if "plain" not in methods:
         raise SuiteError("methods must include 'plain' (the baseline every ratio is against)")
@@ -338,10 +342,10 @@ def run_suite(
             skipped[spec] = str(err)
             log(f"[specbench] skipping {spec}: {err}")
     active = [m for m in methods if m not in skipped]
-    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed, ignore_eos=True)
+    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed, ignore_eos=not stop_at_eos)
 
     def run(spec: str, batch: list[list[int]], n: int = max_tokens):
-        p = SamplingParams(temperature=temperature, max_tokens=n, seed=seed, ignore_eos=True)
+        p = SamplingParams(temperature=temperature, max_tokens=n, seed=seed, ignore_eos=not stop_at_eos)
         if spec == "plain":
             out, decode_s = plain_decode(model, batch, p, tokenizer)
             return out.tokens, decode_s, None
@@ -433,6 +437,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--per-category", type=int, default=4, help="prompts per category")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument(
+        "--stop-at-eos",
+        action="store_true",
+        help="end each answer at the model's end of turn (Spec-Bench's protocol); default: every answer "
+        "--max-tokens long, EOS ignored (on this model 40-73%% of a summarization / QA / chat / continuation "
+        "answer is then text after the end of turn)",
+    )
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--medusa-heads", default=None, help="default $QSPEC_HOME/medusa/MODEL")
     ap.add_argument("--eagle-head", default=None, help="default $QSPEC_HOME/eagle/MODEL")
@@ -490,6 +501,7 @@ def main(argv: list[str] | None = None) -> dict:
     record.update(
         suite={"per_category": args.per_category, "categories": args.categories, "prompts": suite_meta},
         max_tokens=args.max_tokens,
+        stop_at_eos=args.stop_at_eos,
         temperature=args.temperature,
         batch_sizes=args.batch_sizes,
         smoke=args.smoke,
@@ -517,6 +529,7 @@ def main(argv: list[str] | None = None) -> dict:
             warmup=args.warmup,
             log=log,
             on_progress=lambda r: save(r, complete=False),  # a run killed midway keeps what it measured
+            stop_at_eos=args.stop_at_eos,
         )
     except SuiteError as err:
         ap.error(str(err))

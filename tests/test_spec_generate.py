@@ -314,35 +314,45 @@ def test_build_tree_prefers_measured_paths_over_the_product_of_marginals():
 
 
 def test_held_out_tables_equal_a_count_by_hand():
-    """accuracy and joint path frequencies of random heads on random hidden states, against loops over positions."""
-    from speculate.medusa.train import MAX_TOP, held_out_tables
+    """accuracy and joint path frequencies of random heads on random hidden states, against loops over positions;
+    row 1 ends its answer at position 5 (an end-of-turn token): predictions of later tokens do not count."""
+    from speculate.medusa.train import MAX_TOP, answer_ends, held_out_tables
 
     cfg = TINY_CONFIGS["llama"]
     model = random_model(cfg, seed=2)
     heads = random_heads(model, num_heads=2)
     hidden = torch.randn(2, 9, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
-    accuracy, paths = held_out_tables(heads, model, [hidden[:1], hidden[1:]])
+    eos = model.config.eos_token_ids[0]
+    other = next(t for t in range(cfg.vocab_size) if t not in model.config.eos_token_ids)
+    tokens = torch.full((2, 9), other)
+    tokens[0, 0] = eos  # position 0 (the prompt's last token) never ends an answer
+    tokens[1, 5] = eos
+    ends = answer_ends(tokens, model.config.eos_token_ids)
+    assert ends.tolist() == [9, 5]
+    accuracy, paths = held_out_tables(heads, model, [(tokens[:1], hidden[:1]), (tokens[1:], hidden[1:])])
     target = model.logits(hidden).argmax(-1)
     order = heads(hidden, model.lm_head).argsort(-1, descending=True)  # [K, B, T, V]
     K, T = 2, hidden.shape[1]
 
-    def rank(k, b, t):  # head k's rank of the target's token t + 1 + k (MAX_TOP: not in its top)
+    def rank(k, b, t):  # head k's rank of the target's token t + 1 + k (MAX_TOP: not in its top, or past the end)
+        if t + 1 + k > ends[b]:
+            return MAX_TOP
         r = order[k - 1, b, t].tolist().index(int(target[b, t + k]))
         return r if r < MAX_TOP else MAX_TOP
 
     for k in (1, 2):
+        valid = [(b, t) for b in range(2) for t in range(T - k) if t + 1 + k <= ends[b]]
         for i in range(MAX_TOP):
-            n = sum(rank(k, b, t) == i for b in range(2) for t in range(T - k))
-            assert accuracy[k - 1][i] == pytest.approx(n / (2 * (T - k)))
+            assert accuracy[k - 1][i] == pytest.approx(sum(rank(k, b, t) == i for b, t in valid) / len(valid))
     counts: dict = {}
-    for b in range(2):
-        for t in range(T - K):
-            r = (rank(1, b, t), rank(2, b, t))
-            for d in (1, 2):
-                if r[d - 1] == MAX_TOP:
-                    break
-                counts[r[:d]] = counts.get(r[:d], 0) + 1
-    assert {tuple(p): v for p, v in paths} == pytest.approx({p: n / (2 * (T - K)) for p, n in counts.items()})
+    positions = [(b, t) for b in range(2) for t in range(T - K) if t + 2 <= ends[b]]
+    for b, t in positions:
+        r = (rank(1, b, t), rank(2, b, t))
+        for d in (1, 2):
+            if r[d - 1] == MAX_TOP:
+                break
+            counts[r[:d]] = counts.get(r[:d], 0) + 1
+    assert {tuple(p): v for p, v in paths} == pytest.approx({p: n / len(positions) for p, n in counts.items()})
     assert all(tuple(p[:-1]) in {tuple(q) for q, _ in paths[:i]} for i, (p, _) in enumerate(paths) if len(p) > 1)
 
 

@@ -169,3 +169,29 @@ def test_answers_are_greedy_and_features_equal_each_sequence_alone(tmp_path, mon
         seq = next(s for s in sequences if s[-span:] == feats.tokens[row].tolist())
         alone = model(torch.tensor([seq]), hidden_only=True)[0, -span:]
         torch.testing.assert_close(feats.hidden[row].float(), alone, atol=2e-2, rtol=2e-2)  # kept in bf16
+
+
+def test_distill_loss_counts_only_predictions_inside_the_answer():
+    """Head k at position t predicts token t + 1 + k; with row ends [T, 4] row 1's predictions of tokens past
+    index 4 drop out. Oracle: KL(teacher || head) summed by hand over the kept positions."""
+    from speculate.medusa.heads import MedusaConfig, MedusaHeads
+    from speculate.medusa.train import distill_loss
+
+    cfg = tiny_model_config()
+    model = random_model(cfg, seed=0)
+    heads = MedusaHeads(MedusaConfig(num_heads=2, hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size))
+    for p in heads.parameters():
+        torch.nn.init.normal_(p, std=0.2, generator=torch.Generator().manual_seed(1))
+    hidden = torch.randn(2, 8, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    full, _ = distill_loss(heads, model, hidden)
+    assert distill_loss(heads, model, hidden, ends=torch.tensor([8, 8]))[0].item() == pytest.approx(full.item())
+    loss, _ = distill_loss(heads, model, hidden, ends=torch.tensor([8, 4]))
+    with torch.no_grad():
+        teacher = torch.log_softmax(model.logits(hidden), -1)
+        student = torch.log_softmax(heads(hidden, model.lm_head), -1)  # [K, B, T, V]
+    expected = []
+    for k in (1, 2):
+        kept = [(b, t) for b in range(2) for t in range(8 - k) if t + 1 + k <= (8, 4)[b]]
+        kl = [(teacher[b, t + k].exp() * (teacher[b, t + k] - student[k - 1, b, t])).sum() for b, t in kept]
+        expected.append(torch.stack(kl).mean())
+    assert loss.item() == pytest.approx(torch.stack(expected).mean().item(), rel=1e-5)

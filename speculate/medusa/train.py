@@ -44,10 +44,22 @@ MAX_TOP = 10  # accuracy table width: candidates per head the tree may use
 MAX_PATHS = 512  # measured tree paths kept in the checkpoint (trees of up to this many candidates)
 
 
+def answer_ends(tokens: torch.Tensor, eos_ids: list[int]) -> torch.Tensor:
+    """tokens [B, T] -> [B] index of each row's first end-of-turn token after position 0, T where there is none:
+    the tokens after it are what the model writes past its answer, which generation never reaches."""
+    T = tokens.shape[1]
+    is_eos = torch.isin(tokens, torch.tensor(eos_ids, device=tokens.device))
+    is_eos[:, 0] = False
+    index = torch.arange(T, device=tokens.device).expand_as(tokens)
+    return torch.where(is_eos, index, T).min(-1).values
+
+
 def distill_loss(
-    heads: MedusaHeads, model, hidden: torch.Tensor, candidates: int = 0
+    heads: MedusaHeads, model, hidden: torch.Tensor, candidates: int = 0, ends: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, list[float]]:
     """hidden [B, T, H] of the frozen model -> (mean KL over heads, per-head top-1 agreement).
+
+    ends [B] (``answer_ends``): only predictions of tokens up to each row's end-of-turn count (None: all).
 
     candidates > 0: a sampled softmax over S = the union of the target's top-``candidates`` tokens at every
     position of the batch (both distributions renormalised on S). The vocabulary projection of the heads
@@ -73,14 +85,24 @@ def distill_loss(
     for k in range(1, K + 1):
         student = F.log_softmax(logits[k - 1, :, : T - k].float(), -1)  # predicts token t + 1 + k
         target = teacher[:, k:]  # target's distribution of token t + 1 + k
-        losses.append(F.kl_div(student.flatten(0, 1), target.flatten(0, 1), log_target=True, reduction="batchmean"))
-        top1.append(float((student.argmax(-1) == target.argmax(-1)).float().mean()))
+        kl = F.kl_div(student, target, log_target=True, reduction="none").sum(-1)  # [B, T - k]
+        keep = torch.ones_like(kl, dtype=torch.bool) if ends is None else _predicts_answer(ends, T - k, k)
+        losses.append((kl * keep).sum() / keep.sum().clamp(min=1))
+        hit = (student.argmax(-1) == target.argmax(-1)) & keep
+        top1.append(float(hit.sum() / keep.sum().clamp(min=1)))
     return torch.stack(losses).mean(), top1
 
 
+def _predicts_answer(ends: torch.Tensor, positions: int, k: int) -> torch.Tensor:
+    """[B, positions]: head k at position t predicts token t + 1 + k, inside the answer iff t + 1 + k <= end."""
+    t = torch.arange(positions, device=ends.device)
+    return t[None] + 1 + k <= ends[:, None]
+
+
 @torch.no_grad()
-def held_out_tables(heads: MedusaHeads, model, hidden_batches) -> tuple[list[list[float]], list[list]]:
-    """(accuracy, paths) of the heads on held-out hidden states [B, T, H] of the frozen target.
+def held_out_tables(heads: MedusaHeads, model, batches) -> tuple[list[list[float]], list[list]]:
+    """(accuracy, paths) of the heads on held-out (tokens [B, T], hidden states [B, T, H] of the frozen target)
+    batches, counting only predictions of tokens up to each row's end of turn (``answer_ends``).
 
     accuracy[k][i]: fraction of positions where head k's i-th ranked token is the target's argmax.
     paths: the MAX_PATHS likeliest rank paths as [[i1, .., id], p]: p is the fraction of positions t (those where
@@ -94,20 +116,23 @@ def held_out_tables(heads: MedusaHeads, model, hidden_batches) -> tuple[list[lis
     counts = torch.zeros(K, dtype=torch.float64)
     joint: Counter = Counter()
     positions = 0
-    for hidden in hidden_batches:
+    for tokens, hidden in batches:
         hidden = hidden.to(model.norm.weight.dtype)
         target = model.logits(hidden).argmax(-1)  # [B, T]
         logits = heads(hidden, model.lm_head)
         T = hidden.shape[1]
+        ends = answer_ends(tokens, model.config.eos_token_ids)
         ranks = []
         for k in range(1, K + 1):
             top = logits[k - 1, :, : T - k].topk(MAX_TOP, -1).indices  # [B, T-k, MAX_TOP]
-            match = top == target[:, k:, None]
+            keep = _predicts_answer(ends, T - k, k)  # [B, T-k]
+            match = (top == target[:, k:, None]) & keep[..., None]
             hits[k - 1] += match.flatten(0, 1).sum(0).double()
-            counts[k - 1] += top.shape[0] * top.shape[1]
-            rank = torch.where(match.any(-1), match.int().argmax(-1), MAX_TOP)  # [B, T-k]; MAX_TOP: not in the top
-            ranks.append(rank[:, : T - K])  # positions where every head has a target
-        rows = torch.stack(ranks, -1).flatten(0, 1).tolist()  # [N, K]
+            counts[k - 1] += keep.sum().double()
+            rank = torch.where(match.any(-1), match.int().argmax(-1), MAX_TOP)  # [B, T-k]; MAX_TOP: not accepted
+            ranks.append(rank[:, : T - K])  # positions where every head has a target in the window
+        first = _predicts_answer(ends, T - K, 1)  # positions whose next-next token is still in the answer
+        rows = torch.stack(ranks, -1)[first].tolist()  # [N, K]
         positions += len(rows)
         for row in rows:
             for d in range(1, K + 1):
@@ -185,9 +210,7 @@ def main(argv: list[str] | None = None) -> None:
             heads = load_medusa(out, model)
         except MedusaCheckpointError as err:
             ap.error(str(err))
-        heads.config.accuracy, heads.config.paths = held_out_tables(
-            heads, model, (h for _, h in data.held_out(args.batch_size))
-        )
+        heads.config.accuracy, heads.config.paths = held_out_tables(heads, model, data.held_out(args.batch_size))
         heads.save(out)
         _log(f"re-measured tree tables on {data.n_held_out} held-out {data.unit} -> {out}")
         return
@@ -219,16 +242,14 @@ def main(argv: list[str] | None = None) -> None:
         heads.eval()
         config.training = progress.record(final)
         if final:
-            config.accuracy, config.paths = held_out_tables(
-                heads, model, (h for _, h in data.held_out(args.batch_size))
-            )
+            config.accuracy, config.paths = held_out_tables(heads, model, data.held_out(args.batch_size))
         heads.save(out)
         heads.train()
 
     def step_fn(step: int) -> StepResult:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
-            _, hidden = data.batch(step * args.batch_size, args.batch_size)
-            loss, top1 = distill_loss(heads, model, hidden, args.candidates)
+            tokens, hidden = data.batch(step * args.batch_size, args.batch_size)
+            loss, top1 = distill_loss(heads, model, hidden, args.candidates, answer_ends(tokens, cfg.eos_token_ids))
         return StepResult(loss, top1, hidden.shape[0] * hidden.shape[1])
 
     heads.train()
