@@ -212,6 +212,16 @@ def load_answer_features(
     return features
 
 
+def answer_ends(tokens: torch.Tensor, eos_ids: list[int]) -> torch.Tensor:
+    """tokens [B, T] -> [B] index of each row's first end-of-turn token after position 0, T where there is none:
+    the tokens after it are what the model writes past its answer, which generation never reaches."""
+    T = tokens.shape[1]
+    is_eos = torch.isin(tokens, torch.tensor(eos_ids, device=tokens.device))
+    is_eos[:, 0] = False
+    index = torch.arange(T, device=tokens.device).expand_as(tokens)
+    return torch.where(is_eos, index, T).min(-1).values
+
+
 @dataclass
 class TrainingData:
     """What a head trainer reads: rows of tokens [n, T] with the frozen target's hidden states [n, T, H], split

@@ -104,3 +104,8 @@ def test_training_windows_and_loss():
     loss, top1 = eagle_loss(head, model, tokens, hidden, logp, subset, window=4, offset=0)
     loss.backward()
     assert loss.item() > 0 and len(top1) == 2 and head.fc.weight.grad.abs().sum() > 0
+    with torch.no_grad():  # ends: a row whose answer ends at token 1 adds nothing; a full-length end changes nothing
+        full = eagle_loss(head, model, tokens, hidden, logp, subset, 4, 0, ends=torch.tensor([14, 14]))[0]
+        cut = eagle_loss(head, model, tokens, hidden, logp, subset, 4, 0, ends=torch.tensor([14, 1]))[0]
+        alone = eagle_loss(head, model, tokens[:1], hidden[:1], logp[:1], subset, 4, 0)[0]
+    assert full.item() == pytest.approx(loss.item(), rel=1e-5) and cut.item() == pytest.approx(alone.item(), rel=1e-5)

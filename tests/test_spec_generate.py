@@ -316,7 +316,8 @@ def test_build_tree_prefers_measured_paths_over_the_product_of_marginals():
 def test_held_out_tables_equal_a_count_by_hand():
     """accuracy and joint path frequencies of random heads on random hidden states, against loops over positions;
     row 1 ends its answer at position 5 (an end-of-turn token): predictions of later tokens do not count."""
-    from speculate.medusa.train import MAX_TOP, answer_ends, held_out_tables
+    from speculate.medusa.train import MAX_TOP, held_out_tables
+    from speculate.training import answer_ends
 
     cfg = TINY_CONFIGS["llama"]
     model = random_model(cfg, seed=2)

@@ -37,6 +37,7 @@ from speculate.training import (
     StepResult,
     TrainingProgress,
     add_data_args,
+    answer_ends,
     answer_spec,
     head_dir,
     train_within_budget,
@@ -77,9 +78,16 @@ def eagle_loss(
     window: int,
     offset: int,
     cls_weight: float = 0.1,
+    ends: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, list[float]]:
     """tokens [B, T], hidden [B, T, H] and teacher_logp [B, T, S] of the frozen target -> (loss, top-1 agreement
-    of pass 1 and pass 2). Position t: input fc([embed(x[t+1]); h[t]]), targets h[t+1] and p(x[t+2])."""
+    of pass 1 and pass 2). Position t: input fc([embed(x[t+1]); h[t]]), targets h[t+1] and p(x[t+2]).
+    ends [B] (``answer_ends``): only positions whose x[t+2] is inside the answer count (None: all)."""
+    T = tokens.shape[1]
+    t = torch.arange(T - 2, device=tokens.device)[None].expand(tokens.shape[0], -1)
+    inside = torch.ones_like(t, dtype=torch.bool) if ends is None else t + 2 <= ends[:, None]
+    keep = windowed(inside, window, offset)  # [N, window]
+    kept = keep.sum().clamp(min=1)
     feat_in = windowed(hidden[:, :-2], window, offset)  # h[t]
     emb = windowed(model.embed_tokens(tokens[:, 1:-1]), window, offset)  # embed(x[t+1])
     feat_out = windowed(hidden[:, 1:-1], window, offset)  # h[t+1]: regression target
@@ -92,10 +100,10 @@ def eagle_loss(
     out2 = head(head.inputs(emb, feat2))
     for out in (out1, out2):
         student = F.log_softmax(F.linear(out.to(weight.dtype), weight).float(), -1)
-        kl = F.kl_div(student.flatten(0, 1), target.flatten(0, 1), log_target=True, reduction="batchmean")
-        reg = F.smooth_l1_loss(out.float(), feat_out.float())
+        kl = (F.kl_div(student, target, log_target=True, reduction="none").sum(-1) * keep).sum() / kept
+        reg = (F.smooth_l1_loss(out.float(), feat_out.float(), reduction="none").mean(-1) * keep).sum() / kept
         losses.append(reg + cls_weight * kl)
-        top1.append(float((student.argmax(-1) == target.argmax(-1)).float().mean()))
+        top1.append(float(((student.argmax(-1) == target.argmax(-1)) & keep).sum() / kept))
     return torch.stack(losses).mean(), top1
 
 
@@ -103,12 +111,14 @@ def eagle_loss(
 def draft_accuracy(head: EagleHead, model, batches, depth: int) -> list[float]:
     """Held-out: P(the head's greedy draft at depth d equals the target's greedy token | depths < d matched),
     drafting from the head's own features as at run time (acc[d-1] for d = 1..depth). batches: (tokens [1, T],
-    hidden [1, T, H] of the frozen target) pairs, one row each."""
+    hidden [1, T, H] of the frozen target) pairs, one row each; drafts of tokens past the row's end of turn
+    (``answer_ends``) are not counted."""
     hits, counts = [0] * depth, [0] * depth
     for toks, hidden in batches:
         hidden = hidden[0].to(model.norm.weight.dtype)  # [T, H]
         target = model.logits(hidden).argmax(-1)  # [T]: target's greedy token after each position
         T = toks.shape[1]
+        end = answer_ends(toks, model.config.eos_token_ids)[0]
         starts = torch.arange(0, T - depth - 2, device=toks.device)  # root at position s: feature h[s], token x[s+1]
         feats = hidden[starts]  # [S, H]
         embeds = model.embed_tokens(toks[0, starts + 1])
@@ -120,8 +130,9 @@ def draft_accuracy(head: EagleHead, model, batches, depth: int) -> list[float]:
             draft = model.logits(out).argmax(-1)
             truth = target[starts + 1 + d]  # target's token at position s + 2 + d
             hit = (draft == truth) & alive
-            hits[d] += int(hit.sum())
-            counts[d] += int(alive.sum())
+            inside = starts + 2 + d <= end
+            hits[d] += int((hit & inside).sum())
+            counts[d] += int((alive & inside).sum())
             alive = hit
             feats, embeds = out, model.embed_tokens(truth)
     return [h / max(c, 1) for h, c in zip(hits, counts)]
@@ -204,7 +215,8 @@ def main(argv: list[str] | None = None) -> None:
             new_tokens = batch.numel()
         offset = int(torch.randint(0, args.window, (1,), generator=gen))
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
-            loss, top1 = eagle_loss(head, model, *features, args.window, offset, args.cls_weight)
+            ends = answer_ends(features[0], model.config.eos_token_ids)
+            loss, top1 = eagle_loss(head, model, *features, args.window, offset, args.cls_weight, ends)
         return StepResult(loss, top1, new_tokens)
 
     head.train()

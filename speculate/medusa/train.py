@@ -34,6 +34,7 @@ from speculate.training import (
     StepResult,
     TrainingProgress,
     add_data_args,
+    answer_ends,
     answer_spec,
     head_dir,
     train_within_budget,
@@ -42,16 +43,6 @@ from speculate.training import (
 
 MAX_TOP = 10  # accuracy table width: candidates per head the tree may use
 MAX_PATHS = 512  # measured tree paths kept in the checkpoint (trees of up to this many candidates)
-
-
-def answer_ends(tokens: torch.Tensor, eos_ids: list[int]) -> torch.Tensor:
-    """tokens [B, T] -> [B] index of each row's first end-of-turn token after position 0, T where there is none:
-    the tokens after it are what the model writes past its answer, which generation never reaches."""
-    T = tokens.shape[1]
-    is_eos = torch.isin(tokens, torch.tensor(eos_ids, device=tokens.device))
-    is_eos[:, 0] = False
-    index = torch.arange(T, device=tokens.device).expand_as(tokens)
-    return torch.where(is_eos, index, T).min(-1).values
 
 
 def distill_loss(
