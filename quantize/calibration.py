@@ -37,6 +37,7 @@ from runtime.config import ModelConfig
 from runtime.layout import fused_layer_state
 from runtime.loader import ModelSpecError, is_checkpoint_dir
 from runtime.model import DecoderLayer, Transformer, rope_inv_freq
+from runtime.paths import write_atomic
 
 
 class _StopForward(Exception):
@@ -261,9 +262,8 @@ class LayerStore:
                     "path": m.path,
                 }
         params = {name: p.detach().cpu() for name, p in layer.named_parameters()}
-        tmp = self.path(i).with_suffix(".tmp")
-        torch.save({"quantized": quantized, "params": params, "stats": stats}, tmp)
-        tmp.replace(self.path(i))  # a layer file is complete or absent
+        layer_file = {"quantized": quantized, "params": params, "stats": stats}
+        write_atomic(self.path(i), lambda tmp: torch.save(layer_file, tmp))  # a layer file is complete or absent
 
     @staticmethod
     def restore(layer: nn.Module, kept: dict) -> None:

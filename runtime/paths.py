@@ -4,9 +4,20 @@ extensions. Everything under it can be rebuilt by a command."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 
 def qspec_home() -> Path:
     """``$QSPEC_HOME``, default ``~/.cache/qspec``."""
     return Path(os.environ.get("QSPEC_HOME", Path.home() / ".cache" / "qspec"))
+
+
+def write_atomic(path: Path, write: Callable[[Path], None]) -> Path:
+    """``write(tmp)`` to a sibling ``.tmp`` file, then rename it to ``path``: a cache file is complete or absent,
+    never half written by an interrupted run. Creates the parent directory."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    write(tmp)
+    tmp.replace(path)
+    return path

@@ -25,7 +25,7 @@ from runtime.cliutil import interrupted
 from runtime.data import wiki_split
 from runtime.decoding import generate
 from runtime.loader import load_model
-from runtime.paths import qspec_home
+from runtime.paths import qspec_home, write_atomic
 from runtime.prompts import CATEGORIES, build_suite, encode_messages
 from runtime.sampling import SamplingParams
 
@@ -109,11 +109,8 @@ def target_answers(model, tokenizer, spec: AnswerSpec, model_name: str, log=None
         out = generate(model, [prompts[r] for r in rows], params, compile="off")
         for r, toks in zip(rows, out.tokens):
             sequences[r] = prompts[r] + toks
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
     record = {"spec": asdict(spec), "version": ANSWERS_VERSION, "model": model_name, "sequences": sequences}
-    tmp.write_text(json.dumps(record))
-    tmp.replace(path)
+    write_atomic(path, lambda tmp: tmp.write_text(json.dumps(record)))
     return sequences
 
 
@@ -153,7 +150,6 @@ def answer_features(
     order = list(range(len(sequences)))
     random.Random(seed).shuffle(order)
     device = model.embed_tokens.weight.device
-    tokens, hidden = [], []
     by_length = sorted(order, key=lambda i: len(sequences[i]))  # little padding per batch
     rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     for i in tqdm(range(0, len(by_length), batch), desc="answer features", unit="batch", file=sys.stderr):
@@ -165,10 +161,9 @@ def answer_features(
         for j, r in enumerate(chunk):
             end = len(sequences[r])
             rows[r] = (ids[j, end - span : end].cpu().clone(), h[j, end - span : end].to(torch.bfloat16).cpu().clone())
-    for r in order:
-        tokens.append(rows[r][0])
-        hidden.append(rows[r][1])
-    return AnswerFeatures(torch.stack(tokens).to(device), torch.stack(hidden).to(device))
+    tokens = torch.stack([rows[r][0] for r in order])
+    hidden = torch.stack([rows[r][1] for r in order])
+    return AnswerFeatures(tokens.to(device), hidden.to(device))
 
 
 def add_data_args(ap) -> None:
@@ -206,9 +201,7 @@ def load_answer_features(
     generator = None if spec.cache_path(model_name).is_file() else load_model(model_spec, dtype=torch.bfloat16)[0]
     sequences = target_answers(generator, tokenizer, spec, model_name, log)
     features = answer_features(model, sequences, spec.max_tokens + 1, seed)
-    tmp = path.with_suffix(".tmp")
-    torch.save({"tokens": features.tokens.cpu(), "hidden": features.hidden.cpu()}, tmp)
-    tmp.replace(path)
+    write_atomic(path, lambda tmp: torch.save({"tokens": features.tokens.cpu(), "hidden": features.hidden.cpu()}, tmp))
     return features
 
 
@@ -220,6 +213,13 @@ def answer_ends(tokens: torch.Tensor, eos_ids: list[int]) -> torch.Tensor:
     is_eos[:, 0] = False
     index = torch.arange(T, device=tokens.device).expand_as(tokens)
     return torch.where(is_eos, index, T).min(-1).values
+
+
+def predicts_answer(ends: torch.Tensor, positions: int, ahead: int) -> torch.Tensor:
+    """[B, positions]: whether position t's prediction of token t + ``ahead`` lies inside row b's answer
+    (t + ahead <= ends[b], ``answer_ends``): the positions a head's loss and held-out tables count."""
+    t = torch.arange(positions, device=ends.device)
+    return t[None] + ahead <= ends[:, None]
 
 
 @dataclass

@@ -40,6 +40,7 @@ from speculate.training import (
     answer_ends,
     answer_spec,
     head_dir,
+    predicts_answer,
     train_within_budget,
     training_data,
 )
@@ -83,9 +84,8 @@ def eagle_loss(
     """tokens [B, T], hidden [B, T, H] and teacher_logp [B, T, S] of the frozen target -> (loss, top-1 agreement
     of pass 1 and pass 2). Position t: input fc([embed(x[t+1]); h[t]]), targets h[t+1] and p(x[t+2]).
     ends [B] (``answer_ends``): only positions whose x[t+2] is inside the answer count (None: all)."""
-    T = tokens.shape[1]
-    t = torch.arange(T - 2, device=tokens.device)[None].expand(tokens.shape[0], -1)
-    inside = torch.ones_like(t, dtype=torch.bool) if ends is None else t + 2 <= ends[:, None]
+    B, T = tokens.shape
+    inside = predicts_answer(torch.full((B,), T, device=tokens.device) if ends is None else ends, T - 2, 2)
     keep = windowed(inside, window, offset)  # [N, window]
     kept = keep.sum().clamp(min=1)
     feat_in = windowed(hidden[:, :-2], window, offset)  # h[t]

@@ -37,6 +37,7 @@ from speculate.training import (
     answer_ends,
     answer_spec,
     head_dir,
+    predicts_answer,
     train_within_budget,
     training_data,
 )
@@ -77,17 +78,11 @@ def distill_loss(
         student = F.log_softmax(logits[k - 1, :, : T - k].float(), -1)  # predicts token t + 1 + k
         target = teacher[:, k:]  # target's distribution of token t + 1 + k
         kl = F.kl_div(student, target, log_target=True, reduction="none").sum(-1)  # [B, T - k]
-        keep = torch.ones_like(kl, dtype=torch.bool) if ends is None else _predicts_answer(ends, T - k, k)
+        keep = torch.ones_like(kl, dtype=torch.bool) if ends is None else predicts_answer(ends, T - k, 1 + k)
         losses.append((kl * keep).sum() / keep.sum().clamp(min=1))
         hit = (student.argmax(-1) == target.argmax(-1)) & keep
         top1.append(float(hit.sum() / keep.sum().clamp(min=1)))
     return torch.stack(losses).mean(), top1
-
-
-def _predicts_answer(ends: torch.Tensor, positions: int, k: int) -> torch.Tensor:
-    """[B, positions]: head k at position t predicts token t + 1 + k, inside the answer iff t + 1 + k <= end."""
-    t = torch.arange(positions, device=ends.device)
-    return t[None] + 1 + k <= ends[:, None]
 
 
 @torch.no_grad()
@@ -116,13 +111,13 @@ def held_out_tables(heads: MedusaHeads, model, batches) -> tuple[list[list[float
         ranks = []
         for k in range(1, K + 1):
             top = logits[k - 1, :, : T - k].topk(MAX_TOP, -1).indices  # [B, T-k, MAX_TOP]
-            keep = _predicts_answer(ends, T - k, k)  # [B, T-k]
+            keep = predicts_answer(ends, T - k, 1 + k)  # [B, T-k]
             match = (top == target[:, k:, None]) & keep[..., None]
             hits[k - 1] += match.flatten(0, 1).sum(0).double()
             counts[k - 1] += keep.sum().double()
             rank = torch.where(match.any(-1), match.int().argmax(-1), MAX_TOP)  # [B, T-k]; MAX_TOP: not accepted
             ranks.append(rank[:, : T - K])  # positions where every head has a target in the window
-        first = _predicts_answer(ends, T - K, 1)  # positions whose next-next token is still in the answer
+        first = predicts_answer(ends, T - K, 2)  # positions whose next-next token is still in the answer
         rows = torch.stack(ranks, -1)[first].tolist()  # [N, K]
         positions += len(rows)
         for row in rows:
