@@ -1,28 +1,48 @@
-"""Decode speed at batch 1: ours against HF ``generate`` on the same weights, measured in the same run.
+"""Decode speed at batch 1, wall clock: qspec's formats against HF ``generate`` and llama.cpp, in one run.
 
-For each dtype, the two runtimes alternate (ours, HF, ours, HF, ...) for ``--repeats`` rounds so that load
-on a shared machine hits both alike; the ratio of medians is the result. TTFT is the time to the first
-token (prefill + one sample); TPOT is the mean time of each later token. The roofline share compares the
-weight bytes read per decoded token with a streaming bandwidth measured here.
+    python -m evals.bench_decode                                   # fp32, bf16, int8, int4 vs HF (+ llama.cpp)
+    python -m evals.bench_decode --rows qspec:bf16,hf:bf16 --repeats 5 --out notes/results/bench_decode.json
+
+Every runner is timed the same way, from outside: a whole call that generates 1 token (its wall time is the
+TTFT) and a whole call that generates N; TPOT = (wall(N) - wall(1)) / (N - 1), decode tok/s = 1 / TPOT. Runners
+alternate (A, B, C, A, B, C, ...) for ``--repeats`` rounds so load on a shared machine hits all alike, and each
+figure is the median. For qspec's rows the loop's own clock (runtime.timing: whole steps) is printed beside
+the external one as a check, and one profiled call splits a step into forward, lm_head and sampling. The
+roofline share compares the weight bytes read per decoded token with a streaming bandwidth measured here.
+
+Rows: ``qspec:fp32``, ``qspec:bf16`` (bf16 layers and head, fp32 residual stream), ``qspec:bf16-fp32head``,
+``qspec:int8`` (per-channel), ``qspec:int4`` (group 64, asymmetric), ``qspec:int4-int8head`` (the tied head
+int8 per-channel), ``hf:fp32``, ``hf:bf16``, ``llama.cpp`` (llama-cpp-python on the GGUF the default model
+ships as, an optional peer: skipped with a note when it is not installed). Quantized rows use round-to-nearest
+codes (speed does not depend on how codes are chosen) with bf16 activations.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from runtime.cliutil import ArgumentParser, interrupted, run
-from runtime.config import DTYPES
+from quantize.config import QuantConfig
+from quantize.qembedding import tie_quantized_embedding
+from quantize.qlinear import QuantLinear, set_module
+from quantize.rtn_weight import quantize_weight
+from runtime.cliutil import ArgumentParser, UsageError, interrupted, run
 from runtime.data import wiki_split
 from runtime.decoding import generate
-from runtime.loader import DEFAULT_MODEL, check_model_arg, load_model, load_tokenizer
+from runtime.loader import DEFAULT_MODEL, check_model_arg, gguf_source, load_model, load_tokenizer
 from runtime.provenance import provenance
 from runtime.sampling import SamplingParams
+
+QSPEC_ROWS = ("fp32", "bf16", "bf16-fp32head", "int8", "int4", "int4-int8head")
+DEFAULT_ROWS = "qspec:fp32,hf:fp32,qspec:bf16,hf:bf16,qspec:int8,qspec:int4,llama.cpp"
 
 
 def measure_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
@@ -41,18 +61,17 @@ def measure_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
 
 
 def decode_weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of weights read per decoded token: every parameter/buffer but the embedding table (one row is
-    read), counting a tied lm_head once, as the matmul that reads it."""
+    """Bytes of weights read per decoded token: every parameter and buffer once, but not the embedding table's
+    own (one row of it is read), while a tied head's table counts, as the matmul that reads it."""
+    embed, head = model.get_submodule("embed_tokens"), model.get_submodule("lm_head")
+    head_ids = {id(t) for t in list(head.parameters()) + list(head.buffers())}
+    skip = {id(t) for t in list(embed.parameters()) + list(embed.buffers())} - head_ids
     seen, total = set(), 0
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        if id(t) in seen or name.startswith("embed_tokens") or name == "inv_freq":
+        if id(t) in seen or id(t) in skip or name.endswith("inv_freq"):
             continue
         seen.add(id(t))
         total += t.numel() * t.element_size()
-    embed = model.get_submodule("embed_tokens").weight if hasattr(model, "embed_tokens") else None
-    lm_head = getattr(model, "lm_head", None)
-    if embed is not None and lm_head is not None and lm_head.weight is embed:
-        total += embed.numel() * embed.element_size()
     return total
 
 
@@ -62,131 +81,220 @@ def hf_decode_weight_bytes(hf_model) -> int:
     return total + hf_model.lm_head.weight.numel() * hf_model.lm_head.weight.element_size()
 
 
-@torch.inference_mode()
-def time_ours(model, prompt: list[int], new_tokens: int) -> tuple[float, float]:
-    out = generate(model, [prompt], SamplingParams(max_tokens=new_tokens, ignore_eos=True))
-    return out.ttft_s, out.tpot_s
+def qspec_model(base, variant: str):
+    """The fp32 base model in a row's form: dense fp32 / bf16, or RTN codes on every decoder linear (and the
+    tied head for -int8head) with bf16 activations and each layer on its automatic (fast) path."""
+    if variant == "fp32":
+        return base
+    if variant == "bf16-fp32head":
+        return copy.deepcopy(base).set_dtype(torch.bfloat16, head_dtype=torch.float32)
+    model = copy.deepcopy(base).set_dtype(torch.bfloat16)
+    if variant == "bf16":
+        return model
+    bits, group = (8, -1) if variant == "int8" else (4, 64)
+    cfg = QuantConfig(bits=bits, group_size=group, sym=bits == 8)
+    head = variant.endswith("int8head")
+    names = cfg.targets(model) + (["lm_head"] if head else [])
+    for name in names:
+        layer_cfg = QuantConfig(bits=8, group_size=-1, sym=True) if name == "lm_head" else cfg
+        weight = base.get_submodule(name).weight  # codes from the fp32 weights
+        layer = QuantLinear(quantize_weight(weight, layer_cfg, None, False, name), compute_dtype=torch.bfloat16)
+        set_module(model, name, layer)
+    if head:
+        tie_quantized_embedding(model)
+    return model
 
 
-@torch.inference_mode()
-def time_hf(hf_model, prompt: list[int], new_tokens: int) -> tuple[float, float]:
-    """TTFT from a 1-token generate; TPOT from the extra time of a full generate over that."""
+@dataclass
+class Runner:
+    """One row: call(n) generates n tokens from the prompt in a whole call and returns the loop's own timing
+    (runtime.timing.LoopTiming) where it has one."""
+
+    name: str
+    call: Callable[[int], object]
+    weight_bytes: int
+    profile: Callable[[int], dict] | None = None  # qspec: seconds per phase of one call
+    walls: dict[int, list[float]] = field(default_factory=lambda: {})
+    own_tpot: list[float] = field(default_factory=list)
+
+
+def qspec_runner(name: str, model, prompt: list[int]) -> Runner:
+    def call(n: int):
+        return generate(model, [prompt], SamplingParams(max_tokens=n, ignore_eos=True)).timing
+
+    def profile(n: int) -> dict:
+        timing = generate(model, [prompt], SamplingParams(max_tokens=n, ignore_eos=True), profile=True).timing
+        return {k: v / timing.wall_s for k, v in timing.phase_s.items()}
+
+    return Runner(name, call, decode_weight_bytes(model), profile)
+
+
+def hf_runner(name: str, hf_model, prompt: list[int]) -> Runner:
     ids = torch.tensor([prompt])
-    mask = torch.ones_like(ids)
-    kwargs = dict(do_sample=False, attention_mask=mask, pad_token_id=0)
-    t = time.perf_counter()
-    hf_model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kwargs)
-    ttft = time.perf_counter() - t
-    t = time.perf_counter()
-    hf_model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kwargs)
-    total = time.perf_counter() - t
-    return ttft, (total - ttft) / (new_tokens - 1)
+    kwargs = dict(do_sample=False, attention_mask=torch.ones_like(ids), pad_token_id=0)
+
+    @torch.inference_mode()
+    def call(n: int):
+        hf_model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kwargs)
+
+    return Runner(name, call, hf_decode_weight_bytes(hf_model))
 
 
-OP_CATEGORIES = {
-    "matmul (weight reads)": ("aten::mm", "aten::addmm", "aten::mv", "aten::addmv", "aten::bmm"),
-    "attention": ("aten::_scaled_dot_product", "aten::scaled_dot_product"),
-}
+def llama_cpp_runner(gguf: Path, prompt: list[int], threads: int) -> Runner | str:
+    """llama.cpp through llama-cpp-python (an optional peer, never a dependency), or why it cannot run."""
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return "llama-cpp-python is not installed (pip install llama-cpp-python)"
+    llm = Llama(model_path=str(gguf), n_ctx=1024, n_threads=threads, n_threads_batch=threads, n_batch=512,
+                verbose=False)  # fmt: skip
+
+    def call(n: int):
+        llm.reset()  # no prefix reuse between calls: each call prefills the prompt, as the other runners do
+        for i, _ in enumerate(llm.generate(prompt, top_k=1, top_p=1.0, temp=0.0, reset=True)):
+            if i + 1 >= n:
+                break
+
+    return Runner(f"llama.cpp {gguf.stem.rsplit('.', 1)[-1]}", call, gguf.stat().st_size)
 
 
-@torch.inference_mode()
-def profile_decode(model, prompt: list[int], new_tokens: int) -> dict[str, float]:
-    """Where decode time goes: self CPU time of matmuls, attention, the other ops, and the rest of the wall
-    time (Python and dispatch overhead between ops), as shares of the wall time."""
-    from torch.profiler import ProfilerActivity, profile
+def time_round(runners: list[Runner], new_tokens: int) -> None:
+    """One interleaved round: every runner's 1-token call, then every runner's N-token call."""
+    for n in (1, new_tokens):
+        for r in runners:
+            t = time.perf_counter()
+            own = r.call(n)
+            r.walls.setdefault(n, []).append(time.perf_counter() - t)
+            if n > 1 and own is not None:
+                r.own_tpot.append(own.tpot_s)
 
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        t = time.perf_counter()
-        generate(model, [prompt], SamplingParams(max_tokens=new_tokens, ignore_eos=True))
-        wall = time.perf_counter() - t
-    totals = dict.fromkeys([*OP_CATEGORIES, "other ops (norms, rope, elementwise, copies)"], 0.0)
-    for event in prof.key_averages():
-        seconds = event.self_cpu_time_total / 1e6
-        category = next((c for c, names in OP_CATEGORIES.items() if event.key.startswith(names)), None)
-        totals[category or "other ops (norms, rope, elementwise, copies)"] += seconds
-    totals["python + dispatch overhead"] = max(wall - sum(totals.values()), 0.0)
-    return {k: v / wall for k, v in totals.items()}
+
+def summarize(r: Runner, new_tokens: int, bandwidth: float) -> dict:
+    ttft = statistics.median(r.walls[1])
+    wall_n = statistics.median(r.walls[new_tokens])
+    tpot = max(wall_n - ttft, 1e-9) / (new_tokens - 1)
+    roofline_tpot = r.weight_bytes / bandwidth
+    out = {
+        "ttft_ms": ttft * 1e3,
+        "tpot_ms": tpot * 1e3,
+        "decode_tok_per_s": 1 / tpot,
+        "end_to_end_tok_per_s": new_tokens / wall_n,
+        "weight_bytes_per_token": r.weight_bytes,
+        "roofline_tok_per_s": 1 / roofline_tpot,
+        "roofline_share": roofline_tpot / tpot,
+        "walls_s": r.walls,
+    }
+    if r.own_tpot:  # the loop's own clock against the external one: they must agree (whole steps)
+        out["own_clock_tpot_ms"] = statistics.median(r.own_tpot) * 1e3
+        out["own_over_external"] = out["own_clock_tpot_ms"] / out["tpot_ms"]
+    return out
+
+
+def parse_rows(spec: str) -> list[str]:
+    rows = [r.strip() for r in spec.split(",") if r.strip()]
+    for r in rows:
+        kind, _, variant = r.partition(":")
+        ok = (kind == "qspec" and variant in QSPEC_ROWS) or (kind == "hf" and variant in ("fp32", "bf16"))
+        if not ok and r != "llama.cpp":
+            raise UsageError(f"unknown row {r!r}: qspec:{{{','.join(QSPEC_ROWS)}}}, hf:{{fp32,bf16}} or llama.cpp")
+    return rows
+
+
+def build_runners(rows: list[str], model_spec: str, prompt: list[int], threads: int) -> tuple[list[Runner], dict]:
+    from transformers import AutoModelForCausalLM
+
+    base, _, path = load_model(model_spec)
+    runners, skipped = [], {}
+    for row in rows:
+        kind, _, variant = row.partition(":")
+        print(f"[bench_decode] building {row}", file=sys.stderr, flush=True)
+        if kind == "qspec":
+            runners.append(qspec_runner(row, qspec_model(base, variant), prompt))
+        elif kind == "hf":
+            dtype = torch.float32 if variant == "fp32" else torch.bfloat16
+            hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+            runners.append(hf_runner(row, hf, prompt))
+        else:
+            gguf = gguf_source(model_spec)
+            made = llama_cpp_runner(gguf, prompt, threads) if gguf is not None else "the model has no GGUF source"
+            if isinstance(made, str):
+                skipped[row] = made
+                print(f"[bench_decode] skipping {row}: {made}", file=sys.stderr)
+            else:
+                runners.append(made)
+    return runners, skipped
+
+
+def table(results: dict, reference: str | None) -> list[str]:
+    lines = [
+        "| row | TTFT ms | TPOT ms | decode tok/s | x " + (reference or "-") + " | own clock / wall | "
+        "weight MB/token | roofline share | lm_head / sampling share |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    ref = results.get(reference, {}).get("decode_tok_per_s") if reference else None
+    for name, r in results.items():
+        shares = r.get("time_shares")
+        share_text = f"{100 * shares.get('lm_head', 0):.0f}% / {100 * shares.get('sampling', 0):.0f}%" if shares else ""
+        ratio = f"{r['decode_tok_per_s'] / ref:.2f}x" if ref else ""
+        own = f"{r['own_over_external']:.3f}" if "own_over_external" in r else ""
+        lines.append(
+            f"| {name} | {r['ttft_ms']:.1f} | {r['tpot_ms']:.2f} | {r['decode_tok_per_s']:.1f} | {ratio} | {own} | "
+            f"{r['weight_bytes_per_token'] / 1e6:.0f} | {100 * r['roofline_share']:.0f}% | {share_text} |"
+        )
+    return lines
 
 
 def main(argv: list[str] | None = None) -> None:
-    from transformers import AutoModelForCausalLM
-
     ap = ArgumentParser(prog="python -m evals.bench_decode", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=DEFAULT_MODEL)
-    ap.add_argument("--dtypes", default="fp32,bf16")
+    ap.add_argument("--rows", default=DEFAULT_ROWS, help=f"comma list (default {DEFAULT_ROWS})")
+    ap.add_argument("--reference", default="qspec:bf16", help="the row every ratio is against")
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--out", default=None, help="write a JSON record here")
-    ap.add_argument("--profile", action="store_true", help="also break our decode time down by op category")
     args = ap.parse_args(argv)
-    if args.model:
-        check_model_arg(ap, args.model)  # before anything loads: a bad spec is one line, not a traceback
+    check_model_arg(ap, args.model)  # before anything loads: a bad spec is one line, not a traceback
+    if args.new_tokens < 2 or args.repeats < 1:
+        ap.error("--new-tokens must be >= 2 and --repeats >= 1")
+    rows = parse_rows(args.rows)
     torch.set_num_threads(args.threads)
 
-    _, _, path = load_model(args.model)  # resolves/converts once
+    _, _, path = load_model(args.model)
     tokenizer = load_tokenizer(str(path))
     text = " ".join(d.extract for d in wiki_split("eval")[:20])
     prompt = tokenizer(text, add_special_tokens=False).input_ids[: args.prompt_tokens]
+    runners, skipped = build_runners(rows, args.model, prompt, args.threads)
     bandwidth = measure_bandwidth()
     print(f"[bench_decode] streaming bandwidth {bandwidth / 1e9:.1f} GB/s, {args.threads} threads", file=sys.stderr)
-    record = {"run": provenance(), "bandwidth_GBps": bandwidth / 1e9, "args": vars(args), "results": {}}
-    rows = []
+    for r in runners:  # warm up every runner (first-call allocations, kernel choice, the compiled CPU step)
+        r.call(8)
     try:
-        for dtype_name in args.dtypes.split(","):
-            dtype = DTYPES[dtype_name]
-            print(f"[bench_decode] {dtype_name}: loading ours and HF, warming up", file=sys.stderr)
-            ours, _, _ = load_model(args.model, dtype=dtype)
-            hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
-            time_ours(ours, prompt, 8), time_hf(hf, prompt, 8)  # warm up both
-            samples: dict[str, list[tuple[float, float]]] = {"ours": [], "hf": []}
-            for r in range(args.repeats):
-                samples["ours"].append(time_ours(ours, prompt, args.new_tokens))
-                samples["hf"].append(time_hf(hf, prompt, args.new_tokens))
-                print(f"[bench_decode] {dtype_name}: repeat {r + 1}/{args.repeats} (ours, then HF)", file=sys.stderr)
-            res = {}
-            for name, bytes_per_token in (("ours", decode_weight_bytes(ours)), ("hf", hf_decode_weight_bytes(hf))):
-                ttft = statistics.median(s[0] for s in samples[name])
-                tpot = statistics.median(s[1] for s in samples[name])
-                roofline_tpot = bytes_per_token / bandwidth
-                res[name] = {
-                    "ttft_ms": ttft * 1e3,
-                    "tpot_ms": tpot * 1e3,
-                    "tok_per_s": 1 / tpot,
-                    "weight_bytes_per_token": bytes_per_token,
-                    "roofline_tok_per_s": 1 / roofline_tpot,
-                    "roofline_share": roofline_tpot / tpot,
-                }
-            res["speedup_tok_per_s"] = res["ours"]["tok_per_s"] / res["hf"]["tok_per_s"]
-            res["ttft_ratio_hf_over_ours"] = res["hf"]["ttft_ms"] / res["ours"]["ttft_ms"]
-            record["results"][dtype_name] = res
-            for name in ("ours", "hf"):
-                r = res[name]
-                rows.append(
-                    f"| {dtype_name} | {name} | {r['ttft_ms']:.1f} | {r['tpot_ms']:.1f} | {r['tok_per_s']:.1f} | "
-                    f"{r['weight_bytes_per_token'] / 1e6:.0f} | {100 * r['roofline_share']:.0f}% |"
-                )
-            rows.append(
-                f"| {dtype_name} | ours/HF | {res['ttft_ratio_hf_over_ours']:.2f}x faster TTFT | | "
-                f"**{res['speedup_tok_per_s']:.2f}x** | | |"
-            )
-            if args.profile:
-                res["ours"]["time_shares"] = profile_decode(ours, prompt, min(args.new_tokens, 32))
-                shares = ", ".join(f"{k} {100 * v:.0f}%" for k, v in res["ours"]["time_shares"].items())
-                print(f"[bench_decode] {dtype_name} decode time: {shares}", file=sys.stderr)
-            del ours, hf
+        for i in range(args.repeats):
+            time_round(runners, args.new_tokens)
+            print(f"[bench_decode] repeat {i + 1}/{args.repeats} done", file=sys.stderr, flush=True)
     except KeyboardInterrupt:
-        if rows:
-            print("[bench_decode] partial summary: the dtypes that finished", file=sys.stderr)
-            print("\n".join(rows))
-        interrupted(f"{len(rows) // 3} of {len(args.dtypes.split(','))} dtypes had finished")
+        interrupted("no summary: every row needs the same number of interleaved rounds")
+    results = {r.name: summarize(r, args.new_tokens, bandwidth) for r in runners if r.walls}
+    for r in runners:
+        if r.profile is not None:
+            results[r.name]["time_shares"] = r.profile(args.new_tokens)
+    record = {
+        "run": provenance(),
+        "bandwidth_GBps": bandwidth / 1e9,
+        "args": vars(args),
+        "prompt_tokens": len(prompt),
+        "skipped": skipped,
+        "results": results,
+    }
     print(
-        f"batch 1, {len(prompt)}-token prompt, {args.new_tokens} new tokens, median of {args.repeats} interleaved runs"
+        f"batch 1, {len(prompt)}-token prompt, {args.new_tokens} new tokens, greedy, {args.threads} threads, "
+        f"median of {args.repeats} interleaved rounds; TPOT = (wall(N) - wall(1)) / (N - 1) from whole calls"
     )
-    print("| dtype | runtime | TTFT ms | TPOT ms | tok/s | weight MB/token | roofline share |")
-    print("|---|---|---|---|---|---|---|")
-    print("\n".join(rows))
+    print("\n".join(table(results, args.reference if args.reference in results else None)))
+    for name, why in skipped.items():
+        print(f"(skipped {name}: {why})")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(record, indent=2))

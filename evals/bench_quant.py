@@ -231,9 +231,13 @@ def bench_decode(
             print(f"[bench_quant] decode batch {batch} repeat {r + 1}/{repeats}", file=sys.stderr, flush=True)
             for v, model in models.items():
                 out = generate(model, prompts, params)
-                rates[v].append(batch * len(out.step_times_s) / sum(out.step_times_s))
-                ttfts[v].append(out.ttft_s)
+                rates[v].append(out.timing.decode_tokens_per_s)  # whole steps: forward, lm_head, sampling
+                ttfts[v].append(out.timing.ttft_s)
         base = statistics.median(rates["bf16"]) if "bf16" in rates else None
+        shares = {}
+        for v, model in models.items():  # one profiled call each: the step's share in the lm_head and sampling
+            timing = generate(model, prompts, params, profile=True).timing
+            shares[v] = {k: round(s / timing.wall_s, 4) for k, s in timing.phase_s.items()}
         for v in models:
             ref = tokens.get("fp32")
             agree = None
@@ -250,6 +254,7 @@ def bench_decode(
                     "ttft_ms": statistics.median(ttfts[v]) * 1e3,
                     "speedup_vs_bf16": None if base is None else rate / base,
                     "greedy_agreement_vs_fp32": agree,
+                    "time_shares": shares[v],
                 }
             )
     return rows
@@ -292,13 +297,16 @@ def markdown(record: dict) -> str:
             f"| {r['variant']} | {r['quantized']} | {r['total_bytes'] / 1e6:.1f} | {r['total_x_bf16']:.3f} | "
             f"{r['layer_bytes'] / 1e6:.1f} | {r['layer_x_bf16']:.3f} |"
         )
-    lines += ["", "| batch | variant | decode tok/s | x bf16 | TTFT ms | greedy agreement vs fp32 |"]
-    lines.append("|---|---|---|---|---|---|")
+    lines += ["", "| batch | variant | decode tok/s (whole steps) | x bf16 | TTFT ms | greedy agreement vs fp32 | "
+              "lm_head / sampling share |"]  # fmt: skip
+    lines.append("|---|---|---|---|---|---|---|")
     for r in record["decode"]:
         ratio = "-" if r["speedup_vs_bf16"] is None else f"{r['speedup_vs_bf16']:.2f}"
         agree = "-" if r["greedy_agreement_vs_fp32"] is None else f"{r['greedy_agreement_vs_fp32']:.3f}"
+        share = r.get("time_shares", {})
         lines.append(
-            f"| {r['batch']} | {r['variant']} | {r['decode_tok_s']:.1f} | {ratio} | {r['ttft_ms']:.1f} | {agree} |"
+            f"| {r['batch']} | {r['variant']} | {r['decode_tok_s']:.1f} | {ratio} | {r['ttft_ms']:.1f} | {agree} | "
+            f"{100 * share.get('lm_head', 0):.0f}% / {100 * share.get('sampling', 0):.0f}% |"
         )
     lines += ["", "| layer [out, in] | batch | variant | path | us | x bf16 |", "|---|---|---|---|---|---|"]
     for r in record["layers"]:

@@ -27,7 +27,7 @@ import torch
 from evals.loadgen import WorkItem, build_workload
 from evals.metrics import RequestRecord, distribution, summarize
 from runtime.cliutil import ArgumentParser, interrupted, run
-from runtime.config import DTYPES
+from runtime.config import DTYPE_CHOICES, cli_dtype
 from runtime.data import wiki_text
 from runtime.engine import EngineConfig, LLMEngine
 from runtime.loader import DEFAULT_MODEL, check_model_arg, load_model, load_tokenizer
@@ -137,7 +137,9 @@ def main(argv: list[str] | None = None) -> None:
 
     ap = ArgumentParser(prog="python -m evals.bench_serving", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=DEFAULT_MODEL)
-    ap.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
+    ap.add_argument(
+        "--dtype", default="auto", choices=DTYPE_CHOICES, help="auto: fp32, or bf16 for a quantized checkpoint"
+    )
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--num-requests", type=int, default=None, help="per level (default: max(6, 2 x concurrency))")
     ap.add_argument("--max-prompt-tokens", type=int, default=128)
@@ -172,7 +174,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    model, _, path = load_model(args.model, dtype=DTYPES[args.dtype], device=args.device)
+    model, _, path = load_model(args.model, dtype=cli_dtype(args.dtype), device=args.device)
     tokenizer = load_tokenizer(str(path))
     record = {
         **provenance(args.seed),

@@ -1,7 +1,8 @@
 """Latency statistics shared by the serving benchmarks: TTFT, TPOT, ITL, E2E, throughput, goodput.
 
 Every request is described by when it was sent, when each output token (or streamed chunk) arrived and
-when it ended. Definitions (as in vLLM's and SGLang's serving benchmarks):
+when it ended. TTFT, TPOT and ITL are runtime.timing's functions (one definition for every loop and benchmark,
+as in vLLM's and SGLang's serving benchmarks):
 - TTFT: first token time - send time.
 - TPOT: (end time - first token time) / (output tokens - 1), i.e. (E2E - TTFT) / (n - 1) as
   ``vllm bench serve`` computes it: the first token is excluded, it is prefill; requests with one output
@@ -17,6 +18,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
+
+from runtime import timing
 
 PERCENTILES = (50, 90, 99)
 
@@ -54,18 +57,18 @@ class RequestRecord:
 
     @property
     def ttft(self) -> float | None:
-        return self.token_times[0] - self.send_time if self.ok and self.token_times else None
+        return timing.ttft(self.send_time, self.token_times) if self.ok else None
 
     @property
     def tpot(self) -> float | None:
-        if not self.ok or self.output_tokens < 2 or not self.token_times:
+        if not self.ok:
             return None
-        end = self.end_time if math.isfinite(self.end_time) else self.token_times[-1]
-        return (end - self.token_times[0]) / (self.output_tokens - 1)
+        end = self.end_time if math.isfinite(self.end_time) else None
+        return timing.tpot(self.token_times, end, self.output_tokens)
 
     @property
     def itls(self) -> list[float]:
-        return [b - a for a, b in zip(self.token_times, self.token_times[1:])] if self.ok else []
+        return timing.itls(self.token_times) if self.ok else []
 
     @property
     def e2e(self) -> float | None:

@@ -464,7 +464,7 @@ OVERHEAD_STEPS = 24
 def plain_step(model, rows: list[list[int]], params: SamplingParams) -> float:
     """Seconds per step of plain decoding, all its host work included (the suite's decode clock)."""
     out, decode_s = plain_decode(model, rows, params)
-    return decode_s / max(len(out.step_times_s), 1)
+    return decode_s / max(len(out.timing.step_times_s), 1)
 
 
 def loop_step_seconds(model, prompts: torch.Tensor, T: int, repeats: int, tree: bool = False) -> float:
@@ -481,7 +481,7 @@ def loop_step_seconds(model, prompts: torch.Tensor, T: int, repeats: int, tree: 
 
     def spec_step() -> float:
         out = speculative_generate(model, rows, params, drafts, compile="off")
-        return out.decode_s / max(out.stats.steps, 1)
+        return out.timing.decode_s / max(out.stats.steps, 1)
 
     state = SpecState(
         ids=list(range(len(rows))), token_ids=rows, hidden=None, params=[params] * len(rows), generators=[None]

@@ -121,13 +121,10 @@ def parse_method(spec: str) -> tuple[str, dict]:
 
 
 def plain_decode(model, prompts: list[list[int]], params: SamplingParams, tokenizer=None):
-    """(plain generate's output, its decode seconds): the clock starts when the first token is committed, as the
-    speculative loop's ``decode_s`` does, so the two decode phases compare like with like (generate's own step
-    times cover only the forward, not the lm_head and sampling after it)."""
-    first: list[float] = []
-    stamp = lambda b, t: first or first.append(time.perf_counter())  # noqa: E731
-    out = generate(model, prompts, params, tokenizer=tokenizer, on_token=stamp)
-    return out, time.perf_counter() - first[0]
+    """(plain generate's output, its decode seconds): first token -> last token, whole steps (runtime.timing), the
+    same clock as the speculative loop's decode phase."""
+    out = generate(model, prompts, params, tokenizer=tokenizer)
+    return out, out.timing.decode_s
 
 
 class TimedSpeculator(Speculator):
@@ -351,7 +348,7 @@ def run_suite(
             return out.tokens, decode_s, None
         timed = TimedSpeculator(speculators[spec])
         out = speculative_generate(model, batch, p, timed, tokenizer=tokenizer)
-        return out.tokens, out.decode_s, (out.stats, timed.draft_s, timed.fed)
+        return out.tokens, out.timing.decode_s, (out.stats, timed.draft_s, timed.fed)
 
     for spec in active:  # untimed warm-up (first-call allocations, kernel choice, compiled steps)
         for _ in range(warmup):

@@ -57,8 +57,8 @@ def prompt_length_point(ctx, series: dict, length: int) -> dict:
         generate(model, prompts_of_length(ctx, min(length, 16), 1), SamplingParams(max_tokens=2))  # warm up
         for prompt in prompts_of_length(ctx, length, sw.repeats):
             out = generate(model, [prompt], params)
-            ttft.append(out.ttft_s)
-            tpot.append(out.tpot_s)
+            ttft.append(out.timing.ttft_s)
+            tpot.append(out.timing.tpot_s)
     t, p = distribution(ttft), distribution(tpot)
     return {
         "prompt_tokens": length,

@@ -14,6 +14,9 @@ FPLinear paths:
   reference  dequantize to fp32, matmul in fp32 (what the others are tested against; quality measurements)
   dense      the reference math on a weight dequantized once and kept (fp32): bit-identical, fast to evaluate
   dequant    dequantize to the input's dtype each forward and matmul in that dtype (bf16 activations on CPU)
+  cpu        e4m3 weights through qspec's CPU step kernels (runtime.kernels.cpu_step), read as fp16 bits in
+             registers: the reference math up to summation order, at fp32 or bf16 activations; the step reads its
+             layout in place (a second copy of the codes, kernel-ordered, beside the checkpoint's)
   scaled_mm  W8A8-FP8 (act_quant, per-channel e4m3): ``torch._scaled_mm`` on fp8 activations and weights with
              row-wise scales (per token x per channel), bf16 output. Runs on CUDA GPUs with FP8 (sm >= 89)
              and, slowly, on CPU; ``scaled_mm_supported`` says where. A GPU timing harness calls
@@ -30,6 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from runtime.kernels import cpu_step
+
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
 E2M1_MAX = 6.0
@@ -37,7 +42,7 @@ E2M1_MAX = 6.0
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 FORMATS = ("e4m3", "mxfp4", "nvfp4")
 FP4_BLOCK = {"mxfp4": 32, "nvfp4": 16}
-PATHS = ("reference", "dense", "dequant", "scaled_mm")
+PATHS = ("reference", "dense", "dequant", "scaled_mm", "cpu")
 
 
 # ---- element formats ----------------------------------------------------------------------------------
@@ -227,6 +232,8 @@ class FPLinear(nn.Module):
             if self._buffers[n].dtype != t.dtype:
                 self._buffers[n] = t.to(self._buffers[n].device)
         self.compute_dtype = fn(torch.empty(0, dtype=self.compute_dtype)).dtype
+        if self.path == "cpu":  # rebuilt from the codes: fp32 tables, and the new compute dtype
+            self.set_path("cpu" if self.unsupported_reason("cpu") is None else "reference")
         return self
 
     def fweight(self) -> FloatWeight:
@@ -242,6 +249,13 @@ class FPLinear(nn.Module):
     def unsupported_reason(self, path: str) -> str | None:
         if path == "scaled_mm" and not (self.act_quant and self.fmt == "e4m3" and self.block == 0):
             return "scaled_mm runs W8A8-FP8 with per-channel e4m3 weights (act_quant=True, block=0)"
+        if path == "cpu":
+            if self.fmt != "e4m3" or self.act_quant:
+                return "the cpu kernels run weight-only e4m3 (FP4 is emulated; W8A8-FP8 runs scaled_mm)"
+            if not cpu_step.available():
+                return "qspec's CPU step is not built here (runtime.kernels.cpu_step)"
+            if self.codes.device.type != "cpu":
+                return "the cpu kernels run on CPU tensors"
         return None
 
     def set_path(self, path: str) -> FPLinear:
@@ -250,15 +264,46 @@ class FPLinear(nn.Module):
         reason = self.unsupported_reason(path)
         if reason:
             raise ValueError(f"path {path!r} cannot run this layer: {reason}")
-        self._buffers.pop("dense_weight", None)
+        for name in ("dense_weight", "kernel_data", "kernel_scales", "kernel_zeros"):
+            self._buffers.pop(name, None)
+        self.__dict__.pop("_kernel_weight", None)
         if path == "dense":  # not persistent: never saved
             self.register_buffer("dense_weight", self.fweight().dequantize(torch.float32), persistent=False)
+        if path == "cpu":  # scales per (row, column group); x256: the kernel decodes e4m3 as fp16 bits (value / 256)
+            n, k = self.out_features, self.in_features
+            group = k if self.block == 0 else self.block
+            per_row = self.scales.float() if self.block == 0 else self.scales.float().repeat_interleave(group, 0)[:n]
+            self.register_buffer("kernel_data", cpu_step.pack_fp8(self.codes), persistent=False)
+            self.register_buffer("kernel_scales", cpu_step.group_table(per_row * 256, n), persistent=False)
+            self.register_buffer("kernel_zeros", torch.zeros_like(self.kernel_scales), persistent=False)
         self.path = path
         return self
+
+    def cpu_kernel_weight(self) -> cpu_step.KernelWeight | None:
+        """This layer in the CPU step's layout (runtime.kernels.cpu_step's contract), or None on another path.
+        An automatic layer moves to the "cpu" path here when it can."""
+        if self.path != "cpu" and self.auto and self.unsupported_reason("cpu") is None:
+            self.set_path("cpu")
+            self.auto = False
+        if self.path != "cpu":
+            return None
+        kw = self.__dict__.get("_kernel_weight")
+        if kw is None:
+            group = self.in_features if self.block == 0 else self.block
+            kw = cpu_step.KernelWeight(
+                kind="fp8", out_features=self.out_features, in_features=self.in_features, group=group,
+                data=self.kernel_data, scales=self.kernel_scales, zeros=self.kernel_zeros,
+                bias=None if self.bias is None else self.bias.float(),
+                bf16_activations=self.compute_dtype == torch.bfloat16,
+            )  # fmt: skip
+            self.__dict__["_kernel_weight"] = kw
+        return kw
 
     def auto_path(self, device: torch.device) -> str:
         if self.unsupported_reason("scaled_mm") is None and scaled_mm_supported(device):
             return "scaled_mm"
+        if device.type == "cpu" and self.unsupported_reason("cpu") is None:
+            return "cpu"
         return "dequant" if self.compute_dtype != torch.float32 else "reference"
 
     def forward(self, x: Tensor) -> Tensor:
@@ -267,6 +312,8 @@ class FPLinear(nn.Module):
             self.auto = False
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
+        if self.path == "cpu":
+            return cpu_step.linear(self.cpu_kernel_weight().handle(), x2).to(x.dtype).reshape(*shape[:-1], -1)
         if self.path == "scaled_mm":
             y = fp8_matmul(x2, self.codes, self.scales)
             if self.bias is not None:

@@ -11,6 +11,7 @@ Symmetric quantization is the case ``zeros == 2**(bits-1)``.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +21,7 @@ from torch import Tensor, nn
 from quantize.grid import quantize_activations_per_token
 from quantize.kernels import cpu, cuda
 from quantize.packing import block_shape, pack_codes, unpack_codes
+from runtime.kernels import cpu_step
 
 SUPPORTED_BITS = (2, 3, 4, 8)  # every path: the reference and Triton
 FAST_CPU_BITS = (4, 8)  # bit widths with a packed torch CPU kernel (quantize.kernels.cpu)
@@ -73,7 +75,7 @@ class QuantizedWeight:
         return self.codes.numel() * self.bits // 8 + 2 * 2 * self.scales.numel()
 
 
-PATHS = ("reference", "dense", "cpu_int4", "cpu_int8", "cpu_w8a8", "cuda_int4", "cuda_int8", "triton")
+PATHS = ("reference", "dense", "cpu", "cpu_int4", "cpu_int8", "cpu_w8a8", "cuda_int4", "cuda_int8", "triton")
 
 
 class QuantLinear(nn.Module):
@@ -88,6 +90,9 @@ class QuantLinear(nn.Module):
       dense      the reference math on a weight dequantized once and kept (fp32): bit-identical to reference
                  and as fast as an unquantized fp32 model, for evaluating a quantized model's quality at
                  scale; resident bytes are the dense size plus the packed codes
+      cpu        qspec's CPU step kernels (runtime.kernels.cpu_step: 2/3/4- and 8-bit codes, fp32 or bf16
+                 activations, any group size that is even or per-channel; the decode step reads this layout
+                 in place); the reference math up to summation order
       cpu_int4   torch's int4 packed matmul (2/3/4-bit codes, group size a multiple of 32; bf16 activations)
       cpu_int8   torch's int8 weight-only matmul (8-bit codes)
       cpu_w8a8   torch._int_mm on int8 activations and weights (act_quant=True)
@@ -96,7 +101,9 @@ class QuantLinear(nn.Module):
       cuda_int8  per-channel int8 weight-only in plain torch ops (fused by torch.compile; runs on any device)
       triton     fused dequantize + matmul Triton kernels (CUDA; CPU only under TRITON_INTERPRET=1)
 
-    The automatic rule on CUDA: W8A8 and act-order (g_idx) layers run Triton; <= 4-bit codes run cuda_int4 when
+    The automatic rule on CPU: ``cpu`` where the step's kernels are built and take the layer, else cpu_w8a8 /
+    cpu_int8 / cpu_int4 (torch's packed ops) as supported. The automatic rule on CUDA: W8A8 and act-order (g_idx)
+    layers run Triton; <= 4-bit codes run cuda_int4 when
     its layout fits and the compute dtype is 16-bit (Triton otherwise, for fp32 models, which keep fp32 math, and
     for a head whose rows a QuantEmbedding reads); per-channel 8-bit runs
     cuda_int8; other 8-bit layouts (groups) run Triton. On CPU: cpu_w8a8 / cpu_int8 / cpu_int4 as supported.
@@ -131,13 +138,27 @@ class QuantLinear(nn.Module):
         if path != "auto":
             self.set_path(path)
 
+    def _apply(self, fn, recurse=True):
+        # model.to(bf16) / set_dtype move the tables but must not re-round scales and zeros: keep their dtypes, and
+        # follow the new compute dtype (the cpu kernels' activation rounding, the bias)
+        kept = ("scales", "zeros", "kernel_scales", "kernel_zeros")
+        saved = {n: self._buffers[n] for n in kept if self._buffers.get(n) is not None}
+        super()._apply(fn, recurse)
+        for n, t in saved.items():
+            if self._buffers[n].dtype != t.dtype:
+                self._buffers[n] = t.to(self._buffers[n].device)
+        self.compute_dtype = fn(torch.empty(0, dtype=self.compute_dtype)).dtype
+        self.__dict__.pop("_kernel_weight", None)
+        return self
+
     # ---- storage ----------------------------------------------------------------------------------------
 
     def store(self, codes: Tensor, path: str) -> None:
         """Keep the codes in the layout `path` reads, dropping every other layout."""
 
         layouts = ("packed_codes", "dense_weight", "int4_weight", "int4_scales_zeros", "int8_weight", "in_perm")
-        layouts += ("int4_cuda_weight", "int8_cuda_weight")
+        layouts += ("int4_cuda_weight", "int8_cuda_weight", "kernel_data", "kernel_scales", "kernel_zeros")
+        self.__dict__.pop("_kernel_weight", None)
         for name in layouts + ("zero_shift",):
             self._buffers.pop(name, None)
         self.path = path
@@ -153,6 +174,14 @@ class QuantLinear(nn.Module):
             return
         perm = cpu.contiguous_group_order(self.g_idx, self.group_size, self.in_features)
         self.register_buffer("in_perm", perm)
+        if path == "cpu":  # the step's layout: codes in group order, tiles of 16 rows, per-tile scale tables
+            ordered = codes if perm is None else codes[:, perm.to(codes.device)]
+            n = self.out_features
+            self.register_buffer("kernel_data", cpu_step.pack_codes(ordered.cpu(), self.bits))
+            self.register_buffer("kernel_scales", cpu_step.group_table(self.scales.cpu(), n))
+            zeros = self.zeros.float().cpu() - (128 if self.bits == 8 else 0)
+            self.register_buffer("kernel_zeros", cpu_step.group_table(zeros, n))
+            return
         if path == "cuda_int4":  # converted once, here; forward only calls the kernel
             perm_dev = None if perm is None else perm.to(codes.device)
             weight, scales_zeros, self.int4_group = cuda.int4_pack(
@@ -190,6 +219,9 @@ class QuantLinear(nn.Module):
             per_block = block_shape(self.bits)[0]
             k_pad = -(-self.in_features // per_block) * per_block
             return unpack_codes(self.packed_codes.cpu(), self.bits, k_pad)[: self.in_features].t().contiguous()
+        if "kernel_data" in self._buffers:
+            codes = cpu_step.unpack_codes(self.kernel_data, self.bits, self.out_features, self.in_features)
+            return self._from_group_order(codes)
         if "int4_weight" in self._buffers:
             n_sub = self.int4_scales_zeros.shape[0]
             return cpu.int4_unpack(
@@ -213,7 +245,9 @@ class QuantLinear(nn.Module):
             k_pad = -(-self.in_features // per_block) * per_block
             cols = self.packed_codes.index_select(1, rows.to(self.packed_codes.device))
             return unpack_codes(cols, self.bits, k_pad)[: self.in_features].t()
-        if "int4_weight" in self._buffers:
+        if "kernel_data" in self._buffers:
+            codes = cpu_step.gather_rows(self.kernel_data, self.bits, rows.cpu(), self.in_features)
+        elif "int4_weight" in self._buffers:
             k_pad = self.int4_scales_zeros.shape[0] * self.int4_group
             codes = cpu.int4_gather_rows(self.int4_weight, self.out_features, k_pad, rows)[:, : self.in_features]
         elif "int8_cuda_weight" in self._buffers:
@@ -231,6 +265,15 @@ class QuantLinear(nn.Module):
         if perm is None:
             return codes
         out = torch.empty_like(codes)  # column j of the packed order is input column perm[j]
+        out[:, perm.to(codes.device)] = codes
+        return out
+
+    def _from_group_order(self, codes: Tensor) -> Tensor:
+        """Codes [N, K] whose column j is input column in_perm[j] -> columns in input order."""
+        perm = self._buffers.get("in_perm")
+        if perm is None:
+            return codes
+        out = torch.empty_like(codes)
         out[:, perm.to(codes.device)] = codes
         return out
 
@@ -269,6 +312,16 @@ class QuantLinear(nn.Module):
 
         if path in ("reference", "dense", "triton"):
             return None
+        if path == "cpu":
+            if self.act_quant:
+                return "the cpu kernels are weight-only; W8A8 layers run on cpu_w8a8"
+            if not cpu_step.available():
+                return "qspec's CPU step is not built here (runtime.kernels.cpu_step)"
+            n_groups = -(-self.in_features // self.group_size)
+            if self.bits < 8 and self.group_size % 2 and n_groups > 1:
+                return "the cpu kernels read codes in column pairs: an even group size (or per-channel)"
+            if self.scales.device.type != "cpu":
+                return "the cpu kernels run on CPU tensors"
         if path == "cuda_int4":
             if self.act_quant:
                 return "cuda_int4 is weight-only; W8A8 layers run on triton"
@@ -302,6 +355,8 @@ class QuantLinear(nn.Module):
             if self.bits == 8 and self.unsupported_reason("cuda_int8") is None:
                 return "cuda_int8"
             return "triton"
+        if self.unsupported_reason("cpu") is None:
+            return "cpu"
         preferred = "cpu_w8a8" if self.act_quant else ("cpu_int8" if self.bits == 8 else "cpu_int4")
         if preferred == "cpu_int4" and self.compute_dtype == torch.float32:
             return "reference"  # int4 computes in bf16: an fp32 model keeps fp32 math unless it asks for the path
@@ -337,6 +392,8 @@ class QuantLinear(nn.Module):
         if self.auto and self.auto_device != x.device.type:
             self.set_path(self.auto_path(x.device), pin=False)
             self.auto_device = x.device.type
+            if self.path == "reference":
+                say_slow_path(self)
         if self.path in ("reference", "dense"):
             return self.reference_forward(x)
         shape = x.shape
@@ -346,7 +403,9 @@ class QuantLinear(nn.Module):
 
             y = quant_matmul(x2, self)
         else:
-            if self.path == "cuda_int4":
+            if self.path == "cpu":
+                y = cpu_step.linear(self.cpu_kernel_weight().handle(), x2)
+            elif self.path == "cuda_int4":
                 y = cuda.int4_mm(x2, self.int4_cuda_weight, self.int4_scales_zeros, self.int4_group, self.in_perm)
             elif self.path == "cuda_int8":
                 y = cuda.int8_mm(x2, self.int8_cuda_weight, self.scales, self.zero_shift)
@@ -355,9 +414,30 @@ class QuantLinear(nn.Module):
             else:
                 mm = cpu.w8a8_mm if self.path == "cpu_w8a8" else cpu.int8_mm
                 y = mm(x2, self.int8_weight, self.scales, self.zero_shift, self.group_size, self.in_perm)
-        if self.bias is not None:
+        if self.bias is not None and self.path != "cpu":  # the cpu kernels add it themselves
             y = y + self.bias.to(y.dtype)
         return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
+
+    def cpu_kernel_weight(self) -> cpu_step.KernelWeight | None:
+        """This layer in the CPU step's layout (runtime.kernels.cpu_step's contract), or None when it keeps
+        another path. An automatic layer on CPU moves to the "cpu" path here when it can."""
+        if self.path != "cpu" and self.auto and self.unsupported_reason("cpu") is None:
+            self.set_path("cpu", pin=False)
+            self.auto_device = "cpu"
+        if self.path != "cpu":
+            return None
+        kw = self.__dict__.get("_kernel_weight")
+        if kw is None:
+            n = -(-self.in_features // self.group_size)
+            kw = cpu_step.KernelWeight(
+                kind="i8" if self.bits == 8 else "i4", out_features=self.out_features, in_features=self.in_features,
+                group=self.in_features if n == 1 else self.group_size, data=self.kernel_data,
+                scales=self.kernel_scales, zeros=self.kernel_zeros, perm=self.in_perm,
+                bias=None if self.bias is None else self.bias.float(),
+                bf16_activations=self.compute_dtype == torch.bfloat16,
+            )  # fmt: skip
+            self.__dict__["_kernel_weight"] = kw
+        return kw
 
     def reference_forward(self, x: Tensor) -> Tensor:
         w = self.dense_weight if self.path == "dense" else self.qweight().dequantize(torch.float32)
@@ -375,6 +455,24 @@ class QuantLinear(nn.Module):
             f"in={self.in_features}, out={self.out_features}, bits={self.bits}, group_size={self.group_size}, "
             f"act_order={self.g_idx is not None}, w8a8={self.act_quant}, path={self.path}"
         )
+
+
+_SAID: set[str] = set()
+
+
+def say_slow_path(layer: QuantLinear) -> None:
+    """One line per process and reason when the automatic choice is the slow reference path."""
+    if layer.bits <= 4 and layer.compute_dtype == torch.float32:
+        why = (
+            f"{layer.bits}-bit layers at fp32 compute run the reference path (dequantize, then matmul: ~15x slower "
+            "decoding): the int4 kernel takes bf16 activations. Load with --dtype bf16 (the default for quantized "
+            "checkpoints, --dtype auto) to use it"
+        )
+    else:
+        why = f"{layer.extra_repr()}: no fast kernel fits this layer here; it runs the reference path (slow)"
+    if why not in _SAID:
+        _SAID.add(why)
+        print(f"[qspec] {why}", file=sys.stderr)
 
 
 def set_module(model: nn.Module, name: str, module: nn.Module) -> None:

@@ -8,7 +8,7 @@ are padded to a bucket (1, 2, 4, 8, 16, 32), so each bucket is one graph; the pa
 after the real ones, which the position mask hides and later writes overwrite (as with rejected drafts).
 
 One switch, ``compile``: "off" (eager), "on" (compile on any device: inductor on CPU, inductor with CUDA
-graphs on CUDA) or "auto" (on for CUDA; off on CPU, where runtime/kernels/cpu_decode's C++ step is faster
+graphs on CUDA) or "auto" (on for CUDA; off on CPU, where runtime/kernels/cpu_step's C++ step is faster
 for fp32 and mixed bf16). ``resolve_compile`` names what runs; generation results record it.
 
 Compiled steps are cached per (model, batch size, capacity bucket): capacity is rounded up to a multiple of

@@ -142,3 +142,18 @@ DTYPES = {
     "fp16": torch.float16,
     "float16": torch.float16,
 }
+
+
+DTYPE_CHOICES = sorted(DTYPES) + ["auto"]  # auto: fp32, or bf16 for a quantized checkpoint (its kernels' dtype)
+
+
+def cli_dtype(name: str) -> torch.dtype | None:
+    """A --dtype name -> torch dtype; None for "auto" (runtime.loader.load_model picks per checkpoint)."""
+    return None if name == "auto" else DTYPES[name]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The short --dtype name of a torch dtype (fp32, bf16, fp16), or torch's own name for any other."""
+    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(
+        dtype, str(dtype).removeprefix("torch.")
+    )

@@ -8,7 +8,6 @@ tokens overwrite before anything reads them.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -21,21 +20,17 @@ from runtime.layout import device_of
 from runtime.model import AttentionMetadata, Transformer, decode_meta, prefill_meta
 from runtime.sampling import SamplingParams, logits_to_probs, make_generator, process_logits, sample_rows
 from runtime.stopping import StopChecker
+from runtime.timing import LoopClock, LoopTiming, PhaseTimer
 
 
 @dataclass
 class GenerationOutput:
     tokens: list[list[int]]  # new tokens per prompt (stop token included when it ended the row)
     finish_reasons: list[str]  # "eos" | "stop" | "length"
-    ttft_s: float = 0.0  # time to first token (prefill + first sample)
-    step_times_s: list[float] = field(default_factory=list)  # wall time of each decode step
+    timing: LoopTiming = field(default_factory=LoopTiming)  # TTFT, whole-step times, token arrivals (runtime.timing)
     compile: str = "off"  # what ran the decode steps: off (eager) | inductor | cudagraphs (runtime.compiled)
     # per row: constrained by a grammar and stopped (max_tokens, a stop string) before its text was complete
     grammar_incomplete: list[bool] = field(default_factory=list)
-
-    @property
-    def tpot_s(self) -> float:
-        return sum(self.step_times_s) / max(len(self.step_times_s), 1)
 
 
 @torch.inference_mode()
@@ -48,11 +43,15 @@ def generate(
     on_token: Callable[[int, int], None] | None = None,
     compile: str = "auto",
     grammar: Grammar | list[Grammar | None] | None = None,
+    profile: bool = False,
 ) -> GenerationOutput:
     """Generate for a batch of token-id prompts; on_token(row, token) streams each new token. grammar (one
     for the batch or one per row): every token is drawn under its mask (runtime.grammar).
 
-    compile: "off" | "auto" | "on" (runtime.compiled): decode steps through a compiled step over a static cache."""
+    compile: "off" | "auto" | "on" (runtime.compiled): decode steps through a compiled step over a static cache.
+    The clock covers the whole call (runtime.timing); profile=True also splits it into forward, lm_head and
+    sampling seconds (``out.timing.phase_s``; CUDA is synchronized at each boundary, so only when asked)."""
+    clock = LoopClock()
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
     B = len(prompts)
@@ -83,41 +82,32 @@ def generate(
     all_greedy = all(p.greedy for p in row_params)
 
     out = GenerationOutput(tokens=[[] for _ in range(B)], finish_reasons=[""] * B, compile=backend)
+    token_times: list[list[float]] = [[] for _ in range(B)]
+    phase = PhaseTimer(profile, device)
     done = [False] * B
-    t0 = time.perf_counter()
     T = int(lengths.max())
-    if use_cache:
-        hidden = model(tokens[:, :T], prefill_meta(B, T, device), cache, hidden_only=True)
-    else:
-        hidden = model(tokens[:, :T], hidden_only=True)
-    last = hidden[torch.arange(B, device=device), lengths - 1]  # [B, H]
-    positions = lengths.clone()  # where each row's next token goes
-    step = 0
-    while True:
-        logits = model.logits(last)
-        if adjusted:  # per-row sequence-dependent adjustments (penalties, logit_bias, min_tokens), then grammars
-            logits = torch.stack(
-                [
-                    mask_logits(
-                        process_logits(logits[b], p, prompts[b], out.tokens[b], stop_ids[b]),
-                        None if c is None else c.mask(),
-                    )
-                    for b, (p, c) in enumerate(zip(row_params, constraints))
-                ]
-            )
-        if all_greedy:  # the argmax sample_rows takes of one-hot rows, without B small ops per step
-            next_tokens = logits.argmax(-1)
+    with phase("forward"):
+        if use_cache:
+            hidden = model(tokens[:, :T], prefill_meta(B, T, device), cache, hidden_only=True)
         else:
-            probs = torch.stack([logits_to_probs(logits[b], row_params[b]) for b in range(B)])
-            next_tokens = sample_rows(probs, row_params, generators)
-        if step == 0:
-            out.ttft_s = time.perf_counter() - t0
-        next_list = next_tokens.tolist()  # one device sync per step, not one per row
+            hidden = model(tokens[:, :T], hidden_only=True)
+        last = hidden[torch.arange(B, device=device), lengths - 1]  # [B, H]
+    positions = lengths.clone()  # where each row's next token goes
+    while True:
+        with phase("lm_head"):
+            logits = model.logits(last)
+        with phase("sampling"):
+            next_tokens = _next_tokens(
+                logits, adjusted, all_greedy, row_params, generators, prompts, out.tokens, stop_ids, constraints
+            )
+            next_list = next_tokens.tolist()  # one device sync per step, not one per row
+        emitted = []
         for b in range(B):
             if done[b]:
                 continue
             tok = next_list[b]
             out.tokens[b].append(tok)
+            emitted.append(b)
             if constraints[b] is not None and not constraints[b].accept(tok):
                 raise RuntimeError(f"row {b}: sampled token {tok} that its grammar does not allow")
             if on_token is not None:
@@ -125,25 +115,47 @@ def generate(
             reason = stops[b].check(out.tokens[b])
             if reason is not None:
                 done[b], out.finish_reasons[b] = True, reason
+        now = clock.mark()  # the step's tokens are out: everything before this belongs to it
+        for b in emitted:
+            token_times[b].append(now)
         if all(done):
             break
-        tokens[torch.arange(B, device=device), positions] = next_tokens
-        t_step = time.perf_counter()
-        if decoder is not None:
-            last = decoder(next_tokens[:, None], positions[:, None])[:, 0]
-        elif use_cache:
-            hidden = model(next_tokens[:, None], decode_meta(positions), cache, hidden_only=True)
-            last = hidden[:, 0]
-        else:  # full recompute: the reference the cache is tested against
-            L = int(positions.max()) + 1
-            pos = torch.arange(L, device=device).expand(B, -1)
-            hidden = model(tokens[:, :L], AttentionMetadata.causal(pos), hidden_only=True)
-            last = hidden[torch.arange(B, device=device), positions]
+        with phase("forward"):
+            tokens[torch.arange(B, device=device), positions] = next_tokens
+            if decoder is not None:
+                last = decoder(next_tokens[:, None], positions[:, None])[:, 0]
+            elif use_cache:
+                hidden = model(next_tokens[:, None], decode_meta(positions), cache, hidden_only=True)
+                last = hidden[:, 0]
+            else:  # full recompute: the reference the cache is tested against
+                L = int(positions.max()) + 1
+                pos = torch.arange(L, device=device).expand(B, -1)
+                hidden = model(tokens[:, :L], AttentionMetadata.causal(pos), hidden_only=True)
+                last = hidden[torch.arange(B, device=device), positions]
         positions += 1
-        step += 1
-        out.step_times_s.append(time.perf_counter() - t_step)
     out.grammar_incomplete = [c is not None and not c.complete for c in constraints]
+    out.timing = LoopTiming.from_clock(clock, token_times)
+    out.timing.phase_s = dict(phase.seconds)
     return out
+
+
+def _next_tokens(logits, adjusted, all_greedy, row_params, generators, prompts, generated, stop_ids, constraints):
+    """[B, V] raw logits -> [B] next tokens under each row's SamplingParams, penalties and grammar."""
+    B = logits.shape[0]
+    if adjusted:  # per-row sequence-dependent adjustments (penalties, logit_bias, min_tokens), then grammars
+        logits = torch.stack(
+            [
+                mask_logits(
+                    process_logits(logits[b], p, prompts[b], generated[b], stop_ids[b]),
+                    None if c is None else c.mask(),
+                )
+                for b, (p, c) in enumerate(zip(row_params, constraints))
+            ]
+        )
+    if all_greedy:  # the argmax sample_rows takes of one-hot rows, without B small ops per step
+        return logits.argmax(-1)
+    probs = torch.stack([logits_to_probs(logits[b], row_params[b]) for b in range(B)])
+    return sample_rows(probs, row_params, generators)
 
 
 def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:

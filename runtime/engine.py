@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from runtime import timing
 from runtime.grammar import Grammar, mask_logits, row_constraints
 from runtime.layout import device_of
 from runtime.model import Transformer
@@ -59,6 +60,7 @@ from runtime.stopping import StopChecker
 __all__ = ["EngineConfig", "LLMEngine", "RequestOutput", "RequestRejectedError", "Speculator"]
 
 log = logging.getLogger("qspec.engine")
+LATENCY_METRICS = ("ttft", "tpot", "e2e")  # per finished request, as runtime.timing defines them
 
 
 @dataclass
@@ -106,6 +108,15 @@ class RequestOutput:
     def cumulative_logprob(self) -> float:
         return sum(t.logprob for t in self.logprobs or [])
 
+    @property
+    def ttft_s(self) -> float | None:
+        """Arrival -> first token (runtime.timing's definition)."""
+        return timing.ttft(self.arrival_time, self.token_times)
+
+    @property
+    def tpot_s(self) -> float | None:
+        return timing.tpot(self.token_times)
+
 
 class LLMEngine:
     def __init__(
@@ -144,6 +155,8 @@ class LLMEngine:
         self.num_aborted = 0
         self.num_failed = 0
         self._token_events: deque[tuple[float, int]] = deque()  # (time, tokens) for a sliding tokens/s
+        self.latency_sums = dict.fromkeys(LATENCY_METRICS, 0.0)  # seconds summed over finished requests
+        self.latency_counts = dict.fromkeys(LATENCY_METRICS, 0)
 
     # ---- requests ----------------------------------------------------------------------------------
 
@@ -439,11 +452,24 @@ class LLMEngine:
             self._release(seq)
             self.seqs.pop(seq.request_id, None)
             self.num_finished += 1
+            self._count_latency(seq, now)
         out = self._output(seq, new)
         stream = self._streams.get(seq.request_id)
         if stream is not None:
             stream.append(out)
         return out
+
+    def _count_latency(self, seq: Sequence, end: float) -> None:
+        """A finished request's TTFT, TPOT and end-to-end latency into the /metrics sums (runtime.timing)."""
+        values = {
+            "ttft": timing.ttft(seq.arrival_time, seq.token_times),
+            "tpot": timing.tpot(seq.token_times, end),
+            "e2e": end - seq.arrival_time,
+        }
+        for name, value in values.items():
+            if value is not None:
+                self.latency_sums[name] += value
+                self.latency_counts[name] += 1
 
     def _output(self, seq: Sequence, new: list[int]) -> RequestOutput:
         return RequestOutput(
@@ -530,4 +556,6 @@ class LLMEngine:
             "spec_tokens_proposed_total": self.num_spec_proposed,
             "spec_tokens_accepted_total": self.num_spec_accepted,
             "paged_decode_kernel_launches_total": self.cache.kernel_launches,
+            **{f"request_{n}_seconds_sum": self.latency_sums[n] for n in LATENCY_METRICS},
+            **{f"request_{n}_seconds_count": self.latency_counts[n] for n in LATENCY_METRICS},
         }

@@ -14,13 +14,14 @@ import torch
 
 from runtime.cliutil import ArgumentParser, UsageError, run
 from runtime.compiled import COMPILE_MODES
-from runtime.config import DTYPES, ModelConfig
+from runtime.config import DTYPE_CHOICES, ModelConfig, cli_dtype, dtype_name
 from runtime.decoding import encode_prompt, generate
 from runtime.grammar import add_grammar_args, cli_grammar, report_incomplete
-from runtime.kernels import cpu_decode
+from runtime.kernels import cpu_step
 from runtime.layout import device_of
 from runtime.loader import DEFAULT_MODEL, check_model_spec, load_model, load_tokenizer, resolve
 from runtime.sampling import SamplingParams
+from runtime.timing import timing_line
 from speculate.cli import add_speculator_args, generate_speculative
 
 
@@ -53,7 +54,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    ap.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
+    ap.add_argument(
+        "--dtype", default="auto", choices=DTYPE_CHOICES, help="auto: fp32, or bf16 for a quantized checkpoint"
+    )
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda where available)")
     ap.add_argument(
         "--compile", default="auto", choices=COMPILE_MODES, help="compiled decode step (auto: on CUDA only)"
@@ -98,9 +101,9 @@ def main(argv: list[str] | None = None) -> None:
                 f"beyond the model's context of {config.max_position_embeddings} positions"
             )
 
-    model, _, path = load_model(args.model, dtype=DTYPES[args.dtype], device=device)
+    model, _, path = load_model(args.model, dtype=cli_dtype(args.dtype), device=device)
     if device_of(model).type == "cpu":
-        cpu_decode.extension()  # built (once per machine) before the clock starts, not inside the first token
+        cpu_step.extension()  # built (once per machine) before the clock starts, not inside the first token
     on_token = stream_printer(tokenizer, len(prompts))
     grammar = cli_grammar(ap, args, tokenizer, model.config)
 
@@ -114,12 +117,9 @@ def main(argv: list[str] | None = None) -> None:
     if len(prompts) > 1:
         for i, toks in enumerate(result.tokens):
             print(f"--- [{i}] {tokenizer.decode(toks, skip_special_tokens=True)}")
-    n_new = sum(len(t) for t in result.tokens)
-    decode_time = sum(result.step_times_s)
     print(
-        f"\n[qspec] {n_new} tokens, TTFT {result.ttft_s * 1e3:.1f} ms, TPOT {result.tpot_s * 1e3:.1f} ms, "
-        f"decode {len(result.step_times_s) * len(prompts) / max(decode_time, 1e-9):.1f} tok/s "
-        f"({args.dtype}, {device}, compile {result.compile}, batch {len(prompts)}, "
+        f"\n[qspec] {timing_line(result.timing)} "
+        f"({dtype_name(model.compute_dtype)}, {device}, compile {result.compile}, batch {len(prompts)}, "
         f"finish: {','.join(result.finish_reasons)})",
         file=sys.stderr,
     )

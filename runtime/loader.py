@@ -135,6 +135,15 @@ def resolve(spec: str) -> Path:
     return download_hub(spec)
 
 
+def gguf_source(spec: str) -> Path | None:
+    """The GGUF file a registry name or .gguf spec is converted from (what llama.cpp runs), else None."""
+    kind = check_model_spec(spec)
+    if kind == "registry":
+        entry = REGISTRY[spec]
+        return package_file(entry.module, entry.filename, entry.package)
+    return Path(spec).expanduser() if kind == "gguf" else None
+
+
 def download_hub(repo_id: str) -> Path:
     try:
         from huggingface_hub import snapshot_download
@@ -231,16 +240,23 @@ def quantized_reader(quant_method: str, path: Path) -> QuantizedReader:
     return QUANTIZED_READERS[quant_method]
 
 
-def load_model(spec: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+QUANTIZED_DTYPE = torch.bfloat16  # what quantized checkpoints compute in unless asked: the int kernels' activations
+
+
+def load_model(spec: str, dtype: torch.dtype | None = torch.float32, device: str | torch.device = "cpu"):
     """Model spec -> (Transformer in eval mode, ModelConfig, checkpoint directory).
 
     Quantized checkpoints (config.json with ``quantization_config``) load through the registered reader.
+    dtype=None picks per checkpoint: fp32 for dense weights, QUANTIZED_DTYPE for quantized ones (their fast
+    kernels take bf16 activations; at fp32 some layers run the exact but slow reference path, and say so).
     """
     path = resolve(spec)
     hf_config = json.loads((path / "config.json").read_text())
     config = ModelConfig.from_hf(hf_config)
     if "quantization_config" not in hf_config and (path / "quantize_config.json").is_file():
         hf_config["quantization_config"] = json.loads((path / "quantize_config.json").read_text())  # AutoGPTQ era
+    if dtype is None:
+        dtype = QUANTIZED_DTYPE if "quantization_config" in hf_config else torch.float32
     if "quantization_config" in hf_config:
         qc = hf_config["quantization_config"]
         reader = quantized_reader(str(qc.get("quant_method", "gptq")).lower(), path)

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from runtime.config import ModelConfig, UnsupportedModelError
-from runtime.kernels import cpu_decode
+from runtime.kernels import cpu_step
 from runtime.layout import fused_layer_state, unfused_layer_state
 
 
@@ -32,6 +32,11 @@ class AttentionMetadata:
     kv_len: number of cache slots attended to (a prefix of each sequence's cache).
     contiguous_start: set when every row writes the same slot range start..start+T-1 (a slice copy into
         the cache instead of a scatter).
+    starts, counts, local_mask: what the compiled CPU step (runtime.kernels.cpu_step) reads, set by the builders
+        that know them: row b's new tokens are its first counts[b] (None: all T), written at cache indices
+        starts[b].. (slots for a contiguous cache, sequence indices through the block table for a paged one);
+        token t sees every index before starts[b] and the new tokens j its local_mask[b or 0, t, j] allows
+        (None: j <= t). starts None: the step does not run this forward.
     """
 
     positions: Tensor
@@ -40,6 +45,9 @@ class AttentionMetadata:
     kv_len: int
     contiguous_start: int | None = None
     is_causal: bool = False
+    starts: Tensor | None = None
+    counts: Tensor | None = None
+    local_mask: Tensor | None = None
 
     @staticmethod
     def causal(positions: Tensor, kv_len: int | None = None) -> AttentionMetadata:
@@ -67,6 +75,8 @@ class AttentionMetadata:
         else:
             meta = AttentionMetadata(positions, positions, None, start + length, is_causal=length > 1)
         meta.contiguous_start = start
+        if cached:
+            meta.starts = torch.full((batch,), start, dtype=torch.long)
         return meta
 
 
@@ -74,27 +84,49 @@ def decode_meta(positions: Tensor) -> AttentionMetadata:
     """Metadata for one new token per row at the given positions [B]."""
     if bool((positions == positions[0]).all()):
         return AttentionMetadata.contiguous(positions.shape[0], int(positions[0]), 1, positions.device)
-    return AttentionMetadata.causal(positions[:, None], kv_len=int(positions.max()) + 1)
+    meta = AttentionMetadata.causal(positions[:, None], kv_len=int(positions.max()) + 1)
+    meta.starts = positions.cpu()
+    return meta
 
 
 def prefill_meta(batch: int, length: int, device) -> AttentionMetadata:
     return AttentionMetadata.contiguous(batch, 0, length, device)
 
 
-_NO_BIAS = torch.empty(0)  # the compiled step's "no q/k/v bias"
-
-
 class Linear(nn.Linear):
-    """nn.Linear with a CPU decode fast path: a single row goes through torch.mv, whose GEMV kernel reads
-    the weight faster than the one addmm picks for M=1 (bf16 ~1.5x, fp32 ~1.05x and the 49k-row head ~1.1x,
-    measured in a same-run microbenchmark)."""
+    """nn.Linear whose short CPU inputs (up to cpu_step.MAX_ROWS rows: decode steps, verifications, heads) run
+    the compiled CPU step's kernels: they read the weight in place at the memory bandwidth, and a row's result
+    does not depend on the other rows of the call. Outputs are rounded to the weight's dtype, as F.linear's."""
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.dtype in (torch.bfloat16, torch.float32) and x.is_cpu and x.numel() == x.shape[-1]:
-            row = x.reshape(-1)
-            y = torch.mv(self.weight, row) if self.bias is None else torch.addmv(self.bias, self.weight, row)
-            return y.view(*x.shape[:-1], self.out_features)
+        rows = x.numel() // max(x.shape[-1], 1)
+        w = self.weight
+        if (
+            x.is_cpu
+            and x.dtype == w.dtype
+            and w.dtype in (torch.float32, torch.bfloat16)
+            and 1 <= rows <= cpu_step.MAX_ROWS
+            and not torch.is_grad_enabled()
+            and not torch.compiler.is_compiling()
+            and cpu_step.available()
+        ):
+            return cpu_step.linear(self.kernel_handle(), x).to(w.dtype)
         return F.linear(x, self.weight, self.bias)
+
+    def kernel_handle(self):
+        """The kernels' view of this weight (rebuilt when the weight tensor is replaced)."""
+        key = (self.weight.data_ptr(), self.weight.dtype, None if self.bias is None else self.bias.data_ptr())
+        cached = self.__dict__.get("_kernel")
+        if cached is None or cached[0] != key:
+            bias = None if self.bias is None else self.bias.detach().float()
+            cached = self.__dict__["_kernel"] = (key, cpu_step.dense_handle(self.weight.detach(), bias))
+        return cached[1]
+
+    def __getstate__(self):  # copies and pickles rebuild the kernels' view of their own weight
+        state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__.copy()
+        state = dict(state)
+        state.pop("_kernel", None)
+        return state
 
 
 class RMSNorm(nn.Module):
@@ -105,9 +137,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            long_cpu = x.is_cpu and x.numel() > cpu_decode.MAX_TOKENS * x.shape[-1]
+            long_cpu = x.is_cpu and x.numel() > cpu_step.MAX_TOKENS * x.shape[-1]
             if long_cpu and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
-                fused = cpu_decode.rms_norm(x, self.weight, self.eps)  # prefill: one pass instead of ~10 ops
+                fused = cpu_step.rms_norm(x, self.weight, self.eps)  # prefill: one pass instead of ~10 ops
                 if fused is not None:
                     return fused
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
@@ -267,7 +299,7 @@ class Transformer(nn.Module):
         # None: the residual stream has the weights' dtype (the reference behaviour). torch.float32 with
         # bf16 weights keeps the sum of layer outputs in fp32 (mixed precision: fewer bf16 argmax flips).
         self.residual_dtype: torch.dtype | None = None
-        self.fast_decode = True  # short CPU decode steps through the compiled step (runtime.kernels.cpu_decode)
+        self.fast_decode = True  # short CPU decode steps through the compiled step (runtime.kernels.cpu_step)
         inv_freq, self.rope_attention_scale = rope_inv_freq(config)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
@@ -285,41 +317,26 @@ class Transformer(nn.Module):
         cos, signed_sin = self.rope(positions, self.compute_dtype)
         return cos[0, :, 0].contiguous(), signed_sin[0, :, 0, 1].contiguous()
 
-    def compiled_step_tensors(self) -> list[Tensor] | None:
-        """The 7 tensors per layer the compiled CPU step (runtime.kernels.cpu_decode) reads, or None when a
-        layer is not one it implements (a swapped-in QuantLinear, q/k norms, biases beyond q/k/v)."""
+    def step_layers(self) -> list[tuple] | None:
+        """Per layer (input norm, post-attention norm, qkv, o, gate_up, down) for the compiled CPU step
+        (runtime.kernels.cpu_step), or None when a layer is not one it implements (q/k norms, a stand-in layer or
+        norm of another type; stand-in linears say for themselves whether the step can run them)."""
         out = []
-        for layer in self.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        for layer in self.layers._modules.values():  # the modules' own dicts: this runs every decode step
+            mods = layer._modules
+            attn, mlp = mods["self_attn"], mods["mlp"]
             if (
                 type(layer) is not DecoderLayer
                 or type(attn) is not Attention
                 or type(mlp) is not MLP
-                or type(layer.input_layernorm) is not RMSNorm
-                or type(layer.post_attention_layernorm) is not RMSNorm
-                or any(type(m) is not Linear for m in linears)
-                or attn.q_norm is not None
-                or attn.o_proj.bias is not None
-                or mlp.gate_up_proj.bias is not None
-                or mlp.down_proj.bias is not None
+                or type(mods["input_layernorm"]) is not RMSNorm
+                or type(mods["post_attention_layernorm"]) is not RMSNorm
+                or attn._modules.get("q_norm") is not None
             ):
                 return None
-            qkv_bias = attn.qkv_proj.bias
-            out += [
-                layer.input_layernorm.weight,
-                attn.qkv_proj.weight,
-                _NO_BIAS if qkv_bias is None else qkv_bias,
-                attn.o_proj.weight,
-                layer.post_attention_layernorm.weight,
-                mlp.gate_up_proj.weight,
-                mlp.down_proj.weight,
-            ]
-        dtype = out[0].dtype
-        if dtype not in (torch.float32, torch.bfloat16):
-            return None
-        if any(t.dtype != dtype or not t.is_contiguous() or t.device.type != "cpu" for t in out if t.numel()):
-            return None
+            a, f = attn._modules, mlp._modules
+            out.append((mods["input_layernorm"], mods["post_attention_layernorm"], a["qkv_proj"], a["o_proj"],
+                        f["gate_up_proj"], f["down_proj"]))  # fmt: skip
         return out
 
     def forward(
@@ -336,10 +353,10 @@ class Transformer(nn.Module):
         if meta is None:
             meta = AttentionMetadata.contiguous(tokens.shape[0], 0, tokens.shape[1], tokens.device, cache is not None)
         x = self.embed_tokens(tokens).to(self.residual_dtype or self.compute_dtype)
-        short = tokens.shape[1] <= cpu_decode.MAX_TOKENS
+        short = tokens.shape[1] <= cpu_step.MAX_TOKENS
         # (a compiled step, runtime.compiled, traces the Python layers: the C++ step is its own compiled path)
-        eligible = short and x.is_cpu and not torch.compiler.is_compiling()
-        fast = cpu_decode.decode(self, x, meta, cache) if eligible else None
+        eligible = short and x.is_cpu and cache is not None and not torch.compiler.is_compiling()
+        fast = cpu_step.decode(self, x, meta, cache) if eligible else None
         if fast is not None:  # the compiled decode step: the same layers, no per-op dispatch
             x = fast
         else:
@@ -354,19 +371,28 @@ class Transformer(nn.Module):
         """The decoder layers' dtype (also the KV cache's); norms are never quantized, so ask one."""
         return self.layers[0].input_layernorm.weight.dtype
 
-    def logits(self, hidden: Tensor) -> Tensor:
-        return self.lm_head(hidden.to(self.norm.weight.dtype))
+    @property
+    def head_dtype(self) -> torch.dtype:
+        """The dtype the lm_head computes in (a quantized head says so itself; reading .weight would dequantize)."""
+        return getattr(self.lm_head, "compute_dtype", None) or self.lm_head.weight.dtype
 
-    def set_dtype(self, dtype: torch.dtype, mixed: bool = True) -> Transformer:
-        """Cast to a compute dtype. With mixed=True and a 16-bit dtype, the embeddings, final norm and
-        lm_head stay fp32 and the residual stream is fp32: on the default model this lifts bf16's greedy
-        argmax agreement with fp32 from ~97% (plain bf16, as transformers does it) to over 99%, for ~20%
-        more weight bytes per decoded token. mixed=False is plain bf16, identical to transformers."""
+    def logits(self, hidden: Tensor) -> Tensor:
+        """Final-norm hidden states [..., H] -> fp32 logits [..., V] (a 16-bit head's outputs, widened)."""
+        return self.lm_head(hidden.to(self.head_dtype)).float()
+
+    def set_dtype(self, dtype: torch.dtype, mixed: bool = True, head_dtype: torch.dtype | None = None) -> Transformer:
+        """Cast to a compute dtype. With mixed=True and a 16-bit dtype the final norm stays fp32 and the residual
+        stream is fp32 (the sum of layer outputs keeps fp32 precision), which lifts bf16's greedy argmax agreement
+        with fp32 at no cost in bytes read per token. The embedding and lm_head (tied on SmolLM2) take head_dtype,
+        by default the compute dtype: an fp32 head would be 113 of the ~325 MB a bf16 token reads on the default
+        model. head_dtype=torch.float32 keeps them fp32 (measured gain and cost: notes/issue-27.md).
+        mixed=False is plain bf16, identical to transformers."""
         self.to(dtype)
         self.residual_dtype = None
         if mixed and dtype != torch.float32:
-            self.embed_tokens.float()
-            self.lm_head.float()
+            head = head_dtype or dtype
+            self.embed_tokens.to(head)
+            self.lm_head.to(head)
             self.norm.float()
             self.residual_dtype = torch.float32
         return self

@@ -292,7 +292,24 @@ def paged_metadata(
         block_tables=padded(tables, nb, SCRATCH_BLOCK, torch.int32),  # int32: what the decode kernel reads
         context_lens=torch.tensor([r[-1] + 1 for r in rows_index], dtype=torch.int32, device=device),
         prefix_mask=not any(m is not None for m in local_masks or []),
+        starts=torch.tensor([r[0] for r in rows_index]),
+        counts=torch.tensor([len(r) for r in rows_index]),
+        local_mask=step_local_masks(local_masks, rows_index, T),
     )
+
+
+def step_local_masks(local_masks: list[Tensor | None] | None, rows_index: list[list[int]], T: int) -> Tensor | None:
+    """[B, T, T] masks among each row's new tokens for the compiled CPU step (causal where a row has none), or None
+    when every row is plain causal. The step requires consecutive indices per row, as every caller feeds them."""
+    if not local_masks or all(m is None for m in local_masks):
+        return None
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    out = causal.expand(len(rows_index), T, T).clone()
+    for b, local in enumerate(local_masks):
+        if local is not None:
+            n = local.shape[0]
+            out[b, :n, :n] = local.cpu()
+    return out
 
 
 def resolve_decode_kernel(decode_kernel: str, device: torch.device, block_size: int) -> str:

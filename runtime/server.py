@@ -35,7 +35,7 @@ from dataclasses import dataclass, replace
 from aiohttp import web
 
 from runtime.cliutil import ArgumentParser, run
-from runtime.config import DTYPES
+from runtime.config import DTYPE_CHOICES, cli_dtype, dtype_name
 from runtime.engine import EngineConfig, LLMEngine, RequestOutput
 from runtime.grammar import Grammar, GrammarError, ResponseFormats
 from runtime.loader import DEFAULT_MODEL, check_model_arg, load_model, load_tokenizer
@@ -802,7 +802,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model", default=DEFAULT_MODEL, help="registry name, checkpoint dir, .gguf or hub id")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
+    ap.add_argument(
+        "--dtype", default="auto", choices=DTYPE_CHOICES, help="auto: fp32, or bf16 for a quantized checkpoint"
+    )
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--kv-cache-gb", type=float, default=1.0, help="memory budget of the KV block pool")
     ap.add_argument("--block-size", type=int, default=16)
@@ -860,7 +862,7 @@ def main(argv: list[str] | None = None) -> None:
         ap.error("--api-key (or QSPEC_API_KEY) is empty")
     logging.basicConfig(level=logging.INFO, format="[qspec] %(levelname)s %(name)s: %(message)s")
 
-    model, _, path = load_model(args.model, dtype=DTYPES[args.dtype], device=args.device)
+    model, _, path = load_model(args.model, dtype=cli_dtype(args.dtype), device=args.device)
     tokenizer = load_tokenizer(str(path))
     config = EngineConfig(
         block_size=args.block_size,
@@ -882,7 +884,7 @@ def main(argv: list[str] | None = None) -> None:
     bm = engine.block_manager
     print(
         f"[qspec] serving {args.model} as {', '.join(names)} on http://{args.host}:{args.port} "
-        f"({args.dtype}, {args.device}); "
+        f"({dtype_name(model.compute_dtype)}, {args.device}); "
         f"KV pool {bm.num_usable_blocks} blocks x {bm.block_size} tokens = {engine.cache.nbytes() / 2**20:.0f} MiB, "
         f"max context {engine.scheduler.config.max_model_len}, decode attention {engine.cache.decode_kernel}"
         + (f", speculator {speculator.name} ({speculator.acceptance})" if speculator is not None else "")

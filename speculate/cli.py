@@ -17,6 +17,7 @@ from pathlib import Path
 from quantize.qlinear import FAST_CPU_BITS
 from runtime.grammar import report_incomplete
 from runtime.speculation import CandidateTree
+from runtime.timing import timing_line
 from speculate.base import Speculator, SpeculatorError, check_k
 from speculate.draft import DraftModelSpeculator, parse_draft_spec, quantized_draft
 from speculate.generate import speculative_generate
@@ -127,12 +128,9 @@ def generate_speculative(model, path, tokenizer, prompts: list[list[int]], param
         text = tokenizer.decode(toks, skip_special_tokens=True)
         if on_token is None or len(prompts) > 1:  # a single prompt was streamed already
             print(text if len(prompts) == 1 else f"--- [{i}] {text}")
-    n_new = sum(len(t) for t in out.tokens)
     mode = "lossless" if spec.lossless else "APPROXIMATE (typical acceptance)"
     print(
-        f"\n[qspec] {spec.name}, {mode}: {n_new} tokens, TTFT {out.ttft_s * 1e3:.1f} ms, "
-        f"decode {(n_new - len(prompts)) / max(out.decode_s, 1e-9):.1f} tok/s (batch {len(prompts)}, "
-        f"compile {out.compile}, "
+        f"\n[qspec] {spec.name}, {mode}: {timing_line(out.timing)} (batch {len(prompts)}, compile {out.compile}, "
         f"finish: {','.join(out.finish_reasons)})\n[qspec] {out.stats.summary()}",
         file=sys.stderr,
     )

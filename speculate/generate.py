@@ -15,7 +15,6 @@ slots L-1+i with rope position L-1+depth(i); the accepted path is then moved to 
 from __future__ import annotations
 
 import itertools
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
@@ -30,6 +29,7 @@ from runtime.model import AttentionMetadata, Transformer, prefill_meta
 from runtime.sampling import SamplingParams, logits_to_probs, make_generator, sample_rows
 from runtime.speculation import CandidateTree, Proposal, SpecState, draft_budget
 from runtime.stopping import StopChecker
+from runtime.timing import LoopClock, LoopTiming
 from speculate.base import Speculator
 
 
@@ -92,8 +92,7 @@ class SpecOutput:
     tokens: list[list[int]]
     finish_reasons: list[str]
     stats: SpecStats
-    ttft_s: float = 0.0
-    decode_s: float = 0.0  # wall time of the speculative loop (after the first token)
+    timing: LoopTiming = field(default_factory=LoopTiming)  # TTFT, whole-step times, token arrivals (runtime.timing)
     compile: str = "off"  # what ran the chain verifications: off (eager) | inductor | cudagraphs (runtime.compiled)
     grammar_incomplete: list[bool] = field(default_factory=list)  # as GenerationOutput.grammar_incomplete
     speculator: dict = field(default_factory=dict)
@@ -124,14 +123,17 @@ def tree_metadata(tree: CandidateTree, lengths: Tensor) -> AttentionMetadata:
     ancestors = tree.ancestor_mask(device)  # [N, N]
     tree_part = ancestors[:, rel.clamp(0, N - 1)].permute(1, 0, 2) & in_tree[:, None, :]  # [B, N, S]
     mask = (rel < 0)[:, None, :] | tree_part
-    return AttentionMetadata(positions=positions, slots=slots, mask=mask[:, None], kv_len=kv_len)
+    return AttentionMetadata(positions=positions, slots=slots, mask=mask[:, None], kv_len=kv_len,
+                             starts=(lengths - 1).cpu(), local_mask=ancestors.cpu()[None])  # fmt: skip
 
 
 def chain_metadata(lengths: Tensor, T: int) -> AttentionMetadata:
     if bool((lengths == lengths[0]).all()):
         return AttentionMetadata.contiguous(lengths.shape[0], int(lengths[0]) - 1, T, lengths.device)
     positions = (lengths - 1)[:, None] + torch.arange(T, device=lengths.device)[None]  # [B, T]
-    return AttentionMetadata.causal(positions, kv_len=int(positions.max()) + 1)
+    meta = AttentionMetadata.causal(positions, kv_len=int(positions.max()) + 1)
+    meta.starts = (lengths - 1).cpu()
+    return meta
 
 
 @torch.inference_mode()
@@ -154,7 +156,9 @@ def speculative_generate(
     compiled step; trees and longer chains run eager. on_token(row, token) streams each committed token.
     grammar (one, or one per row): the target's distribution at every position is masked by the row's grammar
     state after the committed tokens and the drafts before it (the verifier does it), so the output has the
-    distribution of constrained plain sampling."""
+    distribution of constrained plain sampling. The clock covers the whole call (runtime.timing): the TTFT
+    includes the speculator's prefill, each step its propose, verification forward, lm_head and verify."""
+    clock = LoopClock()
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
     B = len(prompts)
@@ -215,7 +219,14 @@ def speculative_generate(
             constraints=[constraints[b] for b in rows] if any(c is not None for c in constraints) else None,
         )
 
-    t0 = time.perf_counter()
+    token_times: list[list[float]] = [[] for _ in range(B)]
+
+    def stamp() -> None:
+        """The step's committed tokens are out: they arrive now (tokens of one step arrive together)."""
+        now = clock.mark()
+        for b in range(B):
+            token_times[b] += [now] * (len(out.tokens[b]) - len(token_times[b]))
+
     T = int(lengths.max())
     tokens = torch.tensor([p + [0] * (T - len(p)) for p in prompts], device=device)
     hidden = model(tokens, prefill_meta(B, T, device), cache, hidden_only=True)
@@ -233,8 +244,7 @@ def speculative_generate(
         rows = [b for b in range(B) if active[b]]
         if rows:  # the speculator's own prefill (a draft model's KV) belongs to the prefill phase, as in serving
             speculator.prefill(row_state(rows))
-        out.ttft_s = time.perf_counter() - t0
-        t1 = time.perf_counter()
+        stamp()
         while any(active):
             rows = [b for b in range(B) if active[b]]
             state = row_state(rows)
@@ -253,9 +263,10 @@ def speculative_generate(
                 stats.row_steps += 1
                 _record(stats, depth, verdict.offered[i], len(verdict.tokens[i]) - 1)
                 commit(b, verdict.tokens[i])
+            stamp()
     finally:
         speculator.release(keys)
-    out.decode_s = time.perf_counter() - t1
+    out.timing = LoopTiming.from_clock(clock, token_times)
     out.speculator = speculator.describe()
     out.grammar_incomplete = [c is not None and not c.complete for c in constraints]
     return out

@@ -59,25 +59,41 @@ def test_batching_and_full_recompute_match(default_model, greedy_runs):
     assert recompute == [batched[i] for i in picks]
 
 
+# bf16 against fp32, teacher-forced over the 20 greedy runs (1270 positions). The bars hold on every kernel family
+# a CPU may bring: measured 2026-12-01 on this repository's default path (bf16 head) with oneDNN capped at each ISA
+# (ONEDNN_MAX_CPU_ISA) on one Sapphire Rapids: AMX 97.56 % agreement / worst flipped top-2 gap 0.032 / mean KL
+# 6.4e-4; AVX512_CORE_BF16 (the AMD EPYC path) 97.48 % / 0.063 / 6.6e-4; AVX2 97.17 % / 0.032 / 6.7e-4. The fp32
+# head (head_dtype=torch.float32): 99.13 % / 0.014 / 3.3e-4 (AMX), 98.82 % / 0.014 / 3.3e-4 (AVX512_CORE_BF16),
+# 98.66 % / 0.012 / 3.4e-4 (AVX2; the 1253/1270 a fresh AMD EPYC reported against the old 99 % bar). Each bar sits
+# below the worst family with a stated margin: agreement 96 % (bf16 head; 15 positions of margin) and 98 % (fp32
+# head; 8 positions), flips only where fp32's top-2 probabilities are within 0.15 (2.4x the worst), mean KL under
+# 2e-3 (3x the worst).
+BF16_BARS = {None: (0.96, 0.15, 2e-3), torch.float32: (0.98, 0.15, 2e-3)}
+
+
 @torch.inference_mode()
-def test_bf16_teacher_forced_against_fp32(default_model, greedy_runs):
+@pytest.mark.parametrize("head_dtype", [None, torch.float32], ids=["bf16-head", "fp32-head"])
+def test_bf16_teacher_forced_against_fp32(default_model, greedy_runs, head_dtype):
     model, _, _ = default_model
     prompts, singles = greedy_runs
-    bf16 = copy.deepcopy(model).set_dtype(torch.bfloat16)  # fp32 residual stream and logits
-    agree, total, max_delta = 0, 0, 0.0
+    bf16 = copy.deepcopy(model).set_dtype(torch.bfloat16, head_dtype=head_dtype)  # fp32 residual stream
+    min_agree, max_gap, max_kl = BF16_BARS[head_dtype]
+    agree, total, max_delta, kl = 0, 0, 0.0, 0.0
     for prompt, new in zip(prompts, singles):
         seq = torch.tensor([prompt + new])
         ref = model(seq)[0, len(prompt) - 1 : -1].float().log_softmax(-1)
         got = bf16(seq)[0, len(prompt) - 1 : -1].float().log_softmax(-1)
         max_delta = max(max_delta, float((got - ref).abs().max()))
+        kl += float((ref.exp() * (ref - got)).sum())
         same = got.argmax(-1) == ref.argmax(-1)
         agree += int(same.sum())
         total += same.numel()
         top2 = ref.exp().topk(2, dim=-1).values
         gaps = (top2[:, 0] - top2[:, 1])[~same]
-        assert (gaps < 0.05).all(), f"bf16 flipped a confident token: top-2 gaps {gaps.tolist()}"
-    print(f"bf16 vs fp32: argmax agreement {agree}/{total}, max |d log-softmax| {max_delta:.4f}")
-    assert agree / total >= 0.99
+        assert (gaps < max_gap).all(), f"bf16 flipped a confident token: top-2 gaps {gaps.tolist()}"
+    print(f"bf16 vs fp32: agreement {agree}/{total}, mean KL {kl / total:.2e}, max |d log-softmax| {max_delta:.4f}")
+    assert agree / total >= min_agree
+    assert kl / total <= max_kl
 
 
 @torch.inference_mode()

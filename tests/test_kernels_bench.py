@@ -54,15 +54,17 @@ def test_tiny_run_reports_every_variant_with_ratios(tmp_path, capsys):
     assert record["command"].startswith("python -m evals.bench_quant --model")
     assert record["git_sha"] and record["versions"]["torch"] and record["seed"] == 0
     mem = record["weight_bytes"]
-    assert mem["int4"]["linears"] <= 0.3 * mem["bf16"]["linears"]
+    # int4 g128 on the "cpu" path: 0.5 byte codes + fp32 kernel scale and zero tables (tiles of 16 rows, K padded to
+    # 32) beside the checkpoint's fp16 scales and uint8 zeros
+    assert mem["int4"]["linears"] <= 0.33 * mem["bf16"]["linears"]
     assert mem["int8"]["linears"] <= 0.55 * mem["bf16"]["linears"]
     assert mem["fp32"]["total"] == 2 * mem["bf16"]["total"]
     decode = {(r["batch"], r["variant"]): r for r in record["decode"]}
     assert set(decode) == {(b, v) for b in (1, 3) for v in bench_quant.VARIANTS}
     assert decode[(1, "bf16")]["speedup_vs_bf16"] == 1.0 and decode[(3, "fp32")]["greedy_agreement_vs_fp32"] == 1.0
     paths = {(r["variant"], r["layer"]): r["path"] for r in record["layers"]}
-    assert paths[("int4", "layers.0.mlp.down_proj")] == "cpu_int4"
-    assert paths[("int8", "layers.0.mlp.down_proj")] == "cpu_int8"
+    assert paths[("int4", "layers.0.mlp.down_proj")] == "cpu"
+    assert paths[("int8", "layers.0.mlp.down_proj")] == "cpu"
     assert paths[("w8a8", "layers.0.mlp.down_proj")] == "cpu_w8a8"
     memory = {(r["variant"], r["quantized"]): r for r in record["weight_memory"]}
     assert set(memory) == {("fp32", "none (dense)"), ("bf16", "none (dense)")} | {

@@ -52,6 +52,29 @@ def test_cpu_int4_matches_reference(bits, group_size, act_order, sym, out_f, in_
         assert rel_err(y, ref(x.float())) < TOLERANCE[("cpu_int4", bits)]
 
 
+@pytest.mark.parametrize("bits,group_size,act_order,sym,out_f,in_f", CASES + [(8, -1, False, True, 80, 192),
+                                                                       (8, 64, True, False, 80, 192)])  # fmt: skip
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_step_path_matches_reference(bits, group_size, act_order, sym, out_f, in_f, dtype):
+    """qspec's own kernels (path "cpu"): the reference math up to summation order, for fp32 activations and
+    for bf16 ones (compared with the reference on the same bf16-rounded inputs), any number of rows."""
+    gen = torch.Generator().manual_seed(bits * 100 + out_f)
+    w = torch.randn(out_f, in_f, generator=gen) * 0.05
+    qw = rtn_quantize(w, bits, group_size, sym=sym, act_order=act_order)
+    qw.bias = torch.randn(out_f, generator=gen) * 0.1
+    ref = QuantLinear(qw, path="reference")
+    fast = QuantLinear(qw, compute_dtype=dtype, path="cpu")
+    assert fast.path == "cpu" and "kernel_data" in fast._buffers and "packed_codes" not in fast._buffers
+    for m in (1, 7, 70):  # 70 rows: two kernel calls
+        x = torch.randn(m, in_f, generator=gen).to(dtype)
+        y = fast(x)
+        assert y.dtype == dtype and y.shape == (m, out_f)
+        expected = ref(x.float())
+        tol = 2e-5 if dtype == torch.float32 else 8e-3  # bf16: the output's own rounding (2^-8)
+        assert rel_err(y, expected) < tol, rel_err(y, expected)
+    assert torch.equal(fast.qweight().codes, qw.codes)
+
+
 @pytest.mark.parametrize("group_size,act_order,sym", [(-1, False, True), (-1, False, False), (64, True, False)])
 @pytest.mark.parametrize("act_quant", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -81,7 +104,7 @@ def test_dense_path_is_bit_identical_to_reference_and_saves_only_codes(bits, act
     assert torch.equal(dense.qweight().codes, qw.codes)
 
 
-@pytest.mark.parametrize("path", ["cpu_int4", "cpu_int8", "cpu_w8a8", "reference", "dense"])
+@pytest.mark.parametrize("path", ["cpu", "cpu_int4", "cpu_int8", "cpu_w8a8", "reference", "dense"])
 def test_every_layout_recovers_the_exact_codes(path):
     bits = 8 if path in ("cpu_int8", "cpu_w8a8") else 4
     qw = rtn_quantize(torch.randn(64, 128) * 0.05, bits, 32, act_order=True)
@@ -100,13 +123,16 @@ def test_auto_picks_fast_paths_and_falls_back_with_reason():
         "int4-fp32": QuantLinear(rtn_quantize(w, 4, 128)),  # fp32 math kept: int4 would round to bf16
         "int8": QuantLinear(rtn_quantize(w, 8, -1)),
         "w8a8": QuantLinear(rtn_quantize(w, 8, -1), act_quant=True),
-        "g16": QuantLinear(rtn_quantize(w, 4, 16)),  # no torch int4 kernel for groups of 16
+        "g16": QuantLinear(rtn_quantize(w, 4, 16)),  # no torch int4 kernel for groups of 16; qspec's takes them
+        "g9": QuantLinear(rtn_quantize(w, 4, 9)),  # odd groups: no kernel at all
     }
     for layer in picks.values():
         layer(torch.randn(1, 128, dtype=layer.compute_dtype))
-    assert [picks[k].path for k in picks] == ["cpu_int4", "reference", "cpu_int8", "cpu_w8a8", "reference"]
+    assert [picks[k].path for k in picks] == ["cpu", "cpu", "cpu", "cpu_w8a8", "cpu", "reference"]
     with pytest.raises(ValueError, match="cpu_int4 needs <= 4 bits, a group size that is a multiple of 32"):
         picks["g16"].set_path("cpu_int4")
+    with pytest.raises(ValueError, match="the cpu kernels read codes in column pairs"):
+        picks["g9"].set_path("cpu")
     with pytest.raises(ValueError, match="unknown QuantLinear path 'gpu'"):
         QuantLinear(rtn_quantize(w, 4, 128), path="gpu")
 

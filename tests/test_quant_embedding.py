@@ -42,6 +42,11 @@ ROW_CASES = [  # (bits, group_size, sym, act_order, path, vocab, hidden)
     (8, 64, False, True, "cpu_int8", 80, 192),  # group-wise, act-order
     (8, -1, True, False, "cpu_w8a8", 80, 192),
     (8, -1, False, False, "reference", 80, 192),
+    (4, 128, False, False, "cpu", 208, 576),  # qspec's own kernel layout: tiles of 16 rows
+    (4, 32, False, True, "cpu", 96, 64),
+    (3, 32, False, True, "cpu", 48, 64),
+    (8, 64, False, True, "cpu", 80, 192),
+    (8, -1, True, False, "cpu", 37, 192),  # a ragged last tile
 ]
 
 
@@ -226,6 +231,6 @@ def test_bf16_model_embeds_in_its_residual_dtype():
     dense = nn.Embedding.from_pretrained(qw.dequantize().to(torch.bfloat16))
     tokens = torch.randint(0, cfg.vocab_size, (2, 5), generator=torch.Generator().manual_seed(1))
     assert torch.equal(embed(tokens).to(model.compute_dtype), dense(tokens))
-    assert model(tokens).dtype == torch.bfloat16
+    assert model(tokens).dtype == torch.float32  # logits: the bf16 head's outputs, widened (Transformer.logits)
     twin = copy.deepcopy(model)
     assert twin.embed_tokens.head is twin.lm_head is not model.lm_head  # a copy shares the copied head

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import time
 
 import pytest
 import torch
@@ -109,6 +110,34 @@ BAD_CHAT = [
     (json.dumps({"messages": [{"role": "wizard", "content": "x"}]}).encode(), "role"),
     (json.dumps({"messages": [{"role": "user", "content": 5}]}).encode(), "content"),
 ]
+
+
+def test_server_latency_metrics_match_what_the_client_sees(server):
+    """The engine's clock, reported in /metrics, covers the request: its TTFT is no later than the client's first
+    chunk, TTFT + TPOT * (n - 1) is its end-to-end time, and that lies within the client's wall time."""
+
+    async def run():
+        async with aiohttp.ClientSession() as s:
+            before = await wait_idle(s, server)
+            body = {"model": "tiny", "prompt": "The history of Rome", "max_tokens": 96, "temperature": 0,
+                    "ignore_eos": True, "stream": True}  # fmt: skip
+            sent = time.perf_counter()
+            first = None
+            async with s.post(f"{server}/v1/completions", json=body) as r:
+                assert r.status == 200
+                async for raw in r.content:
+                    if first is None and raw.startswith(b"data: {"):
+                        first = time.perf_counter() - sent
+            client_wall = time.perf_counter() - sent
+            after = await wait_idle(s, server)
+        delta = {n: after[f"qspec_request_{n}_seconds_sum"] - before[f"qspec_request_{n}_seconds_sum"]
+                 for n in ("ttft", "tpot", "e2e")}  # fmt: skip
+        assert after["qspec_request_e2e_seconds_count"] - before["qspec_request_e2e_seconds_count"] == 1
+        assert 0 < delta["ttft"] <= first
+        assert delta["ttft"] + 95 * delta["tpot"] == pytest.approx(delta["e2e"], rel=0.03)
+        assert 0.5 * client_wall <= delta["e2e"] <= client_wall
+
+    asyncio.run(run())
 
 
 def test_bad_requests_get_400_with_a_message(server):

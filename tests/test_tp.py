@@ -106,6 +106,8 @@ def test_tp2_greedy_equals_single_process(config, tmp_path):
     got = torchrun(2, ["--model", str(ckpt), "--max-tokens", "32", "--ignore-eos", *ids], tmp_path / "tp2.json")
     assert got["world_size"] == 2
     assert got["tokens"] == expected
+    # the loop's clock (whole steps, all-reduces included) covers the call
+    assert abs(got["ttft_s"] + got["decode_s"] - got["call_wall_s"]) <= 0.03 * got["call_wall_s"]
 
 
 PROMPTS = [

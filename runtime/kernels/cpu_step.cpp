@@ -1,0 +1,1404 @@
+// qspec's CPU step: linear kernels for every weight format, and a whole decode / verification step through every
+// decoder layer in one call (runtime/kernels/cpu_step.py builds it once per machine and documents the layouts).
+//
+// Linear kernels. y[m, n] = sum_k W[n, k] x[m, k] for M <= 64 rows of activations (tokens), multithreaded over
+// output rows. Dense fp32 / bf16 weights are read in place, row-major [N, K] (the module's own tensor: no copy).
+// Quantized weights live in tiles of 16 output rows stored column pair by column pair: pair j of a tile holds,
+// for each of its 16 rows, the codes of input columns 2j and 2j + 1, so one load feeds both columns of 16 rows.
+//   I8  int8 [tiles, K/2, 16, 2] = code - 128;                 zeros = z - 128
+//   I4  uint8 [tiles, K/2, 16] = code(2j) | code(2j + 1) << 4 (2- and 3-bit codes too); zeros = z
+//   FP8 uint8 [tiles, K/2, 16, 2] e4m3 bytes;                  scales = the fp32 scale * 256 (see the decoders)
+//   scales, zeros: fp32 [tiles, groups, 16]; a group is `group` consecutive input columns (even, or all K) after
+//   act-order inputs are gathered by `perm`; K is padded with zero codes to a multiple of 32.
+// Per group the kernel accumulates a = sum_k code * x, then adds s * (a - z * sum_k x): the dequantized weight
+// (code - z) * s times x, in fp32, in a fixed order: each output's sum runs over k in order whatever M, the
+// batch or the thread split, so a row's result never depends on which other rows share the call.
+//
+// Kernel families, chosen at run time (set_isa caps them for tests): AVX2 + FMA + F16C (the baseline this file is
+// compiled for); AVX-512; AVX512-BF16 (vdpbf16ps for bf16 x bf16, and int4 codes as bf16 128 + code, exactly);
+// AMX (Sapphire Rapids and later): tile matmuls for every bf16-activation layer at any M, dense weights loaded
+// as the A operand straight from [N, K], quantized tiles expanded to bf16 (exactly) as the B operand. fp32
+// activations widen weights to fp32 and use FMA in every family.
+#include <ATen/Parallel.h>
+#include <cpuid.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <torch/extension.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace qspec {
+
+enum Kind : int64_t { F32 = 0, BF16 = 1, I8 = 2, I4 = 3, FP8 = 4 };
+enum Isa : int { ISA_AVX2 = 0, ISA_AVX512 = 1, ISA_AVX512BF16 = 2, ISA_AMX = 3 };
+constexpr int64_t NR = 16;  // output rows per quantized tile
+constexpr int64_t MAX_M = 64;
+constexpr int64_t KB = 32;  // input columns per AMX k-block (one bf16 tile row)
+
+bool cpuid_bit(unsigned leaf, unsigned sub, int reg, int bit) {
+  unsigned r[4] = {0, 0, 0, 0};
+  if (!__get_cpuid_count(leaf, sub, &r[0], &r[1], &r[2], &r[3])) return false;
+  return (r[reg] >> bit) & 1u;
+}
+
+bool amx_permitted() {  // Linux hands out the AMX tile state on request (arch_prctl XCOMP_PERM, XTILEDATA = 18)
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return ok;
+}
+
+int cpu_isa() {
+  static int level = [] {
+    __builtin_cpu_init();
+    int l = ISA_AVX2;
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
+      l = ISA_AVX512;
+    if (l == ISA_AVX512 && cpuid_bit(7, 1, 0, 5)) l = ISA_AVX512BF16;       // CPUID.(7,1):EAX[5] AVX512_BF16
+    if (l == ISA_AVX512BF16 && cpuid_bit(7, 0, 3, 22) && cpuid_bit(7, 0, 3, 24) && amx_permitted())
+      l = ISA_AMX;  // CPUID.(7,0):EDX[22] AMX-BF16, [24] AMX-TILE
+    return l;
+  }();
+  return level;
+}
+
+int g_isa_cap = ISA_AMX;  // set_isa lowers it (tests run every kernel family on one machine)
+inline int isa() { return std::min(cpu_isa(), g_isa_cap); }
+
+struct Weight {
+  int64_t kind = F32, N = 0, K = 0, group = 0, ngroups = 1;
+  bool bf16_act = false;
+  at::Tensor data, scales, zeros, perm, bias;
+
+  int64_t tiles() const { return (N + NR - 1) / NR; }
+  bool quantized() const { return kind == I8 || kind == I4 || kind == FP8; }
+  int64_t pair_bytes() const { return kind == I4 ? NR : 2 * NR; }  // bytes of one column pair of a tile
+};
+
+// AMX runs a layer of AMX_MIN_ROWS or more activation rows when its activations are bf16 and its shapes fit whole
+// tiles: dense weights with K a multiple of 32 and N of 16 (the A operand is loaded from the weight in place),
+// quantized ones with groups of whole k-blocks (or one group per row). Fewer rows (a decode step) run vdpbf16ps,
+// which reads memory faster here than the tile path when one row is all the work. A row's result is then the
+// same bits for any call of 1..AMX_MIN_ROWS-1 rows, and for any call of more; between the two it can differ in
+// the last bits of fp32 (another summation order).
+constexpr int64_t AMX_MIN_ROWS = 3;
+inline bool amx_dense(const Weight& w, int level, int64_t M) {
+  return level >= ISA_AMX && M >= AMX_MIN_ROWS && w.kind == BF16 && w.K % KB == 0 && w.N % NR == 0;
+}
+inline bool amx_quant(const Weight& w, int level, int64_t M) {
+  return level >= ISA_AMX && M >= AMX_MIN_ROWS && w.quantized() && w.bf16_act && (w.ngroups == 1 || w.group % KB == 0);
+}
+
+inline uint16_t bf16_bits(float v) {  // round to nearest even, as torch's float -> bfloat16 cast
+  uint32_t u;
+  std::memcpy(&u, &v, 4);
+  if ((u & 0x7fffffff) > 0x7f800000) return static_cast<uint16_t>((u >> 16) | 0x40);  // NaN stays NaN
+  u += 0x7fff + ((u >> 16) & 1);
+  return static_cast<uint16_t>(u >> 16);
+}
+inline float bf16_value(uint16_t b) {
+  uint32_t u = static_cast<uint32_t>(b) << 16;
+  float v;
+  std::memcpy(&v, &u, 4);
+  return v;
+}
+
+// The layer's input, prepared once per call: gathered (act-order), rounded to bf16 where the layer computes in
+// bf16, zero-padded to 32 columns and (for AMX) 16 rows, with per-group sums for the zero points and, for AMX
+// dense layers, the activations transposed into B tiles.
+struct Acts {
+  int64_t M = 0, Mp = 0, K = 0, Kp = 0;
+  std::vector<float> x;        // [M, Kp]
+  std::vector<uint16_t> xb;    // [Mp, Kp] bf16 (bf16 layers)
+  std::vector<float> gsum;     // [M, ngroups] (quantized layers)
+  std::vector<uint32_t> xt;    // [Mp / 16, Kp / 32, 16, 16]: x^T in AMX B layout (k pair, row m) (AMX dense)
+};
+
+void prepare(const Weight& w, const float* x, int64_t M, int64_t ldx, Acts& a, int level) {
+  a.M = M;
+  a.Mp = (M + 15) / 16 * 16;
+  a.K = w.K;
+  a.Kp = (w.K + KB - 1) / KB * KB;  // vector loops over whole chunks: padded columns are zero in x (and in codes)
+  a.x.assign(M * a.Kp, 0.0f);
+  const int64_t* perm = w.perm.defined() ? w.perm.data_ptr<int64_t>() : nullptr;
+  for (int64_t m = 0; m < M; ++m) {
+    float* dst = a.x.data() + m * a.Kp;
+    const float* src = x + m * ldx;
+    if (perm)
+      for (int64_t k = 0; k < w.K; ++k) dst[k] = src[perm[k]];
+    else
+      std::memcpy(dst, src, w.K * sizeof(float));
+  }
+  if (w.bf16_act) {
+    a.xb.assign(a.Mp * a.Kp, 0);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t k = 0; k < w.K; ++k) {
+        const uint16_t b = bf16_bits(a.x[m * a.Kp + k]);
+        a.xb[m * a.Kp + k] = b;
+        a.x[m * a.Kp + k] = bf16_value(b);
+      }
+  }
+  if (w.quantized()) {
+    a.gsum.assign(M * w.ngroups, 0.0f);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t g = 0; g < w.ngroups; ++g) {
+        float s = 0;
+        const int64_t end = std::min(w.K, (g + 1) * w.group);
+        for (int64_t k = g * w.group; k < end; ++k) s += a.x[m * a.Kp + k];
+        a.gsum[m * w.ngroups + g] = s;
+      }
+  }
+  if (amx_dense(w, level, M)) {
+    const int64_t kblocks = a.Kp / KB, pairs = a.Kp / 2;
+    a.xt.assign(a.Mp * pairs, 0);
+    const uint32_t* src = reinterpret_cast<const uint32_t*>(a.xb.data());
+    for (int64_t m = 0; m < a.Mp; ++m)
+      for (int64_t j = 0; j < pairs; ++j) {  // pair j of row m -> chunk m / 16, block j / 16, row j % 16, col m % 16
+        const int64_t block = (m / 16) * kblocks + j / 16;
+        a.xt[(block * 16 + j % 16) * 16 + m % 16] = src[m * pairs + j];
+      }
+  }
+}
+
+// ---- AVX2 + FMA + F16C (the baseline this file is compiled for) -----------------------------------------
+
+namespace avx2 {
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline __m256 bf16x8(const uint16_t* p) {  // 8 bf16 -> 8 fp32
+  __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+
+// Dense row-major weights: RB rows x MB activation rows of 8-lane partial sums, reduced at the end.
+template <int RB, int MB, bool BF>
+void dense_block(const Weight& w, const Acts& a, int64_t n0, int64_t m0, float* y, int64_t ldy) {
+  const int64_t K = w.K, Kp = a.Kp;
+  const float* ax = a.x.data();
+  const float* wf = BF ? nullptr : w.data.data_ptr<float>();
+  const uint16_t* wb = BF ? reinterpret_cast<const uint16_t*>(w.data.data_ptr<at::BFloat16>()) : nullptr;
+  __m256 acc[RB][MB];
+  _Pragma("GCC unroll 16") for (int r = 0; r < RB; ++r)
+    _Pragma("GCC unroll 16") for (int i = 0; i < MB; ++i) acc[r][i] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += 8) {
+    const bool tail = k + 8 > K;
+    __m256 wv[RB];
+    _Pragma("GCC unroll 16") for (int r = 0; r < RB; ++r) {
+      if (tail) {  // the last columns: widen through a zero-padded copy
+        alignas(32) float buf[8] = {0};
+        for (int64_t j = k; j < K; ++j) buf[j - k] = BF ? bf16_value(wb[(n0 + r) * K + j]) : wf[(n0 + r) * K + j];
+        wv[r] = _mm256_load_ps(buf);
+      } else {
+        wv[r] = BF ? bf16x8(wb + (n0 + r) * K + k) : _mm256_loadu_ps(wf + (n0 + r) * K + k);
+      }
+    }
+    _Pragma("GCC unroll 16") for (int i = 0; i < MB; ++i) {
+      const __m256 xv = _mm256_loadu_ps(ax + (m0 + i) * Kp + k);  // zero past K
+      _Pragma("GCC unroll 16") for (int r = 0; r < RB; ++r) acc[r][i] = _mm256_fmadd_ps(wv[r], xv, acc[r][i]);
+    }
+  }
+  _Pragma("GCC unroll 16") for (int r = 0; r < RB; ++r)
+    _Pragma("GCC unroll 16") for (int i = 0; i < MB; ++i) y[(m0 + i) * ldy + n0 + r] = hsum(acc[r][i]);
+}
+
+// Columns 2j and 2j + 1 of 8 rows (half a tile) widened to fp32.
+template <int64_t KIND>
+inline void pair8(const uint8_t* tile, int64_t j, int half, __m256& lo, __m256& hi) {
+  if (KIND == I4) {
+    __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(tile + j * NR + 8 * half)));
+    lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)));
+    hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+  } else {
+    // 16 bytes: row r's (col 2j, col 2j+1) at bytes 2r, 2r+1 -> 8 dwords, low word = col 2j, high word = 2j+1
+    __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(tile + j * 2 * NR + 16 * half));
+    if (KIND == I8) {
+      __m256i d = _mm256_cvtepi8_epi16(b);  // 16 int16: word 2r = col 2j, 2r+1 = col 2j+1
+      lo = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(d, 16), 16));
+      hi = _mm256_cvtepi32_ps(_mm256_srai_epi32(d, 16));
+    } else {  // FP8 e4m3 -> fp16 bits (exponent bias 15 vs 7: the value / 256) -> fp32
+      __m256i v = _mm256_cvtepu8_epi16(b);
+      __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(v, _mm256_set1_epi16(0x7f)), 7),
+                                  _mm256_slli_epi16(_mm256_and_si256(v, _mm256_set1_epi16(0x80)), 8));
+      __m256i lo_d = _mm256_and_si256(h, _mm256_set1_epi32(0xffff)), hi_d = _mm256_srli_epi32(h, 16);
+      // pack the dwords' low words: per 128-bit lane [lo0..3, hi0..3], then gather the lo / hi quarters
+      __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(lo_d, hi_d), 0xd8);
+      lo = _mm256_cvtph_ps(_mm256_castsi256_si128(packed));
+      hi = _mm256_cvtph_ps(_mm256_extracti128_si256(packed, 1));
+    }
+  }
+}
+
+// TB tiles x MB activation rows, half a tile (8 rows) at a time: independent accumulator chains for the TB x MB
+// outputs; each output's sum still runs over k in order, so the blocking never changes a result.
+template <int64_t KIND, int TB, int MB>
+void quant_block(const Weight& w, const Acts& a, int64_t tile0, int half, int64_t m0, float* y, int64_t ldy) {
+  const int64_t Kp = a.Kp, G = w.ngroups;
+  const float* ax = a.x.data();
+  const float* gs = a.gsum.data();
+  const float* sc = w.scales.data_ptr<float>();
+  const float* zc = w.zeros.data_ptr<float>();
+  const int64_t tile_bytes = (Kp / 2) * w.pair_bytes();
+  const uint8_t* base0 = reinterpret_cast<const uint8_t*>(w.data.data_ptr()) + tile0 * tile_bytes;
+  __m256 tot[TB][MB];
+  _Pragma("GCC unroll 16") for (int t = 0; t < TB; ++t)
+    _Pragma("GCC unroll 16") for (int i = 0; i < MB; ++i) tot[t][i] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m256 acc[TB][MB];
+    _Pragma("GCC unroll 16") for (int t = 0; t < TB; ++t)
+      _Pragma("GCC unroll 16") for (int i = 0; i < MB; ++i) acc[t][i] = _mm256_setzero_ps();
+    const int64_t kb = g * w.group, ke = std::min(kb + w.group, w.K);
+    for (int64_t j = kb / 2; j < (ke + 1) / 2; ++j) {
+      __m256 x0[MB], x1[MB];
+      _Pragma("GCC unroll 16") for (int i = 0; i < MB; ++i) {
+        x0[i] = _mm256_set1_ps(ax[(m0 + i) * Kp + 2 * j]);
+        x1[i] = _mm256_set1_ps(ax[(m0 + i) * Kp + 2 * j + 1]);
+      }
+      _Pragma("GCC unroll 16") for (int t = 0; t < TB; ++t) {
+        __m256 lo, hi;
+        pair8<KIND>(base0 + t * tile_bytes, j, half, lo, hi);
+        _Pragma("GCC unroll 16") for (int i = 0; i < MB; ++i) {
+          acc[t][i] = _mm256_fmadd_ps(lo, x0[i], acc[t][i]);
+          acc[t][i] = _mm256_fmadd_ps(hi, x1[i], acc[t][i]);
+        }
+      }
+    }
+    _Pragma("GCC unroll 16") for (int t = 0; t < TB; ++t) {
+      const int64_t at = ((tile0 + t) * G + g) * NR + 8 * half;
+      const __m256 s = _mm256_loadu_ps(sc + at), z = _mm256_loadu_ps(zc + at);
+      _Pragma("GCC unroll 16") for (int i = 0; i < MB; ++i) {
+        const __m256 corr = _mm256_mul_ps(z, _mm256_set1_ps(gs[(m0 + i) * G + g]));
+        tot[t][i] = _mm256_fmadd_ps(s, _mm256_sub_ps(acc[t][i], corr), tot[t][i]);
+      }
+    }
+  }
+  _Pragma("GCC unroll 16") for (int t = 0; t < TB; ++t) {
+    const int64_t n0 = (tile0 + t) * NR + 8 * half, rows = std::min<int64_t>(8, w.N - n0);
+    _Pragma("GCC unroll 16") for (int i = 0; i < MB; ++i) {
+      alignas(32) float out[8];
+      _mm256_store_ps(out, tot[t][i]);
+      if (rows > 0) std::memcpy(y + (m0 + i) * ldy + n0, out, rows * sizeof(float));
+    }
+  }
+}
+
+}  // namespace avx2
+
+// ---- AVX-512 (F, BW, VL, DQ) ---------------------------------------------------------------------------------
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq")
+namespace avx512 {
+
+template <int RB, int MB, bool BF>
+void dense_block(const Weight& w, const Acts& a, int64_t n0, int64_t m0, float* y, int64_t ldy) {
+  const int64_t K = w.K, Kp = a.Kp;
+  const float* ax = a.x.data();
+  const float* wf = BF ? nullptr : w.data.data_ptr<float>();
+  const uint16_t* wb = BF ? reinterpret_cast<const uint16_t*>(w.data.data_ptr<at::BFloat16>()) : nullptr;
+  __m512 acc[RB][MB];
+  _Pragma("GCC unroll 16") for (int r = 0; r < RB; ++r)
+    _Pragma("GCC unroll 16") for (int i = 0; i < MB; ++i) acc[r][i] = _mm512_setzero_ps();
+  const char* next = BF ? reinterpret_cast<const char*>(wb + (n0 + RB) * K) : reinterpret_cast<const char*>(wf + (n0 + RB) * K);
+  const int64_t row_bytes = K * (BF ? 2 : 4);
+  for (int64_t k = 0; k < K; k += 16) {
+    const int64_t left = K - k;
+    const __mmask16 mask = left >= 16 ? 0xffff : static_cast<__mmask16>((1u << left) - 1);
+    if (m0 == 0)  // the next rows' same columns: their lines are in flight while these compute
+      _Pragma("GCC unroll 16") for (int r = 0; r < RB; ++r)
+        _mm_prefetch(next + r * row_bytes + k * (BF ? 2 : 4), _MM_HINT_T0);
+    __m512 wv[RB];
+    _Pragma("GCC unroll 16") for (int r = 0; r < RB; ++r) {
+      if (BF) {
+        __m512i u = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, wb + (n0 + r) * K + k));
+        wv[r] = _mm512_castsi512_ps(_mm512_slli_epi32(u, 16));
+      } else {
+        wv[r] = _mm512_maskz_loadu_ps(mask, wf + (n0 + r) * K + k);
+      }
+    }
+    _Pragma("GCC unroll 16") for (int i = 0; i < MB; ++i) {
+      const __m512 xv = _mm512_loadu_ps(ax + (m0 + i) * Kp + k);  // zero past K
+      _Pragma("GCC unroll 16") for (int r = 0; r < RB; ++r) acc[r][i] = _mm512_fmadd_ps(wv[r], xv, acc[r][i]);
+    }
+  }
+  _Pragma("GCC unroll 16") for (int r = 0; r < RB; ++r)
+    _Pragma("GCC unroll 16") for (int i = 0; i < MB; ++i) y[(m0 + i) * ldy + n0 + r] = _mm512_reduce_add_ps(acc[r][i]);
+}
+
+inline void store_tile(const __m512 tot, int64_t N, int64_t tile, float* row) {
+  const int64_t n0 = tile * NR, rows = std::min<int64_t>(NR, N - n0);
+  const __mmask16 mask = rows >= 16 ? 0xffff : static_cast<__mmask16>((1u << rows) - 1);
+  _mm512_mask_storeu_ps(row + n0, mask, tot);
+}
+
+// Columns 2j and 2j + 1 of a tile's 16 rows widened to fp32.
+template <int64_t KIND>
+inline void pair16(const uint8_t* tile, int64_t j, __m512& lo, __m512& hi) {
+  if (KIND == I4) {
+    __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tile + j * NR)));
+    lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)));
+    hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+  } else {
+    __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + j * 2 * NR));
+    if (KIND == I8) {
+      __m512i d = _mm512_cvtepi8_epi16(b);
+      lo = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(d, 16), 16));
+      hi = _mm512_cvtepi32_ps(_mm512_srai_epi32(d, 16));
+    } else {
+      __m512i v = _mm512_cvtepu8_epi16(b);
+      __m512i h = _mm512_or_si512(_mm512_slli_epi16(_mm512_and_si512(v, _mm512_set1_epi16(0x7f)), 7),
+                                  _mm512_slli_epi16(_mm512_and_si512(v, _mm512_set1_epi16(0x80)), 8));
+      lo = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(h));                          // low words: col 2j
+      hi = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(h, 16)));  // high words: col 2j + 1
+    }
+  }
+}
+
+template <int64_t KIND, int TB, int MB>
+void quant_block(const Weight& w, const Acts& a, int64_t tile0, int64_t m0, float* y, int64_t ldy) {
+  const int64_t Kp = a.Kp, G = w.ngroups;
+  const float* ax = a.x.data();
+  const float* gs = a.gsum.data();
+  const float* sc = w.scales.data_ptr<float>();
+  const float* zc = w.zeros.data_ptr<float>();
+  const int64_t tile_bytes = (Kp / 2) * w.pair_bytes();
+  const uint8_t* base0 = reinterpret_cast<const uint8_t*>(w.data.data_ptr()) + tile0 * tile_bytes;
+  __m512 tot[TB][MB];
+  _Pragma("GCC unroll 16") for (int t = 0; t < TB; ++t)
+    _Pragma("GCC unroll 16") for (int i = 0; i < MB; ++i) tot[t][i] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m512 acc[TB][MB];
+    _Pragma("GCC unroll 16") for (int t = 0; t < TB; ++t)
+      _Pragma("GCC unroll 16") for (int i = 0; i < MB; ++i) acc[t][i] = _mm512_setzero_ps();
+    const int64_t kb = g * w.group, ke = std::min(kb + w.group, w.K);
+    for (int64_t j = kb / 2; j < (ke + 1) / 2; ++j) {
+      __m512 x0[MB], x1[MB];
+      _Pragma("GCC unroll 16") for (int i = 0; i < MB; ++i) {
+        x0[i] = _mm512_set1_ps(ax[(m0 + i) * Kp + 2 * j]);
+        x1[i] = _mm512_set1_ps(ax[(m0 + i) * Kp + 2 * j + 1]);
+      }
+      _Pragma("GCC unroll 16") for (int t = 0; t < TB; ++t) {
+        __m512 lo, hi;
+        pair16<KIND>(base0 + t * tile_bytes, j, lo, hi);
+        _Pragma("GCC unroll 16") for (int i = 0; i < MB; ++i) {
+          acc[t][i] = _mm512_fmadd_ps(lo, x0[i], acc[t][i]);
+          acc[t][i] = _mm512_fmadd_ps(hi, x1[i], acc[t][i]);
+        }
+      }
+    }
+    _Pragma("GCC unroll 16") for (int t = 0; t < TB; ++t) {
+      const int64_t at = ((tile0 + t) * G + g) * NR;
+      const __m512 s = _mm512_loadu_ps(sc + at), z = _mm512_loadu_ps(zc + at);
+      _Pragma("GCC unroll 16") for (int i = 0; i < MB; ++i) {
+        const __m512 corr = _mm512_mul_ps(z, _mm512_set1_ps(gs[(m0 + i) * G + g]));
+        tot[t][i] = _mm512_fmadd_ps(s, _mm512_sub_ps(acc[t][i], corr), tot[t][i]);
+      }
+    }
+  }
+  _Pragma("GCC unroll 16") for (int t = 0; t < TB; ++t)
+    _Pragma("GCC unroll 16") for (int i = 0; i < MB; ++i) store_tile(tot[t][i], w.N, tile0 + t, y + (m0 + i) * ldy);
+}
+
+}  // namespace avx512
+#pragma GCC pop_options
+
+// ---- AVX512-BF16 -------------------------------------------------------------------------------------------------
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
+namespace avx512bf16 {
+
+// Dense bf16 weights x bf16 activations: 32 weights (16 column pairs) per vdpbf16ps.
+template <int RB, int MB>
+void dense_block(const Weight& w, const Acts& a, int64_t n0, int64_t m0, float* y, int64_t ldy) {
+  const int64_t K = w.K, Kp = a.Kp;
+  const uint16_t* axb = a.xb.data();
+  const uint16_t* wb = reinterpret_cast<const uint16_t*>(w.data.data_ptr<at::BFloat16>());
+  __m512 acc[RB][MB];
+  _Pragma("GCC unroll 16") for (int r = 0; r < RB; ++r)
+    _Pragma("GCC unroll 16") for (int i = 0; i < MB; ++i) acc[r][i] = _mm512_setzero_ps();
+  const char* next = reinterpret_cast<const char*>(wb + (n0 + RB) * K);
+  for (int64_t k = 0; k < K; k += 32) {
+    const int64_t left = K - k;
+    const __mmask32 mask = left >= 32 ? 0xffffffffu : ((1u << left) - 1);
+    if (m0 == 0)  // the next rows' same columns: their lines are in flight while these compute
+      _Pragma("GCC unroll 16") for (int r = 0; r < RB; ++r) _mm_prefetch(next + (r * K + k) * 2, _MM_HINT_T0);
+    __m512i wv[RB];
+    _Pragma("GCC unroll 16") for (int r = 0; r < RB; ++r) wv[r] = _mm512_maskz_loadu_epi16(mask, wb + (n0 + r) * K + k);
+    _Pragma("GCC unroll 16") for (int i = 0; i < MB; ++i) {
+      const __m512i xv = _mm512_loadu_si512(axb + (m0 + i) * Kp + k);
+      _Pragma("GCC unroll 16") for (int r = 0; r < RB; ++r)
+        acc[r][i] = _mm512_dpbf16_ps(acc[r][i], (__m512bh)wv[r], (__m512bh)xv);
+    }
+  }
+  _Pragma("GCC unroll 16") for (int r = 0; r < RB; ++r)
+    _Pragma("GCC unroll 16") for (int i = 0; i < MB; ++i) y[(m0 + i) * ldy + n0 + r] = _mm512_reduce_add_ps(acc[r][i]);
+}
+
+// A pair column's codes as 32 bf16 words in vdpbf16ps / AMX B-row order (word 2r = row r's column 2j, word 2r+1
+// its column 2j+1), exactly: int4 as 128 + code (0x4300 | code is the bf16 of 128 + code; the caller subtracts
+// 128 * sum x with the zero point), int8 through fp32, e4m3 as fp16 bits (the value / 256) through fp32.
+template <int64_t KIND>
+inline __m512i pair_bf16(const uint8_t* tile, int64_t j) {
+  if (KIND == I4) {  // byte = c0 | c1 << 4: (v | v << 12) & 0x000f000f puts c0, c1 in the two words
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tile + j * NR)));
+    const __m512i words =
+        _mm512_ternarylogic_epi32(v, _mm512_slli_epi32(v, 12), _mm512_set1_epi32(0x000f000f), 0xA8);  // (A|B)&C
+    return _mm512_or_si512(words, _mm512_set1_epi32(0x43004300));
+  }
+  __m512 lo, hi;  // words 0..15 and 16..31 as fp32
+  if (KIND == I8) {  // each half of the pair column's 32 bytes sign-extended straight to dwords
+    lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tile + j * 2 * NR))));
+    hi = _mm512_cvtepi32_ps(
+        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tile + j * 2 * NR + NR))));
+  } else {
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + j * 2 * NR));
+    const __m512i v = _mm512_cvtepu8_epi16(b);
+    const __m512i h = _mm512_or_si512(_mm512_slli_epi16(_mm512_and_si512(v, _mm512_set1_epi16(0x7f)), 7),
+                                      _mm512_slli_epi16(_mm512_and_si512(v, _mm512_set1_epi16(0x80)), 8));
+    lo = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
+    hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
+  }
+  return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);  // [lo (words 0..15), hi (words 16..31)]
+}
+
+// Quantized tiles x bf16 activations with vdpbf16ps (the code words above); offset 128 for int4.
+template <int64_t KIND, int TB, int MB>
+void quant_block(const Weight& w, const Acts& a, int64_t tile0, int64_t m0, float* y, int64_t ldy) {
+  const int64_t Kp = a.Kp, G = w.ngroups;
+  const uint32_t* pairs = reinterpret_cast<const uint32_t*>(a.xb.data());
+  const float* gs = a.gsum.data();
+  const float* sc = w.scales.data_ptr<float>();
+  const float* zc = w.zeros.data_ptr<float>();
+  const int64_t tile_bytes = (Kp / 2) * w.pair_bytes();
+  const uint8_t* base0 = reinterpret_cast<const uint8_t*>(w.data.data_ptr()) + tile0 * tile_bytes;
+  const __m512 offset = _mm512_set1_ps(KIND == I4 ? 128.0f : 0.0f);
+  __m512 tot[TB][MB];
+  _Pragma("GCC unroll 16") for (int t = 0; t < TB; ++t)
+    _Pragma("GCC unroll 16") for (int i = 0; i < MB; ++i) tot[t][i] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m512 acc[TB][MB];
+    _Pragma("GCC unroll 16") for (int t = 0; t < TB; ++t)
+      _Pragma("GCC unroll 16") for (int i = 0; i < MB; ++i) acc[t][i] = _mm512_setzero_ps();
+    const int64_t kb = g * w.group, ke = std::min(kb + w.group, w.K);
+    for (int64_t j = kb / 2; j < (ke + 1) / 2; ++j) {
+      __m512i xp[MB];
+      _Pragma("GCC unroll 16") for (int i = 0; i < MB; ++i)
+        xp[i] = _mm512_set1_epi32(static_cast<int>(pairs[(m0 + i) * (Kp / 2) + j]));
+      if ((j & 3) == 0)  // 64 pairs ahead (1 KB of int4, 2 KB of int8): in flight while these compute
+        _Pragma("GCC unroll 16") for (int t = 0; t < TB; ++t)
+          _mm_prefetch(reinterpret_cast<const char*>(base0 + t * tile_bytes + (j + 64) * w.pair_bytes()), _MM_HINT_T0);
+      _Pragma("GCC unroll 16") for (int t = 0; t < TB; ++t) {
+        const __m512i wv = pair_bf16<KIND>(base0 + t * tile_bytes, j);
+        _Pragma("GCC unroll 16") for (int i = 0; i < MB; ++i)
+          acc[t][i] = _mm512_dpbf16_ps(acc[t][i], (__m512bh)wv, (__m512bh)xp[i]);
+      }
+    }
+    _Pragma("GCC unroll 16") for (int t = 0; t < TB; ++t) {
+      const int64_t at = ((tile0 + t) * G + g) * NR;
+      const __m512 s = _mm512_loadu_ps(sc + at), z = _mm512_add_ps(_mm512_loadu_ps(zc + at), offset);
+      _Pragma("GCC unroll 16") for (int i = 0; i < MB; ++i) {
+        const __m512 corr = _mm512_mul_ps(z, _mm512_set1_ps(gs[(m0 + i) * G + g]));
+        tot[t][i] = _mm512_fmadd_ps(s, _mm512_sub_ps(acc[t][i], corr), tot[t][i]);
+      }
+    }
+  }
+  _Pragma("GCC unroll 16") for (int t = 0; t < TB; ++t)
+    _Pragma("GCC unroll 16") for (int i = 0; i < MB; ++i)
+      avx512::store_tile(tot[t][i], w.N, tile0 + t, y + (m0 + i) * ldy);
+}
+
+}  // namespace avx512bf16
+#pragma GCC pop_options
+
+// ---- AMX (tile matmuls) ----------------------------------------------------------------------------------------
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16")
+namespace amx {
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {0};
+  uint16_t colsb[16] = {0};
+  uint8_t rows[16] = {0};
+};
+
+// Tiles 0, 1: C accumulators; 2, 3, 4: operands. Every tile 16 rows x 64 bytes. Loaded at the start of each
+// thread's chunk (another library may have configured the tiles since) and released at its end.
+struct Tiles {
+  Tiles() {
+    TileConfig cfg;
+    for (int t = 0; t < 5; ++t) {
+      cfg.colsb[t] = 64;
+      cfg.rows[t] = 16;
+    }
+    _tile_loadconfig(&cfg);
+  }
+  ~Tiles() { _tile_release(); }
+};
+
+// Dense bf16: C [16 weight rows n, 16 activation rows m] += W [16 n, 32 k] (tile 2/3, loaded from [N, K] in place)
+// . x^T [16 k pairs, 16 m] (tile 4, prepared), two weight-row blocks per pass.
+void dense(const Weight& w, const Acts& a, int64_t nb0, int64_t nb1, float* y, int64_t ldy) {
+  Tiles tiles;
+  const int64_t K = w.K, kblocks = a.Kp / KB, mchunks = a.Mp / 16;
+  const uint16_t* wb = reinterpret_cast<const uint16_t*>(w.data.data_ptr<at::BFloat16>());
+  const uint32_t* xt = a.xt.data();
+  alignas(64) float c[2][16][16];
+  for (int64_t nb = nb0; nb < nb1; nb += 2) {
+    const bool two = nb + 1 < nb1;
+    const uint16_t* w0 = wb + nb * NR * K;
+    const uint16_t* w1 = w0 + NR * K;
+    for (int64_t mc = 0; mc < mchunks; ++mc) {
+      _tile_zero(0);
+      _tile_zero(1);
+      for (int64_t kb = 0; kb < kblocks; ++kb) {
+        if (mc == 0 && nb + 2 < nb1)  // the next pair of weight blocks, one line per row, while these compute
+          for (int64_t r = 0; r < 2 * NR; ++r) _mm_prefetch(reinterpret_cast<const char*>(w0 + (2 * NR + r) * K + kb * KB), _MM_HINT_T0);
+        _tile_loadd(4, xt + (mc * kblocks + kb) * 256, 64);
+        _tile_loadd(2, w0 + kb * KB, K * 2);
+        _tile_dpbf16ps(0, 2, 4);
+        if (two) {
+          _tile_loadd(3, w1 + kb * KB, K * 2);
+          _tile_dpbf16ps(1, 3, 4);
+        }
+      }
+      _tile_stored(0, c[0], 64);
+      if (two) _tile_stored(1, c[1], 64);
+      const int64_t rows = std::min<int64_t>(16, a.M - mc * 16);
+      for (int b = 0; b < (two ? 2 : 1); ++b)
+        for (int64_t m = 0; m < rows; ++m)
+          for (int64_t i = 0; i < NR; ++i) y[(mc * 16 + m) * ldy + (nb + b) * NR + i] = c[b][i][m];
+    }
+  }
+}
+
+// Quantized: C [16 m, 16 n] += x [16 m, 32 k] (tile 2, from the bf16 activations) . codes [16 k pairs, 16 n]
+// (tiles 3/4: 16 pair columns expanded to bf16 words), per group, then s * (C - (offset + z) * sum x) per group.
+// Expansion runs AHEAD blocks in front of the tile loads (a ring of buffers): a tile load of freshly stored data
+// waits for the stores to reach the cache, so the stores for block k + AHEAD overlap the matmuls of block k.
+template <int64_t KIND>
+void quant(const Weight& w, const Acts& a, int64_t t0, int64_t t1, float* y, int64_t ldy) {
+  Tiles tiles;
+  constexpr int AHEAD = 3;
+  const int64_t Kp = a.Kp, G = w.ngroups, mchunks = a.Mp / 16, blocks = Kp / KB;
+  const int64_t group_blocks = G == 1 ? blocks : w.group / KB;
+  const int64_t tile_bytes = (Kp / 2) * w.pair_bytes();
+  const uint8_t* data = reinterpret_cast<const uint8_t*>(w.data.data_ptr());
+  const uint16_t* xb = a.xb.data();
+  const float* gs = a.gsum.data();
+  const float* sc = w.scales.data_ptr<float>();
+  const float* zc = w.zeros.data_ptr<float>();
+  const __m512 offset = _mm512_set1_ps(KIND == I4 ? 128.0f : 0.0f);
+  alignas(64) __m512i ring[AHEAD + 1][2][16];
+  alignas(64) float c[2][16][16];
+  __m512 tot[2][16];
+  for (int64_t t = t0; t < t1; t += 2) {
+    const int nt = t + 1 < t1 ? 2 : 1;
+    auto expand = [&](int64_t kb) {
+      for (int u = 0; u < nt; ++u) {
+        const uint8_t* tile = data + (t + u) * tile_bytes;
+        const char* ahead = reinterpret_cast<const char*>(tile + (kb + 8) * 16 * w.pair_bytes());
+        for (int64_t line = 0; line < 4 * w.pair_bytes() / NR; ++line)  // 8 blocks ahead: in flight meanwhile
+          _mm_prefetch(ahead + 64 * line, _MM_HINT_T0);
+        for (int r = 0; r < 16; ++r) ring[kb % (AHEAD + 1)][u][r] = avx512bf16::pair_bf16<KIND>(tile, kb * 16 + r);
+      }
+    };
+    for (int64_t mc = 0; mc < mchunks; ++mc) {
+      const int64_t rows = std::min<int64_t>(16, a.M - mc * 16);
+      for (int u = 0; u < 2; ++u)
+        for (int m = 0; m < 16; ++m) tot[u][m] = _mm512_setzero_ps();
+      for (int64_t kb = 0; kb < std::min<int64_t>(AHEAD, blocks); ++kb) expand(kb);
+      for (int64_t kb = 0; kb < blocks; ++kb) {
+        if (kb + AHEAD < blocks) expand(kb + AHEAD);
+        if (kb % group_blocks == 0) {
+          _tile_zero(0);
+          _tile_zero(1);
+        }
+        _tile_loadd(2, xb + (mc * 16) * Kp + kb * KB, Kp * 2);
+        _tile_loadd(3, ring[kb % (AHEAD + 1)][0], 64);
+        _tile_dpbf16ps(0, 2, 3);
+        if (nt == 2) {
+          _tile_loadd(4, ring[kb % (AHEAD + 1)][1], 64);
+          _tile_dpbf16ps(1, 2, 4);
+        }
+        if ((kb + 1) % group_blocks != 0 && kb + 1 != blocks) continue;
+        const int64_t g = kb / group_blocks;  // the group ends here: apply its scale and zero point
+        _tile_stored(0, c[0], 64);
+        if (nt == 2) _tile_stored(1, c[1], 64);
+        for (int u = 0; u < nt; ++u) {
+          const int64_t at = ((t + u) * G + g) * NR;
+          const __m512 s = _mm512_loadu_ps(sc + at), z = _mm512_add_ps(_mm512_loadu_ps(zc + at), offset);
+          for (int64_t m = 0; m < rows; ++m) {
+            const __m512 corr = _mm512_mul_ps(z, _mm512_set1_ps(gs[(mc * 16 + m) * G + g]));
+            tot[u][m] = _mm512_fmadd_ps(s, _mm512_sub_ps(_mm512_load_ps(c[u][m]), corr), tot[u][m]);
+          }
+        }
+      }
+      for (int u = 0; u < nt; ++u)
+        for (int64_t m = 0; m < rows; ++m) avx512::store_tile(tot[u][m], w.N, t + u, y + (mc * 16 + m) * ldy);
+    }
+  }
+}
+
+}  // namespace amx
+#pragma GCC pop_options
+
+// ---- dispatch ---------------------------------------------------------------------------------------------------
+
+template <int TB, int MB>
+void quant_blocks(const Weight& w, const Acts& a, int64_t tile0, int64_t m0, float* y, int64_t ldy, int level) {
+  if (w.bf16_act && level >= ISA_AVX512BF16) {
+    switch (w.kind) {
+      case I8: return avx512bf16::quant_block<I8, TB, MB>(w, a, tile0, m0, y, ldy);
+      case FP8: return avx512bf16::quant_block<FP8, TB, MB>(w, a, tile0, m0, y, ldy);
+      default: return avx512bf16::quant_block<I4, TB, MB>(w, a, tile0, m0, y, ldy);
+    }
+  }
+  if (level >= ISA_AVX512) {
+    switch (w.kind) {
+      case I8: return avx512::quant_block<I8, TB, MB>(w, a, tile0, m0, y, ldy);
+      case FP8: return avx512::quant_block<FP8, TB, MB>(w, a, tile0, m0, y, ldy);
+      default: return avx512::quant_block<I4, TB, MB>(w, a, tile0, m0, y, ldy);
+    }
+  }
+  for (int half = 0; half < 2; ++half) {
+    switch (w.kind) {
+      case I8: avx2::quant_block<I8, TB, MB>(w, a, tile0, half, m0, y, ldy); break;
+      case FP8: avx2::quant_block<FP8, TB, MB>(w, a, tile0, half, m0, y, ldy); break;
+      default: avx2::quant_block<I4, TB, MB>(w, a, tile0, half, m0, y, ldy); break;
+    }
+  }
+}
+
+template <int RB, int MB>
+void dense_rows(const Weight& w, const Acts& a, int64_t n0, int64_t m0, float* y, int64_t ldy, int level) {
+  const bool bf = w.kind == BF16;
+  if (bf && level >= ISA_AVX512BF16) return avx512bf16::dense_block<RB, MB>(w, a, n0, m0, y, ldy);
+  if (level >= ISA_AVX512 && bf) return avx512::dense_block<RB, MB, true>(w, a, n0, m0, y, ldy);
+  if (level >= ISA_AVX512) return avx512::dense_block<RB, MB, false>(w, a, n0, m0, y, ldy);
+  if (bf) return avx2::dense_block<RB, MB, true>(w, a, n0, m0, y, ldy);
+  return avx2::dense_block<RB, MB, false>(w, a, n0, m0, y, ldy);
+}
+
+// Blocking: each dense block reads RB = 4 weight rows once for every activation row (in blocks of MB <= 4);
+// each quantized block reads TB tiles for MB activation rows, TB * MB <= 8 independent accumulator chains (AVX2:
+// 4). Weight rows / tiles are the outer loop, so they are read from memory once per call. No blocking changes an
+// output's sum order.
+void run_dense(const Weight& w, const Acts& a, int64_t n_begin, int64_t n_end, float* y, int64_t ldy, int level) {
+  for (int64_t n = n_begin; n < n_end;) {
+    const bool four = n + 4 <= n_end;
+    for (int64_t m0 = 0; m0 < a.M;) {
+      const int64_t left = a.M - m0;
+      const int mb = left >= 4 ? 4 : static_cast<int>(left);
+      if (four) {
+        switch (mb) {
+          case 4: dense_rows<4, 4>(w, a, n, m0, y, ldy, level); break;
+          case 3: dense_rows<4, 3>(w, a, n, m0, y, ldy, level); break;
+          case 2: dense_rows<4, 2>(w, a, n, m0, y, ldy, level); break;
+          default: dense_rows<4, 1>(w, a, n, m0, y, ldy, level); break;
+        }
+      } else {
+        switch (mb) {
+          case 4: dense_rows<1, 4>(w, a, n, m0, y, ldy, level); break;
+          case 3: dense_rows<1, 3>(w, a, n, m0, y, ldy, level); break;
+          case 2: dense_rows<1, 2>(w, a, n, m0, y, ldy, level); break;
+          default: dense_rows<1, 1>(w, a, n, m0, y, ldy, level); break;
+        }
+      }
+      m0 += mb;
+    }
+    n += four ? 4 : 1;
+  }
+}
+
+void run_quant(const Weight& w, const Acts& a, int64_t t_begin, int64_t t_end, float* y, int64_t ldy, int level) {
+  const bool wide = level >= ISA_AVX512;  // AVX2 has half the registers: half the chains
+  constexpr int64_t SPAN = 8;             // tiles whose data stays in cache while every activation block runs
+  for (int64_t t0 = t_begin; t0 < t_end; t0 += SPAN) {
+    const int64_t t1 = std::min(t0 + SPAN, t_end);
+    for (int64_t m0 = 0; m0 < a.M;) {
+      const int64_t left = a.M - m0;
+      const int mb = left >= 8 && wide ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+      int64_t t = t0;
+      if (mb == 8) {
+        for (; t < t1; ++t) quant_blocks<1, 8>(w, a, t, m0, y, ldy, level);
+      } else if (mb == 4) {
+        if (wide)
+          for (; t + 2 <= t1; t += 2) quant_blocks<2, 4>(w, a, t, m0, y, ldy, level);
+        for (; t < t1; ++t) quant_blocks<1, 4>(w, a, t, m0, y, ldy, level);
+      } else if (mb == 2) {
+        if (wide)
+          for (; t + 4 <= t1; t += 4) quant_blocks<4, 2>(w, a, t, m0, y, ldy, level);
+        for (; t + 2 <= t1; t += 2) quant_blocks<2, 2>(w, a, t, m0, y, ldy, level);
+        for (; t < t1; ++t) quant_blocks<1, 2>(w, a, t, m0, y, ldy, level);
+      } else {
+        if (wide)
+          for (; t + 8 <= t1; t += 8) quant_blocks<8, 1>(w, a, t, m0, y, ldy, level);
+        for (; t + 4 <= t1; t += 4) quant_blocks<4, 1>(w, a, t, m0, y, ldy, level);
+        for (; t < t1; ++t) quant_blocks<1, 1>(w, a, t, m0, y, ldy, level);
+      }
+      m0 += mb;
+    }
+  }
+}
+
+// y [M, N] fp32 (row stride ldy) = x [M, K] (row stride ldx) @ W^T (+ bias), M <= MAX_M, split over the cores.
+void linear_into(const Weight& w, const float* x, int64_t M, int64_t ldx, float* y, int64_t ldy, Acts& a) {
+  TORCH_CHECK(M >= 1 && M <= MAX_M, "the CPU step's linear takes 1..64 rows, got ", M);
+  const int level = isa();
+  prepare(w, x, M, ldx, a, level);
+  if (amx_quant(w, level, M)) {
+    at::parallel_for(0, (w.tiles() + 1) / 2, 1, [&](int64_t b, int64_t e) {
+      const int64_t t0 = 2 * b, t1 = std::min(2 * e, w.tiles());
+      switch (w.kind) {
+        case I8: return amx::quant<I8>(w, a, t0, t1, y, ldy);
+        case FP8: return amx::quant<FP8>(w, a, t0, t1, y, ldy);
+        default: return amx::quant<I4>(w, a, t0, t1, y, ldy);
+      }
+    });
+  } else if (amx_dense(w, level, M)) {
+    at::parallel_for(0, w.N / NR / 2 + (w.N / NR) % 2, 1, [&](int64_t b, int64_t e) {
+      amx::dense(w, a, 2 * b, std::min(2 * e, w.N / NR), y, ldy);
+    });
+  } else if (w.quantized()) {
+    at::parallel_for(0, w.tiles(), 1, [&](int64_t b, int64_t e) { run_quant(w, a, b, e, y, ldy, level); });
+  } else {
+    const int64_t grain = std::max<int64_t>(4, 2048 / std::max<int64_t>(w.K / 64, 1));
+    at::parallel_for(0, (w.N + 3) / 4, grain / 4, [&](int64_t b, int64_t e) {
+      run_dense(w, a, 4 * b, std::min(4 * e, w.N), y, ldy, level);
+    });
+  }
+  if (w.bias.defined() && w.bias.numel()) {
+    const float* bp = w.bias.data_ptr<float>();
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t n = 0; n < w.N; ++n) y[m * ldy + n] += bp[n];
+  }
+}
+
+// ---- the whole step: every decoder layer, for T new tokens in each of B rows ------------------------------------
+
+template <typename T>
+inline T rnd(float v) { return static_cast<T>(v); }  // float -> T (round to nearest even for bf16)
+template <typename T>
+inline float f32(T v) { return static_cast<float>(v); }
+
+constexpr int kLanes = 16;
+
+inline float sum_of_squares(const float* x, int64_t n) {
+  float acc[kLanes] = {0};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int l = 0; l < kLanes; ++l) acc[l] += x[i + l] * x[i + l];
+  float total = 0;
+  for (int l = 0; l < kLanes; ++l) total += acc[l];
+  for (; i < n; ++i) total += x[i] * x[i];
+  return total;
+}
+
+// RMSNorm of the fp32 residual: fp32 x * rsqrt(mean(x^2) + eps) * w (F.rms_norm), or for bf16 layers the
+// normalised value cast to bf16, then times the bf16 weight (RMSNorm.forward's mixed branch).
+template <typename T>
+void rms_norm(const float* x, const T* w, T* out, int64_t n, float eps) {
+  const float inv = 1.0f / std::sqrt(sum_of_squares(x, n) / static_cast<float>(n) + eps);
+  for (int64_t i = 0; i < n; ++i) out[i] = rnd<T>(f32(rnd<T>(x[i] * inv)) * f32(w[i]));
+}
+
+// apply_rope for one head: x * cos + flip_halves(x) * (-sin, +sin), each product and the sum rounded to T.
+template <typename T, typename Out>
+void rope(const T* x, const T* cos, const T* sin, Out* out, int64_t d) {
+  const int64_t half = d / 2;
+  for (int64_t i = 0; i < d; ++i) {
+    const T a = rnd<T>(f32(x[i]) * f32(cos[i]));
+    const T b = i < half ? rnd<T>(f32(x[i + half]) * -f32(sin[i])) : rnd<T>(f32(x[i - half]) * f32(sin[i - half]));
+    out[i] = static_cast<Out>(rnd<T>(f32(a) + f32(b)));
+  }
+}
+
+// Where a row's cached k/v live: contiguous caches [L, B_cache, Hkv, S, D] (row b is cache row b), or paged pools
+// [L, blocks, bs, Hkv, D] through the row's block table (index i at block table[i / bs], offset i % bs).
+template <typename T>
+struct KVView {
+  T* k;
+  T* v;
+  int64_t layer_stride, Hkv, D, S, bs, W;
+  const int32_t* tables;  // nullptr: contiguous
+  inline int64_t at(int64_t b, int64_t h, int64_t i) const {
+    if (!tables) return ((b * Hkv + h) * S + i) * D;
+    const int64_t block = tables[b * W + i / bs];
+    return ((block * bs + i % bs) * Hkv + h) * D;
+  }
+};
+
+struct StepModel {
+  int64_t hidden = 0, Hq = 0, Hkv = 0, D = 0;
+  double eps = 1e-5;
+  std::vector<at::Tensor> norms;  // 2 per layer: input, post-attention (the compute type)
+  std::vector<Weight> linears;    // 4 per layer: qkv, o, gate_up, down
+  int64_t layers() const { return static_cast<int64_t>(linears.size() / 4); }
+};
+
+StepModel make_step_model(int64_t hidden, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
+                          std::vector<at::Tensor> norms, std::vector<Weight> linears) {
+  TORCH_CHECK(!linears.empty() && linears.size() % 4 == 0 && norms.size() * 2 == linears.size(),
+              "4 linears and 2 norms per layer");
+  StepModel m;
+  m.hidden = hidden;
+  m.Hq = num_heads;
+  m.Hkv = num_kv_heads;
+  m.D = head_dim;
+  m.eps = eps;
+  m.norms = std::move(norms);
+  m.linears = std::move(linears);
+  for (auto& n : m.norms) n = n.contiguous();
+  return m;
+}
+
+// 8 lanes of a cached k or v row as fp32 (AVX2: the baseline every attention loop is compiled for).
+inline __m256 lanes8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 lanes8(const at::BFloat16* p) {
+  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+
+template <typename T>
+inline float dot_row(const float* q, const T* k, int64_t d) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= d; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), lanes8(k + i), acc);
+  float total = avx2::hsum(acc);
+  for (; i < d; ++i) total += q[i] * f32(k[i]);
+  return total;
+}
+
+template <typename T>
+inline void add_row(float p, const T* v, float* acc, int64_t d) {
+  const __m256 pv = _mm256_set1_ps(p);
+  int64_t i = 0;
+  for (; i + 8 <= d; i += 8) _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(pv, lanes8(v + i), _mm256_loadu_ps(acc + i)));
+  for (; i < d; ++i) acc[i] += p * f32(v[i]);
+}
+
+// e^x for 8 fp32 lanes (Cephes' expf: range reduction by ln 2, degree-5 polynomial; within 2 ulp of expf).
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)), _mm256_set1_ps(-88.3762626647949f));
+  __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// 8 fp32 lanes rounded to T and stored (bf16: round to nearest even, as torch casts; activations are finite).
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(at::BFloat16* p, __m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
+  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+}
+template <typename T>
+inline __m256 round8(__m256 v) {  // v rounded to T, as fp32
+  alignas(32) T tmp[8];
+  store8(tmp, v);
+  return lanes8(tmp);
+}
+template <>
+inline __m256 round8<float>(__m256 v) { return v; }
+
+// SiLU(gate) * up for one row of gate_up [gate (n), up (n)], each step rounded to T as the Python ops round.
+template <typename T>
+void silu_mul(const T* gate_up, T* out, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 g = lanes8(gate_up + i);
+    const __m256 s = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+    store8(out + i, _mm256_mul_ps(round8<T>(s), lanes8(gate_up + n + i)));
+  }
+  for (; i < n; ++i) {
+    const float gi = f32(gate_up[i]);
+    out[i] = rnd<T>(f32(rnd<T>(gi / (1.0f + std::exp(-gi)))) * f32(gate_up[n + i]));
+  }
+}
+
+// Attention of token t of row b for g query heads of kv head h (their roped queries q [g, D]): keys at indices
+// [0, start) and the chunk's indices start + j that the row's local mask allows (causal: j <= t). Each key and
+// value row is read once for the g heads. scores: scratch [g, start + count]; acc: scratch [g, D].
+template <typename T>
+void attend(const KVView<T>& kv, int64_t l, int64_t b, int64_t h, int64_t t, int64_t start, int64_t count,
+            const bool* local, int64_t Tn, const float* q, int64_t g, float scale, T* out, int64_t out_stride,
+            std::vector<float>& scores, std::vector<float>& acc) {
+  const int64_t D = kv.D, n = start + count;
+  const T* kbase = kv.k + l * kv.layer_stride;
+  const T* vbase = kv.v + l * kv.layer_stride;
+  auto visible = [&](int64_t i) { return i < start || (local ? local[t * Tn + (i - start)] : i - start <= t); };
+  scores.assign(g * n, -INFINITY);  // masked keys: e^-inf = 0
+  for (int64_t i = 0; i < n; ++i) {
+    if (!visible(i)) continue;
+    const T* k = kbase + kv.at(b, h, i);
+    for (int64_t head = 0; head < g; ++head) scores[head * n + i] = dot_row(q + head * D, k, D) * scale;
+  }
+  acc.assign(g * D, 0.0f);
+  for (int64_t head = 0; head < g; ++head) {
+    float* sc = scores.data() + head * n;
+    float mx = -INFINITY;
+    for (int64_t i = 0; i < n; ++i) mx = std::max(mx, sc[i]);
+    __m256 sum = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + i), _mm256_set1_ps(mx)));
+      const __m256 live = _mm256_cmp_ps(_mm256_loadu_ps(sc + i), _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+      const __m256 p = _mm256_and_ps(e, live);
+      _mm256_storeu_ps(sc + i, p);
+      sum = _mm256_add_ps(sum, p);
+    }
+    float denom = avx2::hsum(sum);
+    for (; i < n; ++i) {
+      sc[i] = sc[i] == -INFINITY ? 0.0f : std::exp(sc[i] - mx);
+      denom += sc[i];
+    }
+    const float inv = 1.0f / denom;
+    for (int64_t j = 0; j < n; ++j) sc[j] *= inv;
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    if (!visible(i)) continue;
+    const T* v = vbase + kv.at(b, h, i);
+    for (int64_t head = 0; head < g; ++head) add_row(scores[head * n + i], v, acc.data() + head * D, D);
+  }
+  for (int64_t head = 0; head < g; ++head)
+    for (int64_t i = 0; i < D; ++i) out[head * out_stride + i] = rnd<T>(acc[head * D + i]);
+}
+
+// ---- attention with AVX-512: several queries per key row, values accumulated in registers ----------------------
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq")
+namespace attn512 {
+
+inline __m512 lanes16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 lanes16(const at::BFloat16* p) {
+  const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+
+inline __m512 exp16(__m512 x) {  // exp8's Cephes expf on 16 lanes
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f)), _mm512_set1_ps(-88.3762626647949f));
+  __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                  _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+
+constexpr int QB = 8;  // queries sharing each key row
+
+// Attention for up to QB queries of one row b and kv head h: query u is q[u] (roped, fp32, D floats) of token
+// tok[u]; it sees key indices [0, start) and start + j where its local mask allows (causal: j <= tok[u]). Writes
+// out[u] (D values of T). scores: scratch [QB, start + count].
+template <typename T>
+void attend(const KVView<T>& kv, int64_t l, int64_t b, int64_t h, int nq, const int64_t* tok, int64_t start,
+            int64_t count, const bool* local, int64_t Tn, const float* q, float scale, T* const* out,
+            std::vector<float>& scores) {
+  const int64_t D = kv.D, C = D / 16, n = start + count;
+  const T* kbase = kv.k + l * kv.layer_stride;
+  const T* vbase = kv.v + l * kv.layer_stride;
+  auto visible = [&](int u, int64_t i) {
+    return i < start || (local ? local[tok[u] * Tn + (i - start)] : i - start <= tok[u]);
+  };
+  scores.assign(QB * n, -INFINITY);  // masked keys stay -inf: e^-inf = 0
+  for (int64_t i = 0; i < n; ++i) {
+    const T* k = kbase + kv.at(b, h, i);
+    __m512 kc[16];
+    for (int64_t c = 0; c < C; ++c) kc[c] = lanes16(k + 16 * c);
+    for (int u = 0; u < nq; ++u) {
+      if (!visible(u, i)) continue;
+      __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q + u * D), kc[0]);
+      for (int64_t c = 1; c < C; ++c) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + u * D + 16 * c), kc[c], acc);
+      scores[u * n + i] = _mm512_reduce_add_ps(acc) * scale;
+    }
+  }
+  for (int u = 0; u < nq; ++u) {  // softmax: the row's max, e^(s - max), their sum
+    float* sc = scores.data() + u * n;
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sc + i));
+    float m = _mm512_reduce_max_ps(mx);
+    for (; i < n; ++i) m = std::max(m, sc[i]);
+    __m512 sum = _mm512_setzero_ps();
+    for (i = 0; i + 16 <= n; i += 16) {
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sc + i), _mm512_set1_ps(m)));
+      const __mmask16 live = _mm512_cmp_ps_mask(_mm512_loadu_ps(sc + i), _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+      const __m512 p = _mm512_maskz_mov_ps(live, e);
+      _mm512_storeu_ps(sc + i, p);
+      sum = _mm512_add_ps(sum, p);
+    }
+    float denom = _mm512_reduce_add_ps(sum);
+    for (; i < n; ++i) {
+      sc[i] = sc[i] == -INFINITY ? 0.0f : std::exp(sc[i] - m);
+      denom += sc[i];
+    }
+    const __m512 inv = _mm512_set1_ps(1.0f / denom);
+    for (i = 0; i + 16 <= n; i += 16) _mm512_storeu_ps(sc + i, _mm512_mul_ps(_mm512_loadu_ps(sc + i), inv));
+    for (; i < n; ++i) sc[i] /= denom;
+  }
+  const int QP = C <= 4 ? 4 : C <= 8 ? 2 : 1;  // queries whose value sums stay in registers
+  for (int u0 = 0; u0 < nq; u0 += QP) {
+    const int nu = std::min(QP, nq - u0);
+    __m512 acc[4][16];
+    for (int u = 0; u < nu; ++u)
+      for (int64_t c = 0; c < C; ++c) acc[u][c] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; ++i) {
+      bool any = false;
+      for (int u = 0; u < nu; ++u) any |= scores[(u0 + u) * n + i] != 0.0f;
+      if (!any) continue;
+      const T* v = vbase + kv.at(b, h, i);
+      for (int64_t c = 0; c < C; ++c) {
+        const __m512 vc = lanes16(v + 16 * c);
+        for (int u = 0; u < nu; ++u)
+          acc[u][c] = _mm512_fmadd_ps(_mm512_set1_ps(scores[(u0 + u) * n + i]), vc, acc[u][c]);
+      }
+    }
+    for (int u = 0; u < nu; ++u) {
+      alignas(64) float row[256];
+      for (int64_t c = 0; c < C; ++c) _mm512_store_ps(row + 16 * c, acc[u][c]);
+      for (int64_t d = 0; d < D; ++d) out[u0 + u][d] = rnd<T>(row[d]);
+    }
+  }
+}
+
+}  // namespace attn512
+#pragma GCC pop_options
+
+// y (rows of the compute type) = x @ W^T through the kernels, rounded to T as the Python layers round.
+template <typename T>
+void linear_rows(const Weight& w, const T* x, int64_t M, T* y, Acts& a, std::vector<float>& xf, std::vector<float>& yf) {
+  xf.resize(M * w.K);
+  for (int64_t i = 0; i < M * w.K; ++i) xf[i] = f32(x[i]);
+  yf.resize(M * w.N);
+  linear_into(w, xf.data(), M, w.K, yf.data(), w.N, a);
+  for (int64_t i = 0; i < M * w.N; ++i) y[i] = rnd<T>(yf[i]);
+}
+
+// Seconds per phase of the step (enabled by profile(true)): where a step's time goes, for benchmarks.
+enum Phase { P_NORM = 0, P_QKV, P_ROPE_KV, P_ATTN, P_O, P_GATE_UP, P_ACT, P_DOWN, P_COUNT };
+bool g_profile = false;
+double g_phase[P_COUNT] = {0};
+struct PhaseClock {
+  std::chrono::steady_clock::time_point t = std::chrono::steady_clock::now();
+  void lap(Phase p) {
+    if (!g_profile) return;
+    const auto now = std::chrono::steady_clock::now();
+    g_phase[p] += std::chrono::duration<double>(now - t).count();
+    t = now;
+  }
+};
+
+template <typename T>
+void step_impl(const StepModel& m, at::Tensor& x, int64_t Tn, const at::Tensor& starts, const at::Tensor& counts,
+               const at::Tensor& local, const KVView<T>& kv, const at::Tensor& cos, const at::Tensor& sin) {
+  const int64_t B = starts.size(0), H = m.hidden, D = m.D, Hq = m.Hq, Hkv = m.Hkv, group = Hq / Hkv;
+  const int64_t q_size = Hq * D, kv_size = Hkv * D, qkv_size = q_size + 2 * kv_size;
+  const float eps = static_cast<float>(m.eps), scale = 1.0f / std::sqrt(static_cast<float>(D));
+  const int64_t* st = starts.data_ptr<int64_t>();
+  const int64_t* cn = counts.data_ptr<int64_t>();
+  const bool* lm = local.defined() ? local.data_ptr<bool>() : nullptr;
+  const int64_t local_stride = local.defined() && local.size(0) > 1 ? Tn * Tn : 0;
+  const T* cos_p = cos.data_ptr<T>();
+  const T* sin_p = sin.data_ptr<T>();
+  // the valid (row, token) pairs, packed: padding tokens of ragged rows are skipped entirely
+  std::vector<int64_t> live;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < cn[b]; ++t) live.push_back(b * Tn + t);
+  const int64_t R = static_cast<int64_t>(live.size());
+  const int64_t inter = m.linears[2].N / 2;
+  std::vector<T> normed(R * H), qkv(R * qkv_size), attn(R * q_size), proj(R * H), gate_up(R * 2 * inter), act(R * inter);
+  std::vector<float> xf, yf;
+  Acts acts;
+  float* xp = x.data_ptr<float>();
+  PhaseClock clock;
+  for (int64_t l = 0; l < m.layers(); ++l) {
+    const T* n1 = m.norms[2 * l].data_ptr<T>();
+    const T* n2 = m.norms[2 * l + 1].data_ptr<T>();
+    const Weight* w = &m.linears[4 * l];
+    for (int64_t r = 0; r < R; ++r) rms_norm(xp + live[r] * H, n1, normed.data() + r * H, H, eps);
+    clock.lap(P_NORM);
+    for (int64_t r0 = 0; r0 < R; r0 += MAX_M)
+      linear_rows(w[0], normed.data() + r0 * H, std::min(MAX_M, R - r0), qkv.data() + r0 * qkv_size, acts, xf, yf);
+    clock.lap(P_QKV);
+    T* kl = kv.k + l * kv.layer_stride;
+    T* vl = kv.v + l * kv.layer_stride;
+    for (int64_t r = 0; r < R; ++r) {  // rope k, write k/v at the token's index
+      const int64_t b = live[r] / Tn, t = live[r] % Tn, row = live[r];
+      const T* src = qkv.data() + r * qkv_size;
+      for (int64_t h = 0; h < Hkv; ++h) {
+        const int64_t at = kv.at(b, h, st[b] + t);
+        rope(src + q_size + h * D, cos_p + row * D, sin_p + row * (D / 2), kl + at, D);
+        std::copy(src + q_size + kv_size + h * D, src + q_size + kv_size + (h + 1) * D, vl + at);
+      }
+    }
+    clock.lap(P_ROPE_KV);
+    int64_t work = 0;
+    for (int64_t b = 0; b < B; ++b) work += cn[b] * (st[b] + cn[b]);
+    if (isa() >= ISA_AVX512 && D % 16 == 0 && D <= 256) {
+      // work items: up to QB queries (token, head) of one row and kv head; each key row is read once for them
+      std::vector<int64_t> item_row, item_first;  // per item: its row b and its first query index
+      std::vector<int64_t> row_first(B + 1, 0);   // the row's first live index in `live`
+      for (int64_t b = 0; b < B; ++b) row_first[b + 1] = row_first[b] + cn[b];
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t h = 0; h < Hkv; ++h)
+          for (int64_t f = 0; f < cn[b] * group; f += attn512::QB) {
+            item_row.push_back(b * Hkv + h);
+            item_first.push_back(f);
+          }
+      auto attend_items = [&](int64_t begin, int64_t end) {
+        std::vector<float> scores, q(attn512::QB * D);
+        for (int64_t i = begin; i < end; ++i) {
+          const int64_t b = item_row[i] / Hkv, h = item_row[i] % Hkv;
+          const int nq = static_cast<int>(std::min<int64_t>(attn512::QB, cn[b] * group - item_first[i]));
+          int64_t tok[attn512::QB];
+          T* outs[attn512::QB];
+          for (int u = 0; u < nq; ++u) {  // query f of this (row, kv head): token f / group, head h * group + f % group
+            const int64_t f = item_first[i] + u, t = f / group, head = h * group + f % group, r = row_first[b] + t;
+            const int64_t row = live[r];
+            tok[u] = t;
+            rope(qkv.data() + r * qkv_size + head * D, cos_p + row * D, sin_p + row * (D / 2), q.data() + u * D, D);
+            outs[u] = attn.data() + r * q_size + head * D;
+          }
+          attn512::attend(kv, l, b, h, nq, tok, st[b], cn[b], lm ? lm + b * local_stride : nullptr, Tn, q.data(),
+                          scale, outs, scores);
+        }
+      };
+      const int64_t items = static_cast<int64_t>(item_row.size());
+      if (work * Hq * D >= 32768)
+        at::parallel_for(0, items, 1, attend_items);
+      else
+        attend_items(0, items);
+    } else {
+    // work items: (token, kv head) with its query heads together, or (token, query head) when there are too few
+    // tokens to keep both cores busy (decode steps)
+    const int64_t per = R * Hkv >= 4 ? group : 1, items = R * Hq / per;
+    auto attend_range = [&](int64_t begin, int64_t end) {
+      std::vector<float> scores, acc, q(per * D);
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t r = i / (Hq / per), head0 = (i % (Hq / per)) * per, b = live[r] / Tn, t = live[r] % Tn;
+        const int64_t row = live[r];
+        for (int64_t u = 0; u < per; ++u)
+          rope(qkv.data() + r * qkv_size + (head0 + u) * D, cos_p + row * D, sin_p + row * (D / 2), q.data() + u * D, D);
+        attend(kv, l, b, head0 / group, t, st[b], cn[b], lm ? lm + b * local_stride : nullptr, Tn, q.data(), per,
+               scale, attn.data() + r * q_size + head0 * D, D, scores, acc);
+      }
+    };
+    if (work * Hq * D >= 32768)
+      at::parallel_for(0, items, 1, attend_range);  // split over the cores unless it is tiny
+    else
+      attend_range(0, items);
+    }
+    clock.lap(P_ATTN);
+    for (int64_t r0 = 0; r0 < R; r0 += MAX_M)
+      linear_rows(w[1], attn.data() + r0 * q_size, std::min(MAX_M, R - r0), proj.data() + r0 * H, acts, xf, yf);
+    clock.lap(P_O);
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t i = 0; i < H; ++i) xp[live[r] * H + i] += f32(proj[r * H + i]);
+    for (int64_t r = 0; r < R; ++r) rms_norm(xp + live[r] * H, n2, normed.data() + r * H, H, eps);
+    clock.lap(P_NORM);
+    for (int64_t r0 = 0; r0 < R; r0 += MAX_M)
+      linear_rows(w[2], normed.data() + r0 * H, std::min(MAX_M, R - r0), gate_up.data() + r0 * 2 * inter, acts, xf,
+                  yf);
+    clock.lap(P_GATE_UP);
+    for (int64_t r = 0; r < R; ++r) silu_mul(gate_up.data() + r * 2 * inter, act.data() + r * inter, inter);
+    clock.lap(P_ACT);
+    for (int64_t r0 = 0; r0 < R; r0 += MAX_M)
+      linear_rows(w[3], act.data() + r0 * inter, std::min(MAX_M, R - r0), proj.data() + r0 * H, acts, xf, yf);
+    clock.lap(P_DOWN);
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t i = 0; i < H; ++i) xp[live[r] * H + i] += f32(proj[r * H + i]);
+    clock.lap(P_NORM);
+  }
+}
+
+// x: [B*T, hidden] fp32 residual stream of T new tokens per row (updated in place and returned); row b's valid
+// tokens are its first counts[b], at cache indices starts[b]..; local: [1 or B, T, T] bool (a tree's ancestor
+// mask among the new tokens) or empty for causal. Caches: contiguous [L, B_cache, Hkv, S, D] (tables empty) or
+// paged [L, blocks, bs, Hkv, D] with int32 tables [B, W]. cos: [B*T, D], sin: [B*T, D/2] of the compute type.
+at::Tensor step(const StepModel& m, at::Tensor x, int64_t tokens, at::Tensor starts, at::Tensor counts,
+                std::optional<at::Tensor> local, at::Tensor k_cache, at::Tensor v_cache, std::optional<at::Tensor> tables,
+                at::Tensor cos, at::Tensor sin) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) == m.hidden,
+              "x must be [B*T, hidden] fp32");
+  const int64_t B = starts.size(0);
+  TORCH_CHECK(tokens >= 1 && x.size(0) == B * tokens, "x rows must be B * T");
+  TORCH_CHECK(starts.scalar_type() == at::kLong && counts.scalar_type() == at::kLong && counts.size(0) == B,
+              "starts and counts: int64 [B]");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the KV cache must be contiguous");
+  TORCH_CHECK(cos.size(0) == B * tokens && sin.size(0) == B * tokens, "one cos/sin row per token");
+  const bool paged = tables && tables->defined() && tables->numel();
+  at::Tensor local_mask = local && local->defined() && local->numel() ? local->contiguous() : at::Tensor();
+  if (local_mask.defined())
+    TORCH_CHECK(local_mask.scalar_type() == at::kBool && local_mask.size(-1) == tokens, "local mask: bool [., T, T]");
+  at::Tensor tab = paged ? tables->to(at::kInt).contiguous() : at::Tensor();
+  auto run = [&](auto zero) {
+    using T = decltype(zero);
+    KVView<T> kv;
+    kv.k = k_cache.data_ptr<T>();
+    kv.v = v_cache.data_ptr<T>();
+    kv.layer_stride = k_cache.stride(0);
+    kv.Hkv = m.Hkv;
+    kv.D = m.D;
+    if (paged) {
+      kv.tables = tab.data_ptr<int32_t>();
+      kv.W = tab.size(1);
+      kv.bs = k_cache.size(2);
+      kv.S = 0;
+      TORCH_CHECK(k_cache.size(3) == m.Hkv && tab.size(0) == B, "paged pool [L, blocks, bs, Hkv, D], tables [B, W]");
+    } else {
+      kv.tables = nullptr;
+      kv.W = 0;
+      kv.bs = 0;
+      kv.S = k_cache.size(3);
+      TORCH_CHECK(k_cache.size(1) >= B && k_cache.size(2) == m.Hkv, "contiguous cache [L, B, Hkv, S, D]");
+      const int64_t* st = starts.data_ptr<int64_t>();
+      const int64_t* cn = counts.data_ptr<int64_t>();
+      for (int64_t b = 0; b < B; ++b) TORCH_CHECK(st[b] + cn[b] <= kv.S, "row ", b, " runs past the KV cache");
+    }
+    TORCH_CHECK(k_cache.size(0) >= m.layers(), "the KV cache has too few layers");
+    step_impl<T>(m, x, tokens, starts, counts, local_mask, kv, cos, sin);
+  };
+  if (k_cache.scalar_type() == at::kFloat)
+    run(0.0f);
+  else if (k_cache.scalar_type() == at::kBFloat16)
+    run(at::BFloat16(0.0f));
+  else
+    TORCH_CHECK(false, "the CPU step's compute type must be fp32 or bf16");
+  return x;
+}
+
+// RMSNorm of fp32 rows x [N, hidden] with an fp32 weight (F.rms_norm's math in one pass per row, rows split
+// over the cores): the Python layers' norm for long chunks (prefill), where F.rms_norm runs ~10 ATen ops.
+at::Tensor rms_norm_rows(at::Tensor x, at::Tensor weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be [N, hidden] fp32");
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.numel() == x.size(1), "weight must be [hidden] fp32");
+  const int64_t n = x.size(0), hidden = x.size(1);
+  at::Tensor out = at::empty_like(x);
+  const float* xp = x.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) rms_norm(xp + r * hidden, wp, op + r * hidden, hidden, static_cast<float>(eps));
+  });
+  return out;
+}
+
+Weight make_weight(int64_t kind, int64_t N, int64_t K, int64_t group, bool bf16_act, at::Tensor data,
+                   std::optional<at::Tensor> scales, std::optional<at::Tensor> zeros, std::optional<at::Tensor> perm,
+                   std::optional<at::Tensor> bias) {
+  Weight w;
+  w.kind = kind;
+  w.N = N;
+  w.K = K;
+  w.bf16_act = bf16_act;
+  w.data = data.contiguous();
+  TORCH_CHECK(kind >= F32 && kind <= FP8, "unknown weight kind ", kind);
+  if (kind == F32) TORCH_CHECK(data.scalar_type() == at::kFloat && data.numel() == N * K, "F32 weight: [N, K] fp32");
+  if (kind == BF16)
+    TORCH_CHECK(data.scalar_type() == at::kBFloat16 && data.numel() == N * K, "BF16 weight: [N, K] bf16");
+  if (w.quantized()) {
+    TORCH_CHECK(scales && zeros, "quantized weights need scales and zeros");
+    w.group = group <= 0 ? K : group;
+    w.ngroups = (K + w.group - 1) / w.group;
+    TORCH_CHECK(w.group % 2 == 0 || w.ngroups == 1, "quantized groups must hold an even number of columns");
+    const int64_t Kp = (K + KB - 1) / KB * KB;
+    const int64_t expect = w.tiles() * (Kp / 2) * w.pair_bytes();
+    TORCH_CHECK(data.numel() == expect && data.element_size() == 1, "quantized data: ", expect, " bytes expected, got ",
+                data.numel());
+    w.scales = scales->to(at::kFloat).contiguous();
+    w.zeros = zeros->to(at::kFloat).contiguous();
+    TORCH_CHECK(w.scales.numel() == w.tiles() * w.ngroups * NR && w.zeros.numel() == w.scales.numel(),
+                "scales / zeros: [tiles, groups, 16] fp32");
+  }
+  if (perm && perm->defined() && perm->numel()) {
+    TORCH_CHECK(perm->numel() == K, "perm: one input column per K");
+    w.perm = perm->to(at::kLong).contiguous();
+  }
+  if (bias && bias->defined() && bias->numel()) w.bias = bias->to(at::kFloat).contiguous();
+  return w;
+}
+
+at::Tensor linear(const Weight& w, at::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == w.K, "x must be [M, ", w.K, "]");
+  x = x.to(at::kFloat).contiguous();
+  at::Tensor y = at::empty({x.size(0), w.N}, x.options());
+  Acts a;
+  linear_into(w, x.data_ptr<float>(), x.size(0), w.K, y.data_ptr<float>(), w.N, a);
+  return y;
+}
+
+void set_isa(const std::string& name) {
+  g_isa_cap = name == "avx2" ? ISA_AVX2 : name == "avx512" ? ISA_AVX512 : name == "avx512bf16" ? ISA_AVX512BF16 : ISA_AMX;
+}
+
+// Seconds per phase since the last call (norm+residual, qkv, rope+kv write, attention, o, gate_up, act, down),
+// and whether to keep counting.
+std::vector<double> profile(bool enable) {
+  std::vector<double> out(g_phase, g_phase + P_COUNT);
+  std::fill(g_phase, g_phase + P_COUNT, 0.0);
+  g_profile = enable;
+  return out;
+}
+
+std::string isa_name() {
+  static const char* names[] = {"avx2", "avx512", "avx512bf16", "amx"};
+  return names[isa()];
+}
+
+}  // namespace qspec
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  namespace py = pybind11;
+  py::class_<qspec::Weight>(m, "Weight")
+      .def(py::init(&qspec::make_weight), py::arg("kind"), py::arg("N"), py::arg("K"), py::arg("group"),
+           py::arg("bf16_act"), py::arg("data"), py::arg("scales") = py::none(), py::arg("zeros") = py::none(),
+           py::arg("perm") = py::none(), py::arg("bias") = py::none())
+      .def_readonly("kind", &qspec::Weight::kind)
+      .def_readonly("N", &qspec::Weight::N)
+      .def_readonly("K", &qspec::Weight::K);
+  m.def("linear", &qspec::linear, "y = x @ W^T (+ bias) for 1..64 rows of x (fp32 out)");
+  py::class_<qspec::StepModel>(m, "StepModel")
+      .def(py::init(&qspec::make_step_model))
+      .def_property_readonly("layers", &qspec::StepModel::layers);
+  m.def("step", &qspec::step, "every decoder layer for T new tokens per row (CPU; fp32 / bf16 compute)",
+        py::arg("model"), py::arg("x"), py::arg("tokens"), py::arg("starts"), py::arg("counts"), py::arg("local"),
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("tables"), py::arg("cos"), py::arg("sin"));
+  m.def("rms_norm_rows", &qspec::rms_norm_rows, "RMSNorm of fp32 rows (CPU)");
+  m.def("set_isa", &qspec::set_isa, "cap the kernel family: avx2 | avx512 | avx512bf16 (tests)");
+  m.attr("AMX_MIN_ROWS") = qspec::AMX_MIN_ROWS;
+  m.def("profile", &qspec::profile, "seconds per step phase since the last call; enable: keep counting");
+  m.def("isa", &qspec::isa_name, "the kernel family in use");
+}

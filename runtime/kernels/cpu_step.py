@@ -1,0 +1,354 @@
+"""qspec's CPU step (cpu_step.cpp): linear kernels for every weight format, and whole decode / verification steps.
+
+The contract quantized layers plug into: a linear module that can run in the step has ``cpu_kernel_weight()``
+returning a ``KernelWeight`` in one of the layouts below (runtime.model's dense ``Linear`` needs none: its own
+[N, K] weight is read in place). ``quantize.qlinear.QuantLinear`` keeps its codes in these layouts on its "cpu"
+path, so the step reads them with no copy.
+
+Layouts (K_pad = K rounded up to a multiple of 32; 16 output rows per tile, rows padded with zeros; pair j of a
+tile holds, for each of its 16 rows, input columns 2j and 2j + 1):
+  i8   int8  [tiles, K_pad / 2, 16, 2] code - 128; zeros hold z - 128
+  i4   uint8 [tiles, K_pad / 2, 16]    code(2j) | code(2j + 1) << 4 (2- and 3-bit codes too); zeros hold z
+  fp8  uint8 [tiles, K_pad / 2, 16, 2] e4m3 bytes; scales hold scale * 256 (the kernel decodes e4m3 as fp16 bits)
+  scales, zeros: fp32 [tiles, groups, 16]; a group is ``group`` consecutive columns after ``perm`` (act-order),
+  an even number of them (or all K).
+
+The extension is built once per machine (``torch.utils.cpp_extension``, g++; AVX2 + FMA + F16C baseline, the
+AVX-512 and AVX512-BF16 kernels chosen at run time) under ``$QSPEC_HOME/extensions``; where it cannot be built
+or the CPU lacks AVX2, one warning says why and the Python layers run. ``QSPEC_CPU_STEP=0`` turns it off,
+``QSPEC_CPU_ISA=avx2|avx512|avx512bf16`` caps the kernel family (tests run every family on one machine; AMX,
+where the CPU and the OS offer it, is the top one).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import warnings
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from runtime.paths import qspec_home
+
+SOURCE = Path(__file__).with_name("cpu_step.cpp")
+# AVX2 baseline for the whole file; no FMA contraction outside the kernels' explicit ones (rope and the norms then
+# round exactly as the Python ops do)
+FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"]
+# at::parallel_for is OpenMP inlined into this file: -fopenmp links libgomp.so.1, which resolves to the copy torch
+# loaded already (one thread pool for torch's ops and ours)
+LDFLAGS = ["-fopenmp"]
+KINDS = {"f32": 0, "bf16": 1, "i8": 2, "i4": 3, "fp8": 4}
+TILE = 16
+K_ALIGN = 32
+MAX_ROWS = 64  # activation rows (tokens x sequences) one kernel call takes
+MAX_TOKENS = 64  # new tokens per row a step takes: longer chunks (prefills) run the Python layers
+_STATE: dict = {}
+
+
+def enabled() -> bool:
+    return os.environ.get("QSPEC_CPU_STEP", "1") != "0"
+
+
+def cpu_flags() -> set[str]:
+    path = Path("/proc/cpuinfo")
+    if not path.is_file():
+        return set()
+    line = next((ln for ln in path.read_text().splitlines() if ln.startswith("flags")), "")
+    return set(line.split(":", 1)[-1].split())
+
+
+def build_key() -> str:
+    """Source, flags, torch version and this CPU's features: a build from another machine is never reused."""
+    parts = [
+        SOURCE.read_text(),
+        " ".join(FLAGS + LDFLAGS),
+        torch.__version__,
+        sys.version,
+        " ".join(sorted(cpu_flags())),
+    ]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:12]
+
+
+def extension():
+    """The compiled module, or None (with one warning) where it cannot be built or run here."""
+    if "module" not in _STATE:
+        _STATE["module"] = None
+        missing = {"avx2", "fma", "f16c"} - cpu_flags()
+        if missing:
+            warnings.warn(f"qspec: this CPU lacks {sorted(missing)}; the CPU step is off (Python layers)", stacklevel=2)
+            return None
+        try:
+            from torch.utils.cpp_extension import load
+
+            key = build_key()
+            build_dir = qspec_home() / "extensions" / f"cpu_step-{key}"
+            build_dir.mkdir(parents=True, exist_ok=True)
+            # compile a copy kept in the build directory: every checkout of the same source shares one build
+            source = build_dir / SOURCE.name
+            if not source.is_file() or source.read_text() != SOURCE.read_text():
+                source.write_text(SOURCE.read_text())
+            if not any(build_dir.glob("*.so")):
+                print("[qspec] compiling the CPU step (once per machine, ~1 min)", file=sys.stderr, flush=True)
+            module = load(
+                name=f"qspec_cpu_step_{key}",
+                sources=[str(source)],
+                extra_cflags=FLAGS,
+                extra_ldflags=LDFLAGS,
+                build_directory=str(build_dir),
+                verbose=False,
+            )
+            cap = os.environ.get("QSPEC_CPU_ISA")
+            if cap:
+                module.set_isa(cap)
+            _STATE["module"] = module
+        except Exception as err:  # no compiler, no ninja, a read-only cache: the Python path still works
+            warnings.warn(f"qspec: CPU step unavailable, using the Python layers ({err})", stacklevel=2)
+    return _STATE["module"]
+
+
+def available() -> bool:
+    return enabled() and extension() is not None
+
+
+@dataclass
+class KernelWeight:
+    """One linear layer in a kernel layout (module docstring). data/scales/zeros already laid out."""
+
+    kind: str  # "i8" | "i4" | "fp8" (dense f32/bf16 weights are read from nn.Linear directly)
+    out_features: int
+    in_features: int
+    group: int  # input columns per scale group (in_features: per channel)
+    data: Tensor
+    scales: Tensor
+    zeros: Tensor
+    perm: Tensor | None = None  # act-order: input column of each packed column
+    bias: Tensor | None = None
+    bf16_activations: bool = False  # the layer computes in bf16: inputs are rounded to bf16 first
+
+    def __getstate__(self):  # copies and pickles rebuild the extension's handle over their own tensors
+        return {k: v for k, v in self.__dict__.items() if k != "_handle"}
+
+    def handle(self):
+        """The extension's Weight over these tensors (built once; it holds references, no copy)."""
+        if "_handle" not in self.__dict__:
+            self.__dict__["_handle"] = extension().Weight(
+                KINDS[self.kind], self.out_features, self.in_features, self.group, self.bf16_activations, self.data,
+                self.scales, self.zeros, self.perm, self.bias,
+            )  # fmt: skip
+        return self.__dict__["_handle"]
+
+
+def dense_handle(weight: Tensor, bias: Tensor | None = None):
+    """The extension's Weight over a dense [N, K] fp32 / bf16 tensor, read in place."""
+    kind = {torch.float32: "f32", torch.bfloat16: "bf16"}[weight.dtype]
+    return extension().Weight(KINDS[kind], weight.shape[0], weight.shape[1], 0, kind == "bf16", weight.contiguous(),
+                              None, None, None, bias)  # fmt: skip
+
+
+# ---- layouts (used by quantize.qlinear's "cpu" path; exact inverses for checkpoints and tests) --------------------
+
+
+def padded_width(k: int) -> int:
+    return -(-k // K_ALIGN) * K_ALIGN
+
+
+def tiles(n: int) -> int:
+    return -(-n // TILE)
+
+
+def _tile_columns(codes: Tensor) -> Tensor:
+    """[N, K] -> [tiles, K_pad, 16]: rows padded to whole tiles, columns to K_pad, then column-major per tile."""
+    n, k = codes.shape
+    padded = F.pad(codes, (0, padded_width(k) - k, 0, tiles(n) * TILE - n))
+    return padded.view(tiles(n), TILE, -1).transpose(1, 2).contiguous()
+
+
+def _untile_columns(tiled: Tensor, n: int, k: int) -> Tensor:
+    return tiled.transpose(1, 2).reshape(-1, tiled.shape[1])[:n, :k]
+
+
+def _pairs(tiled: Tensor) -> Tensor:
+    """[tiles, K_pad, 16] -> [tiles, K_pad / 2, 16, 2]: each row's two columns of a pair side by side."""
+    t, k, r = tiled.shape
+    return tiled.view(t, k // 2, 2, r).transpose(2, 3).contiguous()
+
+
+def _unpairs(paired: Tensor) -> Tensor:
+    t, j, r, _ = paired.shape
+    return paired.transpose(2, 3).reshape(t, 2 * j, r)
+
+
+def group_table(values: Tensor, n: int) -> Tensor:
+    """Per-row, per-group values [N, G] -> fp32 [tiles, G, 16]."""
+    padded = F.pad(values.float(), (0, 0, 0, tiles(n) * TILE - n))
+    return padded.view(tiles(n), TILE, -1).transpose(1, 2).contiguous()
+
+
+def group_untable(table: Tensor, n: int) -> Tensor:
+    return table.transpose(1, 2).reshape(-1, table.shape[1])[:n]
+
+
+def pack_codes(codes: Tensor, bits: int) -> Tensor:
+    """uint8 codes [N, K] (group order) -> the i8 or i4 data layout."""
+    if bits == 8:
+        return _pairs(_tile_columns((codes.to(torch.int16) - 128).to(torch.int8)))
+    if bits > 4:
+        raise ValueError(f"the CPU step packs 2/3/4- and 8-bit codes, not {bits}-bit")
+    tiled = _tile_columns(codes.to(torch.uint8))  # [tiles, K_pad, 16]
+    return (tiled[:, 0::2] | (tiled[:, 1::2] << 4)).contiguous()
+
+
+def unpack_codes(data: Tensor, bits: int, n: int, k: int) -> Tensor:
+    """Inverse of pack_codes: uint8 codes [N, K]."""
+    if bits == 8:
+        return (_untile_columns(_unpairs(data), n, k).to(torch.int16) + 128).to(torch.uint8)
+    low, high = data & 15, data >> 4
+    tiled = torch.stack([low, high], dim=2).view(data.shape[0], -1, TILE)  # [tiles, K_pad, 16]
+    return _untile_columns(tiled, n, k).contiguous()
+
+
+def gather_rows(data: Tensor, bits: int, rows: Tensor, k: int) -> Tensor:
+    """uint8 codes [R, K] (group order) of output rows `rows` from the i8 / i4 layout, without unpacking others."""
+    rows = rows.long()
+    picked = data[rows // TILE, :, rows % TILE]  # [R, K_pad / 2, 2] (i8) or [R, K_pad / 2] (i4)
+    if bits == 8:
+        return (picked.reshape(len(rows), -1)[:, :k].to(torch.int16) + 128).to(torch.uint8)
+    return torch.stack([picked & 15, picked >> 4], dim=2).reshape(len(rows), -1)[:, :k]
+
+
+def pack_fp8(weight_bytes: Tensor) -> Tensor:
+    """e4m3 weights [N, K] (torch.float8_e4m3fn or their uint8 bits) -> the fp8 data layout."""
+    return _pairs(_tile_columns(weight_bytes.view(torch.uint8) if weight_bytes.dtype != torch.uint8 else weight_bytes))
+
+
+def unpack_fp8(data: Tensor, n: int, k: int) -> Tensor:
+    return _untile_columns(_unpairs(data), n, k).contiguous().view(torch.float8_e4m3fn)
+
+
+def linear(weight, x: Tensor) -> Tensor:
+    """y = x @ W^T (+ bias) through the kernels for x [M, K] fp32 / bf16, any M (chunks of MAX_ROWS); fp32 out."""
+    ext = extension()
+    rows = x.reshape(-1, x.shape[-1]).float()
+    outs = [ext.linear(weight, rows[i : i + MAX_ROWS]) for i in range(0, rows.shape[0], MAX_ROWS)]
+    return torch.cat(outs).view(*x.shape[:-1], -1)
+
+
+FAMILY_FLAGS = {"avx2": {"avx2", "fma", "f16c"}, "avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq"}}
+FAMILY_FLAGS["avx512bf16"] = FAMILY_FLAGS["avx512"] | {"avx512_bf16"}
+FAMILY_FLAGS["amx"] = FAMILY_FLAGS["avx512bf16"] | {"amx_bf16", "amx_tile"}
+
+
+def isa_supported(family: str) -> bool:
+    """Whether this CPU runs a kernel family (avx2 | avx512 | avx512bf16 | amx)."""
+    return FAMILY_FLAGS[family] <= cpu_flags()
+
+
+# ---- the whole step --------------------------------------------------------------------------------------------
+
+_STEP_MODELS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (fingerprint, StepModel)
+
+
+def weight_handle(module, dtype: torch.dtype):
+    """The extension's Weight for a linear module computing in dtype, or None when the step cannot run it."""
+    kernel_weight = getattr(module, "cpu_kernel_weight", None)
+    if kernel_weight is not None:  # a quantized layer in a kernel layout (quantize.qlinear)
+        kw = kernel_weight()
+        return None if kw is None or kw.bf16_activations != (dtype == torch.bfloat16) else kw.handle()
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, Tensor) or weight.dtype != dtype or weight.device.type != "cpu" or weight.dim() != 2:
+        return None
+    bias = getattr(module, "bias", None)
+    return dense_handle(weight.detach(), None if bias is None else bias.detach().float())
+
+
+def fingerprint(layers: list[tuple]) -> tuple:
+    """What changes when a layer's module or weights change: each module, and its weight's storage (dense) or its
+    kernel layout object (quantized). Read from the modules' own dicts: this runs every step."""
+    out = []
+    for mods in layers:
+        for m in mods:
+            weight = m._parameters.get("weight") if "weight" in m._parameters else None
+            out.append(id(m))
+            out.append(weight.data_ptr() if weight is not None else id(m.__dict__.get("_kernel_weight")))
+    return tuple(out)
+
+
+def step_model(model):
+    """The extension's StepModel over the model's layers (cached; rebuilt when a module or weight changes), or
+    None when some layer is not one the step runs."""
+    layers = model.step_layers()  # per layer: input norm, post norm, qkv, o, gate_up, down (runtime.model)
+    if layers is None:
+        return None
+    cached = _STEP_MODELS.get(model)
+    if cached is not None and cached[0] == fingerprint(layers):
+        return cached[1]
+    dtype = model.compute_dtype
+    norms, linears = [], []
+    for input_norm, post_norm, *lin in layers:
+        if input_norm.weight.dtype != dtype or post_norm.weight.dtype != dtype:
+            return None
+        norms += [input_norm.weight.detach(), post_norm.weight.detach()]
+        handles = [weight_handle(m, dtype) for m in lin]
+        if any(h is None for h in handles):
+            return None
+        linears += handles
+    cfg = model.config
+    built = extension().StepModel(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps,
+                                  norms, linears)  # fmt: skip
+    _STEP_MODELS[model] = (fingerprint(layers), built)  # after the handles: they create the kernel layouts
+    return built
+
+
+def decode(model, x: Tensor, meta, cache) -> Tensor | None:
+    """Run every decoder layer on x [B, T, hidden] (the fp32 residual stream) in one call: T <= MAX_TOKENS new
+    tokens per row at the cache indices the metadata gives (``meta.starts``, ``meta.counts``, optional
+    ``meta.local_mask``: chains, trees, ragged rows), over a contiguous KVCache or a paged pool. Returns the
+    residual stream after the last layer, or None when this step does not qualify (the Python layers run)."""
+    T = x.shape[1]
+    starts = getattr(meta, "starts", None)
+    if not (
+        enabled()
+        and model.fast_decode
+        and starts is not None
+        and getattr(cache, "decode_kernel", None) != "triton"  # a paged pool asked to run its Triton kernel
+        and 1 <= T <= MAX_TOKENS
+        and x.dtype == torch.float32  # the residual stream: fp32 models and bf16 (mixed) ones
+        and x.device.type == "cpu"
+        and not torch.is_grad_enabled()
+        and getattr(cache, "k", None) is not None
+        and cache.k.dtype == model.compute_dtype
+        and cache.k.dtype in (torch.float32, torch.bfloat16)
+        and extension() is not None
+    ):
+        return None
+    paged = getattr(meta, "block_tables", None) is not None
+    if not paged and type(cache).__name__ != "KVCache":
+        return None
+    built = step_model(model)
+    if built is None:
+        return None
+    B = x.shape[0]
+    counts = meta.counts if meta.counts is not None else torch.full((B,), T, dtype=torch.long)
+    cos, sin = model.rope(meta.positions, model.compute_dtype)  # [B, T, 1, D], [B, T, 1, 2, D/2]
+    hidden = x.reshape(B * T, x.shape[2]).contiguous()
+    local = meta.local_mask
+    out = extension().step(
+        built, hidden, T, starts.long().contiguous(), counts.long().contiguous(),
+        None if local is None else local.contiguous(), cache.k, cache.v,
+        meta.block_tables if paged else None, cos.reshape(B * T, -1).contiguous(),
+        sin[:, :, 0, 1].reshape(B * T, -1).contiguous(),
+    )  # fmt: skip
+    return out.view(x.shape)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor | None:
+    """F.rms_norm(x, weight, eps) of fp32 CPU rows in one compiled pass, or None where the extension is off."""
+    if not enabled() or extension() is None:
+        return None
+    return extension().rms_norm_rows(x.reshape(-1, x.shape[-1]).contiguous(), weight, eps).view(x.shape)

@@ -1,0 +1,230 @@
+"""The compiled CPU step (runtime.kernels.cpu_step) against HF transformers and the Python layers: decode steps,
+chain verifications and short prefills, ragged rows, tree masks, contiguous and paged caches, fp32 and bf16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_model import hf_twin
+
+from runtime.decoding import generate
+from runtime.kernels import cpu_step
+from runtime.kv_cache import KVCache
+from runtime.model import AttentionMetadata, random_model
+from runtime.sampling import SamplingParams
+
+pytestmark = pytest.mark.skipif(cpu_step.extension() is None, reason="the C++ decode step could not be built here")
+
+
+def spy_on_fast_path(monkeypatch) -> list[bool]:
+    """Record, per one-token forward, whether the compiled step ran it."""
+    taken: list[bool] = []
+    original = cpu_step.decode
+
+    def spy(*args, **kwargs):
+        out = original(*args, **kwargs)
+        taken.append(out is not None)
+        return out
+
+    monkeypatch.setattr(cpu_step, "decode", spy)
+    return taken
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize(
+    "batch,prefix,chunk",
+    [(1, 40, 1), (2, 290, 1), (2, 40, 3)],  # 2 x 290 keys: the threaded attention branch; 3: chain verification
+)
+def test_decode_steps_match_transformers(tiny_config, tmp_path, monkeypatch, batch, prefix, chunk):
+    ours = random_model(tiny_config, seed=3)
+    hf = hf_twin(ours, tmp_path)
+    steps = 6
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, tiny_config.vocab_size, (batch, prefix + steps), generator=gen)
+    ref = hf(tokens).logits  # the oracle: one full causal forward
+    cache = KVCache(tiny_config, batch, prefix + steps)
+    ours(tokens[:, :prefix], AttentionMetadata.contiguous(batch, 0, prefix, "cpu"), cache)  # Python prefill
+    taken = spy_on_fast_path(monkeypatch)
+    for i in range(prefix, prefix + steps, chunk):
+        got = ours(tokens[:, i : i + chunk], AttentionMetadata.contiguous(batch, i, chunk, "cpu"), cache)
+        torch.testing.assert_close(got, ref[:, i : i + chunk], atol=2e-5, rtol=1e-4)
+    # every layer it implements runs compiled; q/k-norm models (Qwen3) keep the Python layers
+    assert taken == [tiny_config.qk_norm is False] * (steps // chunk)
+
+
+@torch.inference_mode()
+def test_short_prefill_matches_transformers(tmp_path):
+    from tests.tiny_models import TINY_CONFIGS
+
+    ours = random_model(TINY_CONFIGS["llama"], seed=5)
+    hf = hf_twin(ours, tmp_path)
+    tokens = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(2))
+    cache = KVCache(ours.config, 2, 16)
+    got = ours(tokens, AttentionMetadata.contiguous(2, 0, 12, "cpu"), cache)  # 12 <= MAX_TOKENS: compiled
+    torch.testing.assert_close(got, hf(tokens).logits, atol=2e-5, rtol=1e-4)
+
+
+@torch.inference_mode()
+def test_fast_and_python_decode_agree_token_for_token(tiny_llama, monkeypatch):
+    prompts = [[5, 9, 2, 7, 7, 3, 11, 4], [8, 1, 6, 2, 9, 9, 10, 5]]  # equal lengths: one position per step
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    taken = spy_on_fast_path(monkeypatch)
+    fast = generate(tiny_llama, prompts, params)
+    assert taken and all(taken)
+    tiny_llama.fast_decode = False
+    slow = generate(tiny_llama, prompts, params)
+    assert fast.tokens == slow.tokens
+
+
+@torch.inference_mode()
+def test_ineligible_steps_fall_back(tiny_llama):
+    x = torch.zeros(1, 1, tiny_llama.config.hidden_size)
+    meta = AttentionMetadata.contiguous(1, 3, 1, "cpu")
+    cache = KVCache(tiny_llama.config, 1, 8)
+    assert cpu_step.decode(tiny_llama, x, meta, cache) is not None
+    assert cpu_step.decode(tiny_llama, x.bfloat16(), meta, cache) is None  # fp32 only
+    # metadata that does not say where each row's tokens go (starts) keeps the Python layers
+    assert cpu_step.decode(tiny_llama, x, AttentionMetadata.causal(torch.tensor([[3]]), kv_len=4), cache) is None
+    with pytest.raises(RuntimeError, match="row 0 runs past the KV cache"):
+        cpu_step.decode(tiny_llama, x, AttentionMetadata.contiguous(1, 8, 1, "cpu"), cache)
+
+
+@torch.inference_mode()
+def test_bf16_mixed_steps_stay_within_bf16_noise(monkeypatch):
+    """bf16 layers (fp32 residual): the compiled step differs from the Python bf16 layers by less than
+    those differ from fp32 (its reductions run in another order, each rounding step is the same)."""
+    from tests.tiny_models import TINY_CONFIGS
+
+    cfg, prefix, steps = TINY_CONFIGS["llama"], 70, 6  # a prefix over MAX_TOKENS: prefilled by Python
+    fp32 = random_model(cfg, seed=4)
+    bf16 = random_model(cfg, seed=4).set_dtype(torch.bfloat16, mixed=True)
+    tokens = torch.randint(0, cfg.vocab_size, (1, prefix + steps), generator=torch.Generator().manual_seed(1))
+    ref = fp32(tokens)
+    caches = {fast: KVCache(cfg, 1, prefix + steps, torch.bfloat16) for fast in (True, False)}
+    taken = spy_on_fast_path(monkeypatch)
+    for fast, cache in caches.items():
+        bf16.fast_decode = fast
+        bf16(tokens[:, :prefix], AttentionMetadata.contiguous(1, 0, prefix, "cpu"), cache)
+    fast_vs_python, python_vs_fp32 = 0.0, 0.0
+    for i in range(prefix, prefix + steps):
+        meta = AttentionMetadata.contiguous(1, i, 1, "cpu")
+        bf16.fast_decode = True
+        fast = bf16(tokens[:, i : i + 1], meta, caches[True])[:, 0]
+        bf16.fast_decode = False
+        python = bf16(tokens[:, i : i + 1], meta, caches[False])[:, 0]
+        fast_vs_python = max(fast_vs_python, float((fast - python).abs().max()))
+        python_vs_fp32 = max(python_vs_fp32, float((python - ref[:, i]).abs().max()))
+    assert taken == [True, False] * steps  # bf16 (mixed) steps take it unless the model turns it off
+    assert fast_vs_python < python_vs_fp32, (fast_vs_python, python_vs_fp32)
+
+
+@torch.inference_mode()
+def test_prefill_rms_norm_matches_functional():
+    x = torch.randn(3, 70, 96, generator=torch.Generator().manual_seed(6)) * 3
+    weight = torch.rand(96, generator=torch.Generator().manual_seed(7)) + 0.5
+    got = cpu_step.rms_norm(x, weight, 1e-5)
+    torch.testing.assert_close(got, torch.nn.functional.rms_norm(x, (96,), weight, 1e-5), atol=1e-6, rtol=1e-5)
+
+
+@torch.inference_mode()
+def test_ragged_rows_match_the_python_layers(tiny_llama, monkeypatch):
+    """Prompts of different lengths: every decode step has rows at different positions (one call, per-row
+    cache indices), greedy tokens equal to the Python layers'."""
+    prompts = [[5, 9, 2], [8, 1, 6, 2, 9, 9, 10, 5, 4, 4, 7], [3, 3, 8, 1, 2, 6]]
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    taken = spy_on_fast_path(monkeypatch)
+    fast = generate(tiny_llama, prompts, params)
+    assert taken and all(taken)
+    tiny_llama.fast_decode = False
+    try:
+        assert generate(tiny_llama, prompts, params).tokens == fast.tokens
+    finally:
+        tiny_llama.fast_decode = True
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tree_verification_matches_the_python_layers(tiny_config, dtype, monkeypatch):
+    """A branching candidate tree over rows of different lengths: node i at slot L-1+i, position L-1+depth(i),
+    attending to its ancestors only (the tree's local mask), in one step call."""
+    from runtime.speculation import CandidateTree
+    from speculate.generate import tree_metadata
+
+    model = random_model(tiny_config, seed=8)
+    if dtype == torch.bfloat16:
+        model.set_dtype(torch.bfloat16)
+    tree = CandidateTree.from_choices([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])
+    lengths = torch.tensor([9, 14])
+    gen = torch.Generator().manual_seed(4)
+    prefix = torch.randint(0, tiny_config.vocab_size, (2, 13), generator=gen)
+    nodes = torch.randint(0, tiny_config.vocab_size, (2, len(tree)), generator=gen)
+    outs = {}
+    taken = spy_on_fast_path(monkeypatch)
+    for fast in (True, False):
+        model.fast_decode = fast
+        cache = KVCache(tiny_config, 2, 32, dtype)
+        model.fast_decode = False  # the same prefix KV for both (Python prefill, ragged)
+        model(prefix, AttentionMetadata.contiguous(2, 0, 13, "cpu"), cache)
+        model.fast_decode = fast
+        outs[fast] = model(nodes, tree_metadata(tree, lengths), cache).float()
+    tol = dict(atol=2e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(outs[True], outs[False], **tol)
+    assert taken == [False, tiny_config.qk_norm is False, False, False]  # (prefixes: Python layers)
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("speculate", [False, True])
+def test_paged_engine_matches_the_python_layers(tiny_llama, monkeypatch, speculate):
+    """The serving engine's paged pool (block tables, ragged rows, speculative chains) through the step: greedy
+    tokens equal to the Python layers' over the same pool."""
+    from runtime.engine import EngineConfig, LLMEngine
+    from speculate.ngram import NgramSpeculator
+
+    prompts = [[5, 9, 2, 7] * 3, [8, 1, 6, 2, 9], [3, 3, 8, 1, 2, 6, 1, 4] * 2]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    results = {}
+    taken = spy_on_fast_path(monkeypatch)
+    for fast in (True, False):
+        tiny_llama.fast_decode = fast
+        engine = LLMEngine(tiny_llama, config=EngineConfig(num_blocks=64, block_size=4),
+                           speculator=NgramSpeculator(k=3) if speculate else None)  # fmt: skip
+        results[fast] = [o.output_ids for o in engine.generate(prompts, params)]
+    tiny_llama.fast_decode = True
+    assert results[True] == results[False]
+    assert any(taken)
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("kind", ["int4", "int8", "fp8"])
+def test_quantized_layers_run_in_the_step(kind, monkeypatch):
+    """Quantized linears in the kernels' own layout (QuantLinear / FPLinear "cpu" path) run inside the step and
+    give the logits of the same layers run one by one (Python layers, same kernels)."""
+    from formats_helpers import rtn_quantize
+
+    from quantize.fplinear import FPLinear, quantize_fp8
+    from quantize.qlinear import QuantLinear, set_module
+    from runtime.layout import decoder_linear_names
+    from tests.tiny_models import TINY_CONFIGS
+
+    cfg = TINY_CONFIGS["llama"]
+    model = random_model(cfg, seed=2).set_dtype(torch.bfloat16)
+    base = random_model(cfg, seed=2)
+    for name in decoder_linear_names(cfg.num_layers):
+        w = base.get_submodule(name).weight.detach()
+        if kind == "fp8":
+            layer = FPLinear(quantize_fp8(w, block=32 if "down" in name else 0), compute_dtype=torch.bfloat16)
+        else:
+            qw = rtn_quantize(w, 4 if kind == "int4" else 8, 32 if kind == "int4" else -1, act_order="qkv" in name)
+            layer = QuantLinear(qw, compute_dtype=torch.bfloat16)
+        set_module(model, name, layer)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 10), generator=torch.Generator().manual_seed(6))
+    taken = spy_on_fast_path(monkeypatch)
+    outs = {}
+    for fast in (True, False):
+        model.fast_decode = fast
+        cache = KVCache(cfg, 2, 16, torch.bfloat16)
+        model(tokens[:, :8], AttentionMetadata.contiguous(2, 0, 8, "cpu"), cache)
+        outs[fast] = model(tokens[:, 8:], AttentionMetadata.contiguous(2, 8, 2, "cpu"), cache)
+    assert taken[:2] == [True, True]  # the prefill and the 2-token step both ran compiled
+    assert all(m.path == "cpu" for m in model.modules() if isinstance(m, (QuantLinear, FPLinear)))
+    torch.testing.assert_close(outs[True], outs[False], atol=3e-2, rtol=3e-2)

@@ -1,0 +1,153 @@
+"""The CPU step's linear kernels (runtime/kernels/cpu_step.cpp) against an fp64 reference (dequantize, then
+matmul), for every weight format, every kernel family this CPU runs (AVX2, AVX-512, AVX512-BF16), odd shapes and
+1..64 activation rows; and a row's result never depends on the other rows of the call (bit for bit)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime.kernels import cpu_step
+
+ext = cpu_step.extension()
+pytestmark = pytest.mark.skipif(ext is None, reason="the CPU step cannot be built here")
+FAMILIES = [f for f in ("avx2", "avx512", "avx512bf16", "amx") if ext is not None and cpu_step.isa_supported(f)]
+SHAPES = [(48, 64), (37, 90), (16, 576), (100, 200)]  # (N, K): whole tiles, ragged rows and columns
+
+
+@pytest.fixture(params=FAMILIES)
+def family(request):
+    ext.set_isa(request.param)
+    assert ext.isa() == request.param
+    yield request.param
+    ext.set_isa("amx")  # back to the best this CPU has
+
+
+def rows(m: int, k: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(m, k, generator=torch.Generator().manual_seed(seed))
+
+
+def check(y: torch.Tensor, x64: torch.Tensor, w64: torch.Tensor, slack: torch.Tensor | None = None) -> None:
+    """|y - x w^T| within fp32 summation-order noise: 1e-5 of sum |x| |w| (a fused dot of K products in fp32 errs
+    by at most ~K * 2^-24 of it; K <= 576 here), plus slack where the kernel sums offset codes."""
+    ref = x64 @ w64.T
+    bound = 1e-5 * (x64.abs() @ w64.abs().T) + 1e-30
+    if slack is not None:
+        bound = bound + slack
+    err = (y.double() - ref).abs()
+    assert bool((err <= bound).all()), float((err / bound).max())
+
+
+def assert_row_independent(handle, x: torch.Tensor) -> None:
+    """A row's result is the same bits whichever rows share the call: among calls of AMX_MIN_ROWS or more rows, and
+    among calls of fewer (the AMX family switches kernels between the two; other families never do)."""
+    big = ext.AMX_MIN_ROWS
+    together = ext.linear(handle, x)
+    for m in range(x.shape[0] - big + 1):
+        assert torch.equal(ext.linear(handle, x[m : m + big])[0], together[m])
+    alone = ext.linear(handle, x[:1])[0]
+    assert torch.equal(ext.linear(handle, x[: big - 1])[0], alone)
+    if ext.isa() != "amx":
+        assert torch.equal(alone, together[0])
+
+
+@pytest.mark.parametrize("N,K", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dense(family, N, K, dtype):
+    w = rows(N, K, 1).to(dtype)
+    handle = cpu_step.dense_handle(w)
+    for M in (1, 3, 8, 64):
+        x = rows(M, K, M)
+        xr = x.to(dtype).double()  # bf16 layers see bf16 inputs, as the Python path casts them
+        check(ext.linear(handle, x), xr, w.double())
+    assert_row_independent(handle, rows(9, K, 5))
+
+
+def quantized(N: int, K: int, bits: int, group: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 2**bits, (N, K), generator=g, dtype=torch.uint8)
+    G = -(-K // group)
+    scales = torch.rand(N, G, generator=g) * 0.05 + 0.01
+    zeros = torch.randint(0, 2**bits, (N, G), generator=g).float()
+    return codes, scales, zeros
+
+
+def dequantized(codes, scales, zeros, group):
+    col_group = torch.arange(codes.shape[1]) // group
+    return (codes.double() - zeros.double()[:, col_group]) * scales.double()[:, col_group]
+
+
+@pytest.mark.parametrize("N,K", SHAPES)
+@pytest.mark.parametrize("bits,group", [(4, 32), (4, 64), (3, 64), (2, 32), (8, -1), (8, 32), (4, -1)])
+@pytest.mark.parametrize("bf16_act", [False, True])
+def test_int_codes(family, N, K, bits, group, bf16_act):
+    group = K if group == -1 else min(group, K + K % 2)
+    codes, scales, zeros = quantized(N, K, bits, group)
+    stored_zeros = zeros - 128 if bits == 8 else zeros
+    weight = cpu_step.KernelWeight(
+        "i8" if bits == 8 else "i4", N, K, group, cpu_step.pack_codes(codes, bits),
+        cpu_step.group_table(scales, N), cpu_step.group_table(stored_zeros, N), bf16_activations=bf16_act,
+    )  # fmt: skip
+    handle = weight.handle()
+    w64 = dequantized(codes, scales, zeros, group)
+    col_group = torch.arange(K) // group
+    offset_w = (128 + codes.double()) * scales.double()[:, col_group]  # what the bf16-dot path sums
+    for M in (1, 2, 5, 8, 64):
+        x = rows(M, K, M + 7)
+        xr = (x.bfloat16() if bf16_act else x).double()
+        slack = 1e-5 * (xr.abs() @ offset_w.T) if bits <= 4 and bf16_act else None
+        check(ext.linear(handle, x), xr, w64, slack)
+    assert_row_independent(handle, rows(11, K, 3))
+
+
+def test_int_codes_round_trip():
+    for bits in (2, 4, 8):
+        codes, _, _ = quantized(37, 90, bits, 32)
+        assert torch.equal(cpu_step.unpack_codes(cpu_step.pack_codes(codes, bits), bits, 37, 90), codes)
+
+
+@pytest.mark.parametrize("N,K", SHAPES)
+@pytest.mark.parametrize("block", [-1, 32])
+def test_fp8(family, N, K, block):
+    g = torch.Generator().manual_seed(4)
+    group = K if block == -1 else block
+    values = (torch.randn(N, K, generator=g) * 40).clamp(-448, 448).to(torch.float8_e4m3fn)
+    values.view(torch.uint8)[0, : min(K, 8)] = torch.tensor([0, 1, 7, 8, 0x80, 0x81, 0x7E, 0xFE])[: min(K, 8)].to(
+        torch.uint8
+    )  # zero, subnormals, the largest finite values, and their negatives
+    scales = torch.rand(N, -(-K // group), generator=g) * 0.01 + 1e-3
+    weight = cpu_step.KernelWeight(
+        "fp8", N, K, group, cpu_step.pack_fp8(values), cpu_step.group_table(scales * 256, N),
+        cpu_step.group_table(torch.zeros_like(scales), N),
+    )  # fmt: skip
+    assert torch.equal(cpu_step.unpack_fp8(weight.data, N, K).view(torch.uint8), values.view(torch.uint8))
+    col_group = torch.arange(K) // group
+    w64 = values.double() * scales.double()[:, col_group]  # torch's own e4m3 decoding is the oracle
+    for M in (1, 4, 64):
+        x = rows(M, K, M)
+        check(ext.linear(weight.handle(), x), x.double(), w64)
+
+
+def test_act_order_permutation_and_bias(family):
+    N, K, group = 40, 128, 32
+    codes, scales, zeros = quantized(N, K, 4, group, seed=9)
+    perm = torch.randperm(K, generator=torch.Generator().manual_seed(2))
+    bias = torch.randn(N)
+    weight = cpu_step.KernelWeight("i4", N, K, group, cpu_step.pack_codes(codes, 4), cpu_step.group_table(scales, N),
+                                   cpu_step.group_table(zeros, N), perm=perm, bias=bias)  # fmt: skip
+    x = rows(6, K)
+    # packed column j multiplies input column perm[j]
+    ref = x.double()[:, perm] @ dequantized(codes, scales, zeros, group).T + bias.double()
+    err = (ext.linear(weight.handle(), x).double() - ref).abs().max()
+    assert float(err) < 1e-4
+
+
+def test_bad_shapes_are_refused():
+    with pytest.raises(RuntimeError, match="quantized data"):
+        cpu_step.KernelWeight("i4", 16, 64, 32, torch.zeros(10, dtype=torch.uint8), torch.zeros(1, 2, 16),
+                              torch.zeros(1, 2, 16)).handle()  # fmt: skip
+    handle = cpu_step.dense_handle(torch.zeros(8, 16))
+    with pytest.raises(RuntimeError, match="1..64 rows"):
+        ext.linear(handle, torch.zeros(65, 16))
+    with pytest.raises(RuntimeError, match=r"x must be \[M, 16\]"):
+        ext.linear(handle, torch.zeros(2, 15))
