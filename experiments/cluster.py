@@ -30,7 +30,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from experiments.artifacts import Artifact, BuildError, ensure_built, is_built
 from experiments.bench import EVAL_THREADS, LOCKING, TIMED_THREADS, log
-from experiments.config import ExperimentConfig, Row, from_dict
+from experiments.config import ConfigError, ExperimentConfig, Row, from_dict
 from experiments.records import append_jsonl
 from experiments.report import render_table
 from experiments.rows import RowSkipped, RowUnavailable, is_timed, row_artifacts
@@ -76,10 +76,27 @@ def alive_nodes() -> list[dict]:
             "ip": n["NodeManagerAddress"],
             "cpus": int(n["Resources"].get("CPU", 0)),
             "gpus": int(n["Resources"].get("GPU", 0)),
+            "memory_gb": n["Resources"].get("memory", 0) / GiB,
         }
         for n in ray.nodes()
         if n["Alive"]
     ]
+
+
+def check_fits(cfg: ExperimentConfig, nodes: list[dict]) -> None:
+    """A task no node can hold would wait forever: say which setting to lower instead."""
+    r = cfg.ray
+    asks = {
+        "ray.cpus": (r.cpus, "cpus"),
+        "ray.gpus": (r.gpus, "gpus"),
+        "ray.memory_gb": (r.memory_gb, "memory_gb"),
+        "ray.build_cpus": (r.build_cpus, "cpus"),
+        "ray.build_memory_gb": (r.build_memory_gb, "memory_gb"),
+    }
+    for setting, (value, resource) in asks.items():
+        largest = max((n[resource] for n in nodes), default=0)
+        if value > largest:
+            raise ConfigError(f"{setting}: {value:g} is more than any node of the cluster has ({largest:.3g})")
 
 
 def whole_node_options(nodes: list[dict], needs_gpu: bool, index: int) -> dict:
@@ -219,6 +236,7 @@ class Sweep:
         self.cfg_data = dataclasses.asdict(cfg)
         self.sha = git_sha()
         self.nodes = alive_nodes()
+        check_fits(cfg, self.nodes)
         self.records: list[dict] = []
         self.pending: dict = {}  # ObjectRefGenerator -> Task
         self.builds: dict[str, Task] = {}  # artifact key -> its build

@@ -96,7 +96,7 @@ class RaySection:
 
     cpus: int = 1  # CPUs of an evaluation row, and its torch threads
     gpus: float = 0.0  # GPUs of an evaluation row
-    memory_gb: float = 2.0  # memory Ray reserves for a row (evaluation or timed)
+    memory_gb: float = 4.0  # memory Ray reserves for a row (SmolLM2 quantized rows scoring texts: ~4.3 GB)
     build_cpus: int = 1  # CPUs of an artifact build (a quantizer or head trainer's CLI)
     build_memory_gb: float = 3.0
 

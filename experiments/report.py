@@ -9,8 +9,9 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import FuncFormatter  # noqa: E402
 
-from experiments.config import ExperimentConfig, from_dict
+from experiments.config import ExperimentConfig, expand_grid, from_dict
 
 CLASS_COLORS = {"exact": "tab:green", "same math": "tab:blue", "same distribution": "tab:purple"}
 CLASS_COLORS["approximate"] = "tab:red"
@@ -242,7 +243,7 @@ def plot_table(cfg, rows: list[dict], path: Path, device: str = "") -> Path | No
         if r["weight_mb"]:
             ax3.annotate(f"{r['weight_mb']:.0f}", (r["weight_mb"], y), fontsize=7, xytext=(3, -3),
                          textcoords="offset points")  # fmt: skip
-    from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter
+    from matplotlib.ticker import FixedLocator, NullFormatter
 
     speeds = [r["speedup"] for r in done if r["speedup"]] + [1.0]
     ax1.set_xscale("log")
@@ -345,9 +346,10 @@ def suite_overall(res: dict) -> dict | None:
     return rows[0] if rows else None
 
 
-def grid_points(records: list[dict]) -> list[dict]:
-    """One dict per finished row: its grid labels, bytes per weight, perplexity per text, and for speculation
-    rows tokens per step and speedup over plain decoding."""
+def grid_points(records: list[dict], blocks: dict[str, str] | None = None) -> list[dict]:
+    """One dict per finished row: its grid labels and block (name template; blocks: row name -> template),
+    bytes per weight, perplexity per text, and for speculation rows tokens per step and speedup over plain
+    decoding."""
     out = []
     for r in records:
         if r["status"] != "ok":
@@ -361,6 +363,7 @@ def grid_points(records: list[dict]) -> list[dict]:
             {
                 "row": r["row"]["name"],
                 "grid": r["row"].get("grid") or {},
+                "block": (blocks or {}).get(r["row"]["name"], ""),
                 "bytes_per_weight": res.get("bytes_per_weight"),
                 "weight_mb": res["weight_bytes"] / 1e6 if "weight_bytes" in res else None,
                 "perplexity": ppl,
@@ -377,7 +380,9 @@ def render_grid(cfg, records: list[dict], out_dir: Path) -> list[Path]:
     against bytes per weight (one panel per text) and speedup against tokens per step, Pareto fronts marked."""
     if not cfg.grid:
         return []
-    points = grid_points(records)
+    order = {r.name: i for i, r in enumerate(cfg.rows)}
+    records = sorted(records, key=lambda r: order.get(r["row"]["name"], len(order)))  # the config's order
+    points = grid_points(records, {row.name: b.name for b in cfg.grid for row in expand_grid(b)})
     axes = list(dict.fromkeys(a for b in cfg.grid for a in b.axes))
     texts = list(cfg.evals.texts)
     quality = [p for p in points if p["bytes_per_weight"] is not None and p["perplexity"]]
@@ -434,8 +439,16 @@ def render_grid(cfg, records: list[dict], out_dir: Path) -> list[Path]:
 
 
 def colour_key(point: dict) -> str:
-    """What a point's colour says: its first grid label (e.g. the method), or "reference" outside the grid."""
-    return next(iter(point["grid"].values()), "reference") if point["grid"] else "reference"
+    """What a point's colour says: its grid block, named by its template's text before the first field ("RTN"
+    of "RTN{bits} g{group_size}"), or "reference" for a row outside the grid."""
+    block = point["block"]
+    return (block.split("{")[0].strip(" ,:") or block) if block else "reference"
+
+
+def plain_log_axis(axis) -> None:
+    """Log-scale ticks written as plain numbers (0.5, 20, 30), minor ones too where a decade has few majors."""
+    axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    axis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:g}" if str(f"{v:g}")[0] in "2358" else ""))
 
 
 def plot_front(ax, pts: list[dict], xy, maximize=(False, False)) -> None:
@@ -461,6 +474,8 @@ def plot_quality_vs_bytes(cfg, pts: list[dict], texts: list[str], path: Path) ->
         plot_front(ax, sel, lambda p, t=t: (p["bytes_per_weight"], p["perplexity"][t]))
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
+        plain_log_axis(ax.xaxis)
+        plain_log_axis(ax.yaxis)
         ax.set_xlabel("bytes per weight, decoder linears as stored (log2)")
         ax.set_ylabel(f"perplexity on {t} (log; lower is better)")
         ax.set_title(t, fontsize=10)

@@ -6,8 +6,11 @@ greedy match of free-running generation, lm-eval offline tasks (accuracy ± stde
 against the row's own baseline timed in the same run, interleaved. Sweep configs (``prompt_length``,
 ``concurrency``, ``spec_k``) measure curves. Every row appends one JSONL record (config, row, results,
 seed, git sha, versions, device, command) to ``results/<name>/records.jsonl``; the run then renders
-``table.md``, ``table.csv`` and PNG plots next to it. Timed sections hold /tmp/qspec-bench.lock and use
-torch's default thread count; evaluations run single-threaded so the shared machine stays usable.
+``table.md``, ``table.csv`` and PNG plots next to it (a config with a ``grid:`` also ``grid.md`` and Pareto
+plots). Timed sections hold /tmp/qspec-bench.lock and use torch's default thread count; evaluations run
+single-threaded so the shared machine stays usable. Rows run one after another in this process, or with
+``--ray [ADDRESS]`` as tasks on a Ray cluster (experiments/cluster.py); artifacts they need (quantized
+checkpoints, trained heads) are built once into ``--store`` (experiments/artifacts.py).
 """
 
 from __future__ import annotations
@@ -137,7 +140,11 @@ def main(argv: list[str] | None = None) -> None:
                 r.run_bench &= not args.no_bench
                 r.run_evals &= not args.no_evals
             if cluster:
-                records = cluster.run_table_ray(cfg, rows, records_path, base, store, args.ray)
+                try:
+                    records = cluster.run_table_ray(cfg, rows, records_path, base, store, args.ray)
+                except ConfigError as err:  # the cluster cannot hold what the config asks for
+                    print(f"error: {err}", file=sys.stderr)
+                    raise SystemExit(2) from None
             else:
                 ctx.store = store
                 records = run_table(cfg, ctx, rows, records_path, base)

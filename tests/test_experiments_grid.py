@@ -13,9 +13,13 @@ import pytest
 import yaml
 
 from experiments.artifacts import MARKER, BuildError, builds, ensure_built, model_files_hash
-from experiments.config import ConfigError, load_config
+from experiments.config import ConfigError, Row, load_config
+from experiments.records import read_jsonl
+from experiments.report import main as report_main
 from experiments.report import pareto_front
-from experiments.rows import RowSkipped, quantized_artifact
+from experiments.rows import RowSkipped, quantized_artifact, row_artifacts
+from runtime.loader import load_model
+from speculate.medusa.heads import load_medusa
 from tests.serve_helpers import save_tiny_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -151,3 +155,43 @@ def test_failed_build_leaves_nothing(tmp_path, tiny_model):
         ensure_built(artifact, tmp_path)
     assert [p.name for p in (tmp_path / "quantized").iterdir() if not p.name.endswith(".lock")] == []
     assert builds(tmp_path) == []
+
+
+GRID_RECORDS = ROOT / "notes" / "issue-31" / "quant_grid_small_records.jsonl"
+
+
+def test_grid_report_marks_the_pareto_front(tmp_path):
+    report_main([str(GRID_RECORDS), "--out", str(tmp_path)])
+    records = read_jsonl(GRID_RECORDS)
+    lines = {line.split(" | ")[0].removeprefix("| "): line for line in (tmp_path / "grid.md").read_text().splitlines()}
+    ok = [r for r in records if r["status"] == "ok"]
+    assert len([r for r in ok if r["row"]["grid"]]) >= 12
+    for text in ("wiki", "wiki-fr", "wiki-desc"):
+        size = {r["row"]["name"]: r["results"]["bytes_per_weight"] for r in ok}
+        ppl = {r["row"]["name"]: r["results"]["texts"][text]["test_perplexity"] for r in ok}
+        # oracle: a row is on the front unless another is no larger and no worse, and better in one
+        front = {
+            a for a in size
+            if not any(size[b] <= size[a] and ppl[b] <= ppl[a] and (size[b], ppl[b]) != (size[a], ppl[a]) for b in size)
+        }  # fmt: skip
+        for name in size:
+            assert (text in lines[name].rsplit(" | ", 1)[1]) == (name in front), (text, name)
+    for r in records:
+        if r["status"] == "skipped":
+            assert "| skipped: no checkpoint can hold this recipe" in lines[r["row"]["name"]]
+    assert (tmp_path / "quality_vs_bytes.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_draft_heads_are_an_artifact_of_their_recipe(tmp_path, tiny_model):
+    recipe = ["--data", "wiki", "--max-steps", "2", "--train-tokens", "20000", "--eval-windows", "2", "--seqlen", "64"]
+    row = Row("Medusa tree=4", "specbench", params={"method": "medusa:tree=4", "head_recipe": recipe})
+    (artifact,) = row_artifacts(str(tiny_model), row)
+    assert artifact.module == "speculate.medusa.train" and artifact.path(tmp_path).parent == tmp_path / "medusa"
+    path, built = ensure_built(artifact, tmp_path)
+    assert built and ensure_built(artifact, tmp_path) == (path, False)
+    model, _, _ = load_model(str(tiny_model))
+    assert load_medusa(path, model).config.num_heads == 3
+    other = Row("EAGLE", "specbench", params={"method": "eagle:tree=4", "head_recipe": recipe})
+    assert row_artifacts(str(tiny_model), other)[0].key() != artifact.key()
+    with pytest.raises(ValueError, match="'ngram' has no heads to train"):
+        row_artifacts(str(tiny_model), Row("n", "specbench", params={"method": "ngram", "head_recipe": []}))

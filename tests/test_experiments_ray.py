@@ -152,3 +152,10 @@ def test_two_rows_needing_one_checkpoint_build_it_once(tmp_path):
     again = read_jsonl(tmp_path / "serial" / "artifacts" / "records.jsonl")
     assert len(builds(store)) == 1 and again[0]["results"]["checkpoint"] == checkpoint
     assert again[0]["results"]["fidelity"] == res["fidelity"]
+
+
+def test_a_task_no_node_can_hold_is_an_error_not_a_hang(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main([str(TINY), "--results-dir", str(tmp_path), "--ray", "--set", "ray.memory_gb=100000"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "error: ray.memory_gb: 100000 is more than any node of the cluster has" in err
