@@ -252,7 +252,7 @@ class Sweep:
         for row in rows:
             try:
                 needs = row_artifacts(cfg.model.spec, row)
-            except (RowUnavailable, ValueError) as err:  # what the row itself would say, recorded without a task
+            except Exception as err:  # what the row itself would say (bad params, no checkpoint can hold it)
                 self.finish_row(Task(row.name, None, row=row), self.unrun(row, err))
                 continue
             task = Task(row.name, self.row_submitter(row, timed_index), row=row)
@@ -386,10 +386,11 @@ class Sweep:
 
     def unrun(self, row: Row, err: Exception) -> dict:
         """The record of a row that does not run: as run_row writes it for RowUnavailable, failed otherwise."""
-        status = "failed"
+        status, reason = "failed", crash_text(err)
         if isinstance(err, RowUnavailable):
             status = "skipped" if isinstance(err, RowSkipped) else "wired, not run"
-        record = {"row": dataclasses.asdict(row), "status": status, "results": {}, "reason": str(err)}
+            reason = str(err)
+        record = {"row": dataclasses.asdict(row), "status": status, "results": {}, "reason": reason}
         return {**record, **provenance(self.cfg.seed, self.base["command"])}
 
     def finish_row(self, task: Task, record: dict) -> None:

@@ -3,6 +3,7 @@ files, a lock between concurrent builders, nothing left behind by a failed build
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 import shutil
@@ -16,7 +17,7 @@ from experiments.artifacts import MARKER, BuildError, builds, ensure_built, mode
 from experiments.config import ConfigError, Row, load_config
 from experiments.records import read_jsonl
 from experiments.report import main as report_main
-from experiments.report import pareto_front
+from experiments.report import pareto_front, render_grid
 from experiments.rows import RowSkipped, quantized_artifact, row_artifacts
 from runtime.loader import load_model
 from speculate.medusa.heads import load_medusa
@@ -195,3 +196,28 @@ def test_draft_heads_are_an_artifact_of_their_recipe(tmp_path, tiny_model):
     assert row_artifacts(str(tiny_model), other)[0].key() != artifact.key()
     with pytest.raises(ValueError, match="'ngram' has no heads to train"):
         row_artifacts(str(tiny_model), Row("n", "specbench", params={"method": "ngram", "head_recipe": []}))
+
+
+def test_speculation_grid_report_marks_the_fastest_front(tmp_path):
+    cfg = load_config(ROOT / "configs" / "spec_grid.yaml")
+    rng = random.Random(1)
+    records = []
+    for row in cfg.rows:  # suite results as specbench rows record them, drawn at random
+        overall = {
+            "batch": row.params["batch_sizes"][0],
+            "category": "overall",
+            "method": row.params["method"],
+            "tokens_per_step": round(1 + 3 * rng.random(), 3),
+            "speedup_vs_plain": round(0.3 + rng.random(), 3),
+        }
+        res = {"weight_bytes": 538_000_000, "bytes_per_weight": 4.0, "suite": [overall]}
+        records.append({"row": dataclasses.asdict(row), "status": "ok", "results": res})
+    paths = render_grid(cfg, records, tmp_path)
+    assert [p.name for p in paths] == ["grid.md", "speedup_vs_acceptance.png"]
+    lines = {line.split(" | ")[0].removeprefix("| "): line for line in paths[0].read_text().splitlines()}
+    suites = {r["row"]["name"]: r["results"]["suite"][0] for r in records}
+    point = {name: (s["tokens_per_step"], s["speedup_vs_plain"]) for name, s in suites.items()}
+    for name, (x, y) in point.items():
+        beaten = any(a >= x and b >= y and (a, b) != (x, y) for a, b in point.values())
+        assert lines[name].endswith("| speedup |") == (not beaten), name
+        assert f"| {x:.2f} | {y:.2f}x |" in lines[name]
