@@ -35,6 +35,7 @@ from experiments.records import append_jsonl
 from experiments.report import render_table
 from experiments.rows import RowSkipped, RowUnavailable, is_timed, row_artifacts
 from experiments.table import Context, load_context, run_row
+from runtime.data import load_text
 from runtime.provenance import git_sha, provenance
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -298,6 +299,8 @@ class Sweep:
         task.started = None
 
     def run(self) -> list[dict]:
+        for text in self.cfg.evals.texts:  # generated texts (chat) once here, not once per worker (shared $QSPEC_HOME)
+            load_text(text, "eval")
         for task in self.builds.values():
             self.submit(task)
         for task in self.rows:

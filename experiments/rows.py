@@ -9,7 +9,6 @@ its speculator cannot be built) raises RowUnavailable; the runner records it as 
 from __future__ import annotations
 
 import copy
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -255,7 +254,7 @@ def quantized_artifact(spec: str, params: dict) -> Artifact:
 def checkpoint_refusal(spec: str, method: str, args: list[str]) -> str | None:
     """Why the quantizer's checkpoint format would refuse to save this recipe for this model, from config.json
     (quantize.formats.refusal on every targeted layer of a weightless model), before anything is built."""
-    config = ModelConfig.from_hf(json.loads((resolve(spec) / "config.json").read_text()))
+    config = ModelConfig.from_dir(resolve(spec))
     bits, group = int(option(args, "--bits", 4)), int(option(args, "--group-size", 64))
     fmt = option(args, "--format") or default_format(method, "--w8a8" in args, bits, "--sym" in args)
     with torch.device("meta"):

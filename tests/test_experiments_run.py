@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+import experiments
 from experiments.config import ConfigError, load_config
 from experiments.records import read_jsonl
 from experiments.run import check_claim, main
@@ -184,6 +185,7 @@ def test_sweeps_on_tiny_model(tmp_path, kind, values, series, png):
 
 def test_ray_flag_needs_ray_and_a_table_config(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "experiments.cluster", None)  # as if Ray were not installed
+    monkeypatch.delattr(experiments, "cluster", raising=False)  # (a test that ran a cluster imported it)
     with pytest.raises(SystemExit) as exit_:
         main([str(TINY), "--ray"])
     err = capsys.readouterr().err
