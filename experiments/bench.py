@@ -18,6 +18,7 @@ def log(msg: str) -> None:
 
 LOCKING = {"enabled": True}
 EVAL_THREADS = {"n": 1}  # threads outside timed sections (the runner sets it from evals.threads)
+TIMED_THREADS = {"n": DEFAULT_THREADS}  # threads inside them (a Ray worker: the CPUs of the node it holds)
 
 
 @contextlib.contextmanager
@@ -27,7 +28,7 @@ def bench_section():
         if LOCKING["enabled"]:
             log("waiting for the benchmark lock" if not try_lock(lock) else "benchmark lock taken")
             fcntl.flock(lock, fcntl.LOCK_EX)
-        torch.set_num_threads(DEFAULT_THREADS)
+        torch.set_num_threads(TIMED_THREADS["n"])
         try:
             yield
         finally:

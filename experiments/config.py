@@ -1,8 +1,16 @@
-"""Experiment configs: YAML -> dataclasses, where an unknown or mistyped key is an error naming its path."""
+"""Experiment configs: YAML -> dataclasses, where an unknown or mistyped key is an error naming its path.
+
+A ``grid:`` block expands into rows, one per point of the product of its axes (``axes: {bits: [3, 4]}``, or
+``{calib: {wiki: wiki, mixed: "wiki:0.5,wiki-es:0.25,wiki-fr:0.25"}}`` where the keys name the values), each
+named by its ``name`` template filled with the point's labels: a row keeps its name when other values join an
+axis, so records of earlier runs still line up.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import string
 import types
 import typing
 from dataclasses import dataclass, field
@@ -22,6 +30,7 @@ class ConfigError(ValueError):
 class ModelSection:
     spec: str = "smollm2-135m"  # registry name, checkpoint dir, .gguf; "tiny-random" = a tiny random model
     dtype: str = "fp32"
+    device: str = "cpu"  # where rows load the model: cpu, cuda (a GPU node: set ray.gpus too)
     tiny: dict = field(default_factory=dict)  # ModelConfig overrides for spec "tiny-random"
 
 
@@ -33,6 +42,11 @@ class EvalSection:
     greedy_prompt_tokens: int = 64
     greedy_tokens: int = 32
     tasks: list[str] = field(default_factory=lambda: ["qspec_wiki_topic", "qspec_wiki_title", "qspec_wiki_lastword"])
+    # perplexity and fidelity per text (runtime.data names: wiki, wiki-es, wiki-fr, wiki-desc, chat), eval split,
+    # teacher-forced against the reference on the same windows
+    texts: list[str] = field(default_factory=list)
+    text_windows: int = 8
+    text_seqlen: int = 512
     task_limit: int | None = 50  # documents per task
     task_docs: int = 500  # documents generated per offline task
     bootstrap_iters: int = 200
@@ -58,6 +72,33 @@ class Row:
     params: dict = field(default_factory=dict)
     run_evals: bool = True  # fidelity, perplexity, tasks
     run_bench: bool = True
+    grid: dict = field(default_factory=dict)  # a grid row's point: axis -> label (set by the expansion)
+
+
+@dataclass
+class GridBlock:
+    """Rows from the product of axes: each axis is a params field with a list of values, or a mapping
+    label -> value; the row name is ``name`` with every axis's label filled in (``"{method}{bits} g{group_size}"``)."""
+
+    name: str
+    kind: str
+    axes: dict
+    lossless_class: str = "approximate"
+    params: dict = field(default_factory=dict)  # the same in every row of the block
+    run_evals: bool = True
+    run_bench: bool = True
+
+
+@dataclass
+class RaySection:
+    """What each task asks of a Ray cluster (``experiments.run CONFIG --ray``). A timed row (run_bench, or a kind
+    that times itself) holds a whole node: every CPU and GPU of it, so nothing shares the cores it measures on."""
+
+    cpus: int = 1  # CPUs of an evaluation row, and its torch threads
+    gpus: float = 0.0  # GPUs of an evaluation row
+    memory_gb: float = 4.0  # memory Ray reserves for a row (SmolLM2 quantized rows scoring texts: ~4.3 GB)
+    build_cpus: int = 1  # CPUs of an artifact build (a quantizer or head trainer's CLI)
+    build_memory_gb: float = 3.0
 
 
 @dataclass
@@ -79,8 +120,10 @@ class ExperimentConfig:
     model: ModelSection = field(default_factory=ModelSection)
     evals: EvalSection = field(default_factory=EvalSection)
     bench: BenchSection = field(default_factory=BenchSection)
-    rows: list[Row] = field(default_factory=list)
+    rows: list[Row] = field(default_factory=list)  # a grid's rows follow the written ones (load_config expands)
+    grid: list[GridBlock] = field(default_factory=list)
     sweep: SweepSection = field(default_factory=SweepSection)
+    ray: RaySection = field(default_factory=RaySection)
     results_dir: str = "results"
     time_budget_minutes: float | None = None  # the stated bound; the runner reports the measured wall time
 
@@ -95,6 +138,8 @@ class ExperimentConfig:
             if r.lossless_class not in LOSSLESS_CLASSES:
                 allowed = list(LOSSLESS_CLASSES)
                 raise ConfigError(f"rows[{r.name}].lossless_class: {r.lossless_class!r} not in {allowed}")
+        if self.ray.cpus < 1 or self.ray.build_cpus < 1 or self.ray.gpus < 0:
+            raise ConfigError("ray: cpus and build_cpus must be >= 1, gpus >= 0")
         if self.evals.threads < 0:
             raise ConfigError(f"evals.threads: {self.evals.threads} must be >= 0 (0 = every core)")
         if self.kind == "table" and not self.rows:
@@ -181,4 +226,52 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Experim
         raise ConfigError(f"{path}: not valid YAML: {err}") from err
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping")
-    return from_dict(ExperimentConfig, apply_overrides(data, overrides or []))
+    data = apply_overrides(data, overrides or [])
+    if data.get("grid") is not None:
+        if not isinstance(data["grid"], list):
+            raise ConfigError(f"grid: expected a list of blocks, got {type(data['grid']).__name__}")
+        blocks = [_check(b, GridBlock, f"grid[{i}]") for i, b in enumerate(data["grid"])]
+        data["rows"] = list(data.get("rows") or []) + [
+            dataclasses.asdict(r) for i, b in enumerate(blocks) for r in expand_grid(b, f"grid[{i}]")
+        ]
+    return from_dict(ExperimentConfig, data)
+
+
+def expand_grid(block: GridBlock, where: str = "grid") -> list[Row]:
+    """The block's rows, one per point of the product of its axes in the order written (last axis fastest)."""
+    axes: list[tuple[str, list[tuple[str, object]]]] = []
+    for axis, values in block.axes.items():
+        if isinstance(values, dict):
+            points = [(str(label), value) for label, value in values.items()]
+        elif isinstance(values, list):
+            points = [(str(value), value) for value in values]
+        else:
+            raise ConfigError(f"{where}.axes.{axis}: expected a list or a mapping label -> value")
+        if not points:
+            raise ConfigError(f"{where}.axes.{axis}: no values")
+        if axis in block.params:
+            raise ConfigError(f"{where}.axes.{axis}: also fixed in {where}.params")
+        axes.append((axis, points))
+    named = {f for _, f, _, _ in string.Formatter().parse(block.name) if f is not None}
+    unknown = sorted(named - block.axes.keys())
+    if unknown:
+        raise ConfigError(f"{where}.name: {block.name!r} names {unknown}, which are not axes {sorted(block.axes)}")
+    unnamed = [axis for axis, points in axes if len(points) > 1 and axis not in named]
+    if unnamed:
+        raise ConfigError(f"{where}.name: {block.name!r} leaves out axes {unnamed}: their rows would share a name")
+    rows = []
+    for point in itertools.product(*(points for _, points in axes)):
+        labels = {axis: label for (axis, _), (label, _) in zip(axes, point)}
+        values = {axis: value for (axis, _), (_, value) in zip(axes, point)}
+        rows.append(
+            Row(
+                name=block.name.format(**labels),
+                kind=block.kind,
+                lossless_class=block.lossless_class,
+                params={**block.params, **values},
+                run_evals=block.run_evals,
+                run_bench=block.run_bench,
+                grid=labels,
+            )
+        )
+    return rows

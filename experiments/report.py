@@ -9,8 +9,9 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import FuncFormatter  # noqa: E402
 
-from experiments.config import ExperimentConfig, from_dict
+from experiments.config import ExperimentConfig, expand_grid, from_dict
 
 CLASS_COLORS = {"exact": "tab:green", "same math": "tab:blue", "same distribution": "tab:purple"}
 CLASS_COLORS["approximate"] = "tab:red"
@@ -242,7 +243,7 @@ def plot_table(cfg, rows: list[dict], path: Path, device: str = "") -> Path | No
         if r["weight_mb"]:
             ax3.annotate(f"{r['weight_mb']:.0f}", (r["weight_mb"], y), fontsize=7, xytext=(3, -3),
                          textcoords="offset points")  # fmt: skip
-    from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter
+    from matplotlib.ticker import FixedLocator, NullFormatter
 
     speeds = [r["speedup"] for r in done if r["speedup"]] + [1.0]
     ax1.set_xscale("log")
@@ -320,8 +321,190 @@ def main(argv: list[str] | None = None) -> None:
     cfg = from_dict(ExperimentConfig, records[-1]["config"])
     out = Path(args.out) if args.out else path.parent
     out.mkdir(parents=True, exist_ok=True)
-    for p in render_table(cfg, list(latest.values()), out):
+    for p in render_table(cfg, list(latest.values()), out) + render_grid(cfg, list(latest.values()), out):
         print(p)
+
+
+# ---- grids ---------------------------------------------------------------------------------------------
+
+
+def pareto_front(points: list[tuple[float, float]], maximize: tuple[bool, bool] = (False, False)) -> list[int]:
+    """Indices of the points no other point beats on both axes (each axis minimised, or maximised where
+    ``maximize`` says so), in increasing x."""
+    signed = [(x if not maximize[0] else -x, y if not maximize[1] else -y) for x, y in points]
+    front, best = [], float("inf")
+    for i in sorted(range(len(signed)), key=lambda i: signed[i]):
+        if signed[i][1] < best:
+            front.append(i)
+            best = signed[i][1]
+    return sorted(front, key=lambda i: points[i][0])
+
+
+def suite_overall(res: dict) -> dict | None:
+    """The specbench suite's overall row of a record (one batch size per grid row: the first)."""
+    rows = [r for r in res.get("suite") or [] if r.get("category") == "overall"]
+    return rows[0] if rows else None
+
+
+def grid_points(records: list[dict], blocks: dict[str, str] | None = None) -> list[dict]:
+    """One dict per finished row: its grid labels and block (name template; blocks: row name -> template),
+    bytes per weight, perplexity per text, and for speculation rows tokens per step and speedup over plain
+    decoding."""
+    out = []
+    for r in records:
+        if r["status"] != "ok":
+            continue
+        res = r["results"]
+        ppl = {t: v["test_perplexity"] for t, v in (res.get("texts") or {}).items()}
+        ref = {t: v["ref_perplexity"] for t, v in (res.get("texts") or {}).items()}
+        overall = suite_overall(res)
+        spec = res.get("speculation_timed") or res.get("speculation") or {}
+        out.append(
+            {
+                "row": r["row"]["name"],
+                "grid": r["row"].get("grid") or {},
+                "block": (blocks or {}).get(r["row"]["name"], ""),
+                "bytes_per_weight": res.get("bytes_per_weight"),
+                "weight_mb": res["weight_bytes"] / 1e6 if "weight_bytes" in res else None,
+                "perplexity": ppl,
+                "ref_perplexity": ref,
+                "tokens_per_step": overall.get("tokens_per_step") if overall else spec.get("mean_accepted_per_step"),
+                "speedup": overall.get("speedup_vs_plain") if overall else (res.get("speed") or {}).get("speedup"),
+            }
+        )
+    return out
+
+
+def render_grid(cfg, records: list[dict], out_dir: Path) -> list[Path]:
+    """A grid config's table (its axes as columns, perplexity per text, Pareto membership) and plots: perplexity
+    against bytes per weight (one panel per text) and speedup against tokens per step, Pareto fronts marked."""
+    if not cfg.grid:
+        return []
+    order = {r.name: i for i, r in enumerate(cfg.rows)}
+    records = sorted(records, key=lambda r: order.get(r["row"]["name"], len(order)))  # the config's order
+    points = grid_points(records, {row.name: b.name for b in cfg.grid for row in expand_grid(b)})
+    axes = list(dict.fromkeys(a for b in cfg.grid for a in b.axes))
+    texts = list(cfg.evals.texts)
+    quality = [p for p in points if p["bytes_per_weight"] is not None and p["perplexity"]]
+    speed = [p for p in points if p["tokens_per_step"] is not None and p["speedup"] is not None]
+    on_front: dict[str, list[str]] = {}
+    for t in texts:
+        pts = [p for p in quality if t in p["perplexity"]]
+        for i in pareto_front([(p["bytes_per_weight"], p["perplexity"][t]) for p in pts]):
+            on_front.setdefault(pts[i]["row"], []).append(t)
+    for i in pareto_front([(p["tokens_per_step"], p["speedup"]) for p in speed], maximize=(True, True)):
+        on_front.setdefault(speed[i]["row"], []).append("speedup")
+    head = ["row", *axes, "status", "bytes / weight", *[f"ppl {t} (Δ)" for t in texts]]
+    if speed:
+        head += ["tokens / step", "speedup"]
+    head.append("Pareto front")
+    lines = [
+        f"# {cfg.name}: the grid",
+        "",
+        cfg.description.strip(),
+        "",
+        "Bytes / weight: the decoder linears as stored (codes, scales, zeros). Perplexity: teacher-forced on "
+        f"{cfg.evals.text_windows} eval-split windows x {cfg.evals.text_seqlen} tokens of each text; Δ against the "
+        "unquantized reference on the same windows. Pareto front: no other row is smaller and better on that text "
+        "(speed rows: more tokens per step and faster).",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * (len(axes) + 2) + "---:|" * (len(head) - len(axes) - 3) + "---|",
+    ]
+    by_row = {p["row"]: p for p in points}
+    for r in records:
+        name, grid = r["row"]["name"], r["row"].get("grid") or {}
+        cells = [name, *[str(grid.get(a, "")) for a in axes]]
+        p = by_row.get(name)
+        if p is None:
+            cells.append(f"{r['status']}: {r.get('reason', '')}")
+            cells += ["—"] * (len(head) - len(cells) - 1) + [""]
+        else:
+            cells += ["ok", fmt(p["bytes_per_weight"], ".3f")]
+            for t in texts:
+                v, ref = p["perplexity"].get(t), p["ref_perplexity"].get(t)
+                cells.append("—" if v is None else f"{v:.3f} ({v - ref:+.3f})")
+            if speed:
+                cells += [fmt(p["tokens_per_step"], ".2f"), "—" if p["speedup"] is None else f"{p['speedup']:.2f}x"]
+            cells.append(", ".join(on_front.get(name, [])))
+        lines.append("| " + " | ".join(cells) + " |")
+    md = out_dir / "grid.md"
+    md.write_text("\n".join(lines) + "\n")
+    paths = [md]
+    if quality and texts:
+        paths.append(plot_quality_vs_bytes(cfg, quality, texts, out_dir / "quality_vs_bytes.png"))
+    if speed:
+        paths.append(plot_speedup_vs_acceptance(cfg, speed, out_dir / "speedup_vs_acceptance.png"))
+    return paths
+
+
+def colour_key(point: dict) -> str:
+    """What a point's colour says: its grid block, named by its template's text before the first field ("RTN"
+    of "RTN{bits} g{group_size}"), or "reference" for a row outside the grid."""
+    block = point["block"]
+    return (block.split("{")[0].strip(" ,:") or block) if block else "reference"
+
+
+def plain_log_axis(axis) -> None:
+    """Log-scale ticks written as plain numbers (0.5, 20, 30), minor ones too where a decade has few majors."""
+    axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    axis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:g}" if str(f"{v:g}")[0] in "2358" else ""))
+
+
+def plot_front(ax, pts: list[dict], xy, maximize=(False, False)) -> None:
+    """Points coloured by colour_key, the Pareto front as a dashed step line with its points circled and named."""
+    keys = list(dict.fromkeys(colour_key(p) for p in pts))
+    for k, key in enumerate(keys):
+        sel = [p for p in pts if colour_key(p) == key]
+        marker = "D" if key == "reference" else "o"
+        color = "black" if key == "reference" else f"C{k}"
+        ax.scatter([xy(p)[0] for p in sel], [xy(p)[1] for p in sel], s=28, marker=marker, color=color, label=key)
+    front = [pts[i] for i in pareto_front([xy(p) for p in pts], maximize)]
+    fx, fy = [xy(p)[0] for p in front], [xy(p)[1] for p in front]
+    ax.step(fx, fy, where="post", ls="--", color="gray", lw=1, label="Pareto front")
+    ax.scatter(fx, fy, s=110, facecolors="none", edgecolors="black", lw=1.2, zorder=3)
+    for p, x, y in zip(front, fx, fy):
+        ax.annotate(p["row"], (x, y), fontsize=7, xytext=(5, 4), textcoords="offset points")
+
+
+def plot_quality_vs_bytes(cfg, pts: list[dict], texts: list[str], path: Path) -> Path:
+    fig, axes = plt.subplots(1, len(texts), figsize=(4.6 * len(texts) + 0.6, 4.6), squeeze=False)
+    for ax, t in zip(axes[0], texts):
+        sel = [p for p in pts if t in p["perplexity"]]
+        plot_front(ax, sel, lambda p, t=t: (p["bytes_per_weight"], p["perplexity"][t]))
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        plain_log_axis(ax.xaxis)
+        plain_log_axis(ax.yaxis)
+        ax.set_xlabel("bytes per weight, decoder linears as stored (log2)")
+        ax.set_ylabel(f"perplexity on {t} (log; lower is better)")
+        ax.set_title(t, fontsize=10)
+        ax.grid(alpha=0.3, which="both")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(
+        f"{cfg.name}: quality against size, {cfg.model.spec}; {cfg.evals.text_windows} x {cfg.evals.text_seqlen} "
+        "tokens per text, teacher-forced; circled: the Pareto front",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_speedup_vs_acceptance(cfg, pts: list[dict], path: Path) -> Path:
+    fig, ax = plt.subplots(figsize=(7.5, 5))
+    plot_front(ax, pts, lambda p: (p["tokens_per_step"], p["speedup"]), maximize=(True, True))
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_xlabel("tokens per target step (1 + accepted drafts per step)")
+    ax.set_ylabel("speedup over plain decoding (x, same run)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    ax.set_title(f"{cfg.name}: speedup against acceptance, {cfg.model.spec}; circled: the Pareto front", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 # ---- sweeps -------------------------------------------------------------------------------------------

@@ -9,10 +9,6 @@ its speculator cannot be built) raises RowUnavailable; the runner records it as 
 from __future__ import annotations
 
 import copy
-import hashlib
-import json
-import subprocess
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,15 +18,18 @@ import torch
 from evals.fidelity import Scorer, batched_scorer, cached_scorer, greedy_outputs, model_scorer
 from evals.naive_attention import naive_attention
 from evals.specbench import build_method, parse_method, run_suite
+from experiments.artifacts import Artifact, BuildError, ensure_built
+from quantize.config import QuantConfig
+from quantize.formats import default_format, refusal
 from quantize.fp8 import float_config
 from quantize.fp8 import quantize_model as float_quantize_model
 from quantize.fplinear import FPLinear
 from quantize.qlinear import QuantLinear
-from runtime.config import DTYPES
+from runtime.config import DTYPES, ModelConfig
 from runtime.decoding import generate
 from runtime.engine import EngineConfig, LLMEngine
-from runtime.loader import is_checkpoint_dir, load_model
-from runtime.paths import qspec_home
+from runtime.loader import load_model, resolve
+from runtime.model import Transformer
 from runtime.prompts import build_suite, encode_messages
 from runtime.sampling import SamplingParams
 from speculate.base import SpeculatorError
@@ -41,6 +40,18 @@ from speculate.training import head_dir
 
 class RowUnavailable(RuntimeError):
     """The row cannot run here (its quantizer failed, its speculator cannot be built); recorded, not fatal."""
+
+
+class RowSkipped(RowUnavailable):
+    """The row's recipe cannot exist for this model (a checkpoint format refuses it); recorded as skipped."""
+
+
+SELF_TIMED_KINDS = ("specbench",)  # rows that time themselves while they are built (run_bench off)
+
+
+def is_timed(row) -> bool:
+    """Whether the row measures wall time (then on a cluster it holds a whole node)."""
+    return row.run_bench or row.kind in SELF_TIMED_KINDS
 
 
 @dataclass
@@ -71,6 +82,23 @@ def weight_bytes(model) -> int:
                 seen.add(id(p))
                 total += p.numel() * p.element_size()
     return total
+
+
+def linear_bytes_per_weight(model) -> float:
+    """Bytes per weight of the decoder layers' linears as stored (codes, scales and zeros of a quantized layer;
+    the dtype's size of a float one): what a recipe costs per weight, embeddings and norms aside."""
+    stored = weights = 0
+    for module in model.layers.modules():
+        if isinstance(module, QuantLinear):
+            stored += module.qweight().weight_bytes()
+        elif isinstance(module, FPLinear):
+            stored += module.weight_bytes()
+        elif isinstance(module, torch.nn.Linear):
+            stored += module.weight.numel() * module.weight.element_size()
+        else:
+            continue
+        weights += module.in_features * module.out_features
+    return stored / weights
 
 
 def plain_generate(model, batch: int = 1, use_cache: bool = True):
@@ -190,50 +218,87 @@ QUANT_MODULES = {
     "fp8": "quantize.fp8",  # calibrated FP8 (--gptq) is built once and cached like the int checkpoints
 }
 INT_GRID_METHODS = ("rtn", "gptq", "awq")  # the methods that take --bits and --group-size
+CALIBRATED_METHODS = ("gptq", "awq", "int8", "fp8")  # the quantizers that take --calib
 
 
-def quantized_checkpoint(ctx, params: dict) -> tuple[Path, list[str]]:
-    """The cached checkpoint for these settings under $QSPEC_HOME/quantized (built once by the quantizer's
-    own CLI; every later run reuses it)."""
+def option(args: list[str], flag: str, default=None):
+    """The value after ``flag`` in a CLI argument list (default when absent)."""
+    return args[args.index(flag) + 1] if flag in args[:-1] else default
 
+
+def quantized_artifact(spec: str, params: dict) -> Artifact:
+    """The checkpoint of a quantized row's recipe: built once by the quantizer's own CLI into the store,
+    reused by every row and run with the same recipe and input model. Raises RowSkipped for a recipe the
+    checkpoint formats refuse for this model (group 128 on SmolLM2's 576-wide layers)."""
     method = params.get("method")
     if method not in QUANT_MODULES:
         raise ValueError(f"rows.params.method: {method!r} not in {sorted(QUANT_MODULES)}")
-    args = ["--model", ctx.cfg.model.spec]
+    if spec == "tiny-random":
+        raise RowUnavailable("quantized rows run the quantizer's CLI on a model spec; tiny-random has no files")
+    args = []
     if method in INT_GRID_METHODS:
         args += ["--bits", str(params.get("bits", 4)), "--group-size", str(params.get("group_size", 64))]
+    if "calib" in params:
+        if method not in CALIBRATED_METHODS:
+            raise ValueError(f"rows.params.calib: {method} takes no calibration data")
+        args += ["--calib", str(params["calib"])]
     args += [str(a) for a in params.get("args", [])]
-    key = hashlib.sha256(json.dumps([method, args]).encode()).hexdigest()[:10]
-    out = qspec_home() / "quantized" / f"{ctx.cfg.model.spec.replace('/', '_')}-{method}-{key}"
-    command = [sys.executable, "-m", QUANT_MODULES[method], *args, "--out", str(out)]
-    return out, command
+    if method in INT_GRID_METHODS:
+        why = checkpoint_refusal(spec, method, args)
+        if why:
+            raise RowSkipped(f"no checkpoint can hold this recipe: {why}")
+    label = f"{Path(spec).name.removesuffix('.gguf')}-{method}"
+    return Artifact("quantized", QUANT_MODULES[method], tuple(args), spec, label)
+
+
+def checkpoint_refusal(spec: str, method: str, args: list[str]) -> str | None:
+    """Why the quantizer's checkpoint format would refuse to save this recipe for this model, from config.json
+    (quantize.formats.refusal on every targeted layer of a weightless model), before anything is built."""
+    config = ModelConfig.from_dir(resolve(spec))
+    bits, group = int(option(args, "--bits", 4)), int(option(args, "--group-size", 64))
+    fmt = option(args, "--format") or default_format(method, "--w8a8" in args, bits, "--sym" in args)
+    with torch.device("meta"):
+        model = Transformer(config)
+    names = QuantConfig(bits=bits, group_size=group).target_names(model)
+    widths = [model.get_submodule(n).in_features for n in names]
+    for name in names:
+        layer = model.get_submodule(name)
+        g = layer.in_features if group == -1 else min(group, layer.in_features)
+        why = refusal(fmt, name, layer.in_features, layer.out_features, bits, g, widths=widths)
+        if why:
+            return why
+    return None
+
+
+def built(ctx, artifact: Artifact) -> Path:
+    """The artifact's directory in the run's store, built now if no run built it before."""
+    try:
+        return ensure_built(artifact, ctx.store)[0]
+    except BuildError as err:
+        raise RowUnavailable(str(err)) from err
 
 
 def quantized_row(ctx, params: dict) -> Variant:
 
-    out, command = quantized_checkpoint(ctx, params)
-    if not is_checkpoint_dir(out):
-        print(f"[qspec] building {out.name}: {' '.join(command[1:])}", file=sys.stderr, flush=True)
-        done = subprocess.run(command, stdout=sys.stderr)
-        if done.returncode != 0 or not is_checkpoint_dir(out):
-            raise RowUnavailable(f"quantizer failed (exit {done.returncode}): {' '.join(command[1:])}")
-
+    artifact = quantized_artifact(ctx.cfg.model.spec, params)
+    out = built(ctx, artifact)
+    device = ctx.cfg.model.device
     # quality columns: the exact fp32 reference math on weights dequantized once (the `dense` path), so they
     # measure the quantization alone and score tasks at fp32 speed
-    m, _, _ = load_model(str(out), dtype=torch.float32)
+    m, _, _ = load_model(str(out), dtype=torch.float32, device=device)
     for layer in m.modules():
         if isinstance(layer, (QuantLinear, FPLinear)):
             layer.set_path("dense")
     # speed column: what a user runs, the fast int kernels with bf16 activations, against the same model
     # unquantized in bf16 (mixed), so the ratio is the quantization's own speedup
-    fast, _, _ = load_model(str(out), dtype=torch.bfloat16)
+    fast, _, _ = load_model(str(out), dtype=torch.bfloat16, device=device)
     for layer in fast.modules():
         if isinstance(layer, QuantLinear):
             layer.set_path(layer.auto_path(layer.scales.device), pin=False)
         elif isinstance(layer, FPLinear):
             layer.auto = True  # scaled_mm on an FP8 GPU, else dequantize each forward
     bf16_base = copy.deepcopy(ctx.model).set_dtype(torch.bfloat16, mixed=True)
-    variant = model_variant(ctx, m, checkpoint=str(out), build_command=" ".join(command[1:]))
+    variant = model_variant(ctx, m, checkpoint=str(out), build_command=" ".join(artifact.command(out)[1:]))
     variant.timed = plain_generate(fast)
     variant.baseline_timed = plain_generate(bf16_base)
     variant.baseline_name = "the unquantized model in bf16 (mixed); both sides bf16 activations, batch 1"
@@ -426,6 +491,9 @@ def specbench_row(ctx, params: dict) -> Variant:
     if ctx.tokenizer is None:
         raise RowUnavailable("the suite is chat-templated text: this model has no tokenizer")
     heads = {kind: head_dir(kind, ctx.path) for kind in ("medusa", "eagle")}
+    if "head_recipe" in params:  # heads trained once into the store by this recipe, not the default ones
+        artifact = head_artifact(ctx.cfg.model.spec, params)
+        heads[artifact.kind] = built(ctx, artifact)
     try:
         spec = build_method(*parse_method(method), m, heads, smoke=False)
     except (SpeculatorError, ValueError) as err:
@@ -465,6 +533,30 @@ def specbench_row(ctx, params: dict) -> Variant:
             "suite_not_identical": result["not_identical"],
         },
     )
+
+
+def head_artifact(spec: str, params: dict) -> Artifact:
+    """Draft heads trained by ``speculate.<medusa|eagle>.train`` with the row's ``head_recipe`` (its CLI
+    arguments), once per recipe and input model."""
+    try:
+        kind = parse_method(params.get("method", ""))[0]
+    except ValueError as err:
+        raise ValueError(f"rows.params.method: {err}") from err
+    if kind not in ("medusa", "eagle"):
+        raise ValueError(f"rows.params.head_recipe: {kind!r} has no heads to train (medusa and eagle do)")
+    recipe = params["head_recipe"]
+    if not isinstance(recipe, list):
+        raise ValueError(f"rows.params.head_recipe: a list of the trainer's arguments, got {recipe!r}")
+    return Artifact(kind, f"speculate.{kind}.train", tuple(str(a) for a in recipe), spec, Path(spec).name)
+
+
+def row_artifacts(spec: str, row) -> list[Artifact]:
+    """What a row needs built before it runs: a cluster sweep builds each artifact once, ahead of its rows."""
+    if row.kind == "quantized":
+        return [quantized_artifact(spec, row.params)]
+    if row.kind == "specbench" and "head_recipe" in row.params:
+        return [head_artifact(spec, row.params)]
+    return []
 
 
 ROWS: dict[str, Callable] = {

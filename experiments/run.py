@@ -6,204 +6,36 @@ greedy match of free-running generation, lm-eval offline tasks (accuracy ± stde
 against the row's own baseline timed in the same run, interleaved. Sweep configs (``prompt_length``,
 ``concurrency``, ``spec_k``) measure curves. Every row appends one JSONL record (config, row, results,
 seed, git sha, versions, device, command) to ``results/<name>/records.jsonl``; the run then renders
-``table.md``, ``table.csv`` and PNG plots next to it. Timed sections hold /tmp/qspec-bench.lock and use
-torch's default thread count; evaluations run single-threaded so the shared machine stays usable.
+``table.md``, ``table.csv`` and PNG plots next to it (a config with a ``grid:`` also ``grid.md`` and Pareto
+plots). Timed sections hold /tmp/qspec-bench.lock and use torch's default thread count; evaluations run
+single-threaded so the shared machine stays usable. Rows run one after another in this process, or with
+``--ray [ADDRESS]`` as tasks on a Ray cluster (experiments/cluster.py); artifacts they need (quantized
+checkpoints, trained heads) are built once into ``--store`` (experiments/artifacts.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import statistics
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from evals.fidelity import FidelityAccumulator, compare_teacher_forced, model_scorer, token_match
-from evals.tasks import run_tasks
 from experiments import report, sweeps
-from experiments.bench import DEFAULT_THREADS, EVAL_THREADS, LOCKING, bench_section, log
+from experiments.bench import DEFAULT_THREADS, EVAL_THREADS, LOCKING, log
 from experiments.config import ConfigError, ExperimentConfig, Row, load_config
 from experiments.records import append_jsonl
-from experiments.rows import ROWS, RowUnavailable, Variant, plain_generate, weight_bytes
+from experiments.rows import ROWS
+from experiments.table import Context, check_claim, load_context, run_row
 from runtime.cliutil import ArgumentParser, interrupted, run
-from runtime.config import DTYPES, ModelConfig
-from runtime.data import token_windows, wiki_split, wiki_text
-from runtime.loader import ModelSpecError, check_model_spec, load_model, load_tokenizer
-from runtime.model import random_model
+from runtime.data import TEXTS
+from runtime.loader import ModelSpecError, check_model_spec
+from runtime.paths import qspec_home
 from runtime.provenance import module_command, provenance
 
-
-@dataclass
-class Context:
-    cfg: ExperimentConfig
-    model: object
-    tokenizer: object | None
-    path: Path | None
-    fidelity_seqs: list[list[int]]
-    greedy_prompts: list[list[int]]
-    bench_prompts: list[list[int]]
-    cache: dict = field(default_factory=dict)  # lazily computed reference results
-    spec_stats: dict | None = None
-
-    def ref_greedy(self) -> list[list[int]]:
-        if "greedy" not in self.cache:
-            self.cache["greedy"] = plain_generate(self.model)(self.greedy_prompts, self.cfg.evals.greedy_tokens)
-        return self.cache["greedy"]
-
-
-def load_context(cfg: ExperimentConfig) -> Context:
-    torch.manual_seed(cfg.seed)
-    if cfg.model.spec == "tiny-random":
-        try:
-            mcfg = ModelConfig(**cfg.model.tiny)
-        except TypeError as err:
-            raise ConfigError(f"model.tiny: {err}") from err
-        model, tokenizer, path = random_model(mcfg, seed=cfg.seed), None, None
-        gen = torch.Generator().manual_seed(cfg.seed)
-
-        def windows(n, length):
-            return torch.randint(2, mcfg.vocab_size, (n, length), generator=gen).tolist()
-
-        ev, bench = cfg.evals, cfg.bench
-        fidelity = windows(ev.fidelity_sequences, ev.fidelity_seqlen)
-        greedy = [
-            w[: max(2, ev.greedy_prompt_tokens - 3 * i)]
-            for i, w in enumerate(windows(ev.greedy_prompts, ev.greedy_prompt_tokens))
-        ]
-        prompts = windows(max(bench.prompts, 16), bench.prompt_tokens)
-        return Context(cfg, model, tokenizer, path, fidelity, greedy, prompts)
-
-    if cfg.kind == "concurrency" and cfg.sweep.series and all(s.get("url") for s in cfg.sweep.series):
-        # every series is an external server: the spec only supplies the tokenizer that builds the prompts
-        return Context(cfg, None, load_tokenizer(cfg.model.spec), None, [], [], [])
-    if cfg.model.dtype not in DTYPES:
-        raise ConfigError(f"model.dtype: {cfg.model.dtype!r} not in {sorted(DTYPES)}")
-    model, _, path = load_model(cfg.model.spec, DTYPES[cfg.model.dtype])
-    tokenizer = load_tokenizer(str(path))
-    ev, bench = cfg.evals, cfg.bench
-    text = wiki_text("eval")
-    fidelity = token_windows(tokenizer, text, ev.fidelity_seqlen, ev.fidelity_sequences)
-    # greedy prompts: openings of eval documents (natural, varied lengths); bench prompts: later windows
-    docs = wiki_split("eval")[1000 : 1000 + ev.greedy_prompts]
-    greedy = [tokenizer(d.extract, add_special_tokens=False).input_ids[: ev.greedy_prompt_tokens] for d in docs]
-    n_bench = max(bench.prompts, 16)
-    later = token_windows(tokenizer, text, bench.prompt_tokens, n_bench + 200)[-n_bench:]
-    return Context(cfg, model, tokenizer, path, fidelity, greedy, later)
-
-
-def engine_fidelity(ctx: Context, variant: Variant) -> tuple[dict, list[list[int]]]:
-    """Teacher-forced stats along the engine's own greedy outputs: its sampled-from logits vs the reference
-    forward over prompt + output."""
-    outputs, logits = variant.engine_logits(ctx.greedy_prompts, ctx.cfg.evals.greedy_tokens)
-    acc = FidelityAccumulator()
-    with torch.inference_mode():
-        for prompt, out, test in zip(ctx.greedy_prompts, outputs, logits):
-            seq = torch.tensor([prompt + out[:-1]])
-            ref = ctx.model(seq)[0, len(prompt) - 1 :]
-            acc.add(ref, test[: ref.shape[0]], torch.tensor(out[: ref.shape[0]]))
-    return acc.result().to_dict(), outputs
-
-
-def time_pair(ctx: Context, variant: Variant) -> dict:
-    """Median wall time of baseline and variant over the bench prompts, alternating order each repeat."""
-    b = ctx.cfg.bench
-    prompts = ctx.bench_prompts[: max(b.prompts, variant.bench_batch)]
-    base = variant.baseline_timed or plain_generate(ctx.model)
-    times: dict[str, list[float]] = {"baseline": [], "variant": []}
-    with bench_section():
-        for _ in range(b.warmup):
-            base(prompts[: variant.bench_batch], 2)
-            variant.timed(prompts[: variant.bench_batch], 2)
-        for r in range(b.repeats):
-            order = [("baseline", base), ("variant", variant.timed)]
-            for name, fn in order if r % 2 == 0 else order[::-1]:
-                t0 = time.perf_counter()
-                fn(prompts, b.new_tokens)
-                times[name].append(time.perf_counter() - t0)
-    tokens = len(prompts) * b.new_tokens
-    base_s, var_s = statistics.median(times["baseline"]), statistics.median(times["variant"])
-    return {
-        "baseline": variant.baseline_name,
-        "baseline_s": base_s,
-        "variant_s": var_s,
-        "speedup": base_s / var_s,
-        "baseline_tokens_per_s": tokens / base_s,
-        "variant_tokens_per_s": tokens / var_s,
-        "prompts": len(prompts),
-        "prompt_tokens": b.prompt_tokens,
-        "new_tokens": b.new_tokens,
-        "repeats": b.repeats,
-        "times_s": times,
-        "threads": DEFAULT_THREADS,
-    }
-
-
-def check_claim(claim: str, fid: dict | None, greedy: dict | None) -> str:
-    """Whether the measurements are consistent with the claimed lossless class (a claim that fails shows)."""
-    if fid is None or greedy is None:
-        return "not measured"
-    ident, match = fid["bit_identical"], greedy["match_rate"]
-    if claim == "exact":
-        return "verified: bit-identical logits" if ident and match == 1 else "REFUTED: logits differ"
-    if claim == "same math":
-        if ident:
-            return "bit-identical here (exact)"
-        ok = fid["max_abs_dlogprob"] < 1e-3 and fid["top1_agreement"] >= 0.999
-        return "consistent: float-order noise" if ok else "CHECK: differences exceed float noise"
-    if claim == "same distribution":
-        return "greedy identical" if match == 1 else "REFUTED: greedy outputs differ"
-    return "changes the model"
-
-
-def run_row(ctx: Context, row: Row) -> dict:
-    cfg = ctx.cfg
-    started = time.time()
-    record = {"row": dataclasses.asdict(row), "status": "ok", "results": {}}
-    log(f"row {row.name} ({row.kind})")
-    try:
-        variant = ROWS[row.kind](ctx, row.params)
-    except RowUnavailable as err:
-        log(f"row {row.name}: wired, not run: {err}")
-        return {**record, "status": "wired, not run", "reason": str(err)}
-    res = record["results"]
-    res["weight_bytes"] = weight_bytes(variant.model)
-    res.update(variant.extra)
-    fid = greedy = None
-    if row.run_evals:
-        if variant.scorer is not None:
-            fid = compare_teacher_forced(model_scorer(ctx.model), variant.scorer, ctx.fidelity_seqs).to_dict()
-            outputs = variant.greedy(ctx.greedy_prompts, cfg.evals.greedy_tokens)
-        else:
-            fid, outputs = engine_fidelity(ctx, variant)
-        fid["sequences"] = "wiki eval windows" if variant.scorer is not None else "engine greedy outputs"
-        greedy = token_match(ctx.ref_greedy(), outputs).to_dict()
-        if ctx.spec_stats:
-            res["speculation"] = ctx.spec_stats
-            ctx.spec_stats = None
-        res["fidelity"], res["greedy"] = fid, greedy
-        if cfg.evals.tasks and variant.lm_factory is not None and ctx.tokenizer is not None:
-            log(f"row {row.name}: tasks {cfg.evals.tasks}")
-            res["tasks"] = run_tasks(
-                variant.lm_factory(),
-                cfg.evals.tasks,
-                limit=cfg.evals.task_limit,
-                n_docs=cfg.evals.task_docs,
-                bootstrap_iters=cfg.evals.bootstrap_iters,
-                seed=cfg.seed,
-            )["results"]
-    if row.run_bench:
-        log(f"row {row.name}: timing against {variant.baseline_name}")
-        res["speed"] = time_pair(ctx, variant)
-        if ctx.spec_stats:  # acceptance at the timed temperature
-            res["speculation_timed"] = ctx.spec_stats
-            ctx.spec_stats = None
-    res["claim_check"] = check_claim(row.lossless_class, fid, greedy)
-    res["row_seconds"] = time.time() - started
-    return record
+__all__ = ["check_claim", "main", "run_table"]
 
 
 def run_table(cfg: ExperimentConfig, ctx: Context, rows: list[Row], records_path: Path, base: dict) -> list[dict]:
@@ -235,6 +67,22 @@ def main(argv: list[str] | None = None) -> None:
         metavar="KEY=VALUE",
         help="override a config value, e.g. --set evals.task_limit=20 --set bench.repeats=2 (kept in the records)",
     )
+    ap.add_argument(
+        "--ray",
+        nargs="?",
+        const="local",
+        default=None,
+        metavar="ADDRESS",
+        help="run the rows as Ray tasks (table configs; needs pip install ray): without ADDRESS on a local cluster "
+        "started on this machine; 'auto' joins the cluster `ray start` runs here; HOST:6379 or ray://HOST:10001 "
+        "joins that one. Timed rows hold a whole node, evaluation rows pack (config section ray:)",
+    )
+    ap.add_argument(
+        "--store",
+        default=None,
+        help="where artifacts (quantized checkpoints, trained heads) are built once and reused: on a cluster a path "
+        "every worker reads (default $QSPEC_HOME)",
+    )
     args = ap.parse_args(argv)
     try:
         cfg = load_config(args.config, args.set)
@@ -247,11 +95,26 @@ def main(argv: list[str] | None = None) -> None:
         for r in cfg.rows:
             if r.kind not in ROWS:
                 raise ConfigError(f"rows[{r.name}].kind: {r.kind!r} not in {sorted(ROWS)}")
+        unknown_texts = sorted(set(cfg.evals.texts) - set(TEXTS))
+        if unknown_texts:
+            raise ConfigError(f"evals.texts: {unknown_texts} not in {list(TEXTS)}")
+        if cfg.evals.texts and cfg.model.spec == "tiny-random":
+            raise ConfigError("evals.texts: scoring texts needs a model with a tokenizer, not tiny-random")
         if cfg.model.spec != "tiny-random":
             check_model_spec(cfg.model.spec)  # before anything loads
+        if args.ray is not None and cfg.kind != "table":
+            raise ConfigError(f"--ray runs table configs (rows, grids); a {cfg.kind} sweep runs without it")
+        cluster = None
+        if args.ray is not None:
+            try:
+                from experiments import cluster  # optional dependency: Ray
+            except ImportError as err:
+                why = f"--ray needs Ray ({err}): pip install 'ray>=2.60' (or pip install -e '.[ray]')"
+                raise ConfigError(why) from None
     except (ConfigError, ModelSpecError) as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
+    store = Path(args.store).expanduser().resolve() if args.store else qspec_home()
     EVAL_THREADS["n"] = cfg.evals.threads or DEFAULT_THREADS
     torch.set_num_threads(EVAL_THREADS["n"])
     LOCKING["enabled"] = cfg.bench.lock
@@ -265,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
         "command": module_command("experiments.run", argv),
     }
     try:
-        ctx = load_context(cfg)
+        ctx = None if cluster else load_context(cfg)  # on a cluster each worker loads it
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -276,8 +139,16 @@ def main(argv: list[str] | None = None) -> None:
             for r in rows:
                 r.run_bench &= not args.no_bench
                 r.run_evals &= not args.no_evals
-            records = run_table(cfg, ctx, rows, records_path, base)
-            paths = report.render_table(cfg, records, out_dir)
+            if cluster:
+                try:
+                    records = cluster.run_table_ray(cfg, rows, records_path, base, store, args.ray)
+                except ConfigError as err:  # the cluster cannot hold what the config asks for
+                    print(f"error: {err}", file=sys.stderr)
+                    raise SystemExit(2) from None
+            else:
+                ctx.store = store
+                records = run_table(cfg, ctx, rows, records_path, base)
+            paths = report.render_table(cfg, records, out_dir) + report.render_grid(cfg, records, out_dir)
         else:
             series = [s for s in cfg.sweep.series if not args.rows or s.get("name") in args.rows.split(",")]
             records = sweeps.run_sweep(cfg, ctx, series, records_path, base)
@@ -285,7 +156,7 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         interrupted(
             f"the finished rows' records are in {records_path} (appended as each row ends); "
-            f"render them with python -m experiments.report {records_path} --config {args.config}"
+            f"render them with python -m experiments.report {records_path}"
         )
     minutes = (time.time() - started) / 60
     budget = cfg.time_budget_minutes

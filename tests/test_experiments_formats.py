@@ -4,7 +4,6 @@ through the runner on the tiny random model, with weight bytes and perplexity de
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,7 +11,7 @@ import yaml
 
 from experiments.config import load_config
 from experiments.records import read_jsonl
-from experiments.rows import ROWS, quantized_checkpoint
+from experiments.rows import ROWS, quantized_artifact
 from experiments.run import main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -63,10 +62,12 @@ def test_float_quant_rows_run_on_the_tiny_model(tmp_path, one_thread):
 def test_calibrated_fp8_row_builds_its_checkpoint_with_the_fp8_cli():
     cfg = load_config(ROOT / "configs" / "formats.yaml")
     row = next(r for r in cfg.rows if r.kind == "quantized" and r.params["method"] == "fp8")
-    ctx = SimpleNamespace(cfg=cfg)
-    out, command = quantized_checkpoint(ctx, row.params)
+    artifact = quantized_artifact(cfg.model.spec, row.params)
+    out = artifact.path(Path("/store"))
+    command = artifact.command(out)
     assert command[1:3] == ["-m", "quantize.fp8"] and command[-2:] == ["--out", str(out)]
+    assert out.parent == Path("/store/quantized")
     assert "--gptq" in command and "--bits" not in command and "--group-size" not in command  # no int grid
     rtn = next(r for r in cfg.rows if r.kind == "quantized" and r.params["method"] == "rtn")
-    rtn_command = quantized_checkpoint(ctx, rtn.params)[1]
+    rtn_command = quantized_artifact(cfg.model.spec, rtn.params).command(out)
     assert rtn_command[rtn_command.index("--group-size") + 1] == "64"  # 128 would be refused at save time

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
+import experiments
 from experiments.config import ConfigError, load_config
 from experiments.records import read_jsonl
 from experiments.run import check_claim, main
@@ -179,3 +181,16 @@ def test_sweeps_on_tiny_model(tmp_path, kind, values, series, png):
         assert all(v > 0 for k, v in r["results"].items() if k.endswith(("_p50", "_per_s")))
     png_size(out / png)
     assert json.loads(json.dumps(records[0]["results"]))
+
+
+def test_ray_flag_needs_ray_and_a_table_config(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "experiments.cluster", None)  # as if Ray were not installed
+    monkeypatch.delattr(experiments, "cluster", raising=False)  # (a test that ran a cluster imported it)
+    with pytest.raises(SystemExit) as exit_:
+        main([str(TINY), "--ray"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "--ray needs Ray" in err and "pip install 'ray>=2.60'" in err
+    sweep = sweep_config(tmp_path, "prompt_length", [16], [{"name": "fp32"}])
+    with pytest.raises(SystemExit):
+        main([str(sweep), "--ray"])
+    assert "--ray runs table configs" in capsys.readouterr().err
