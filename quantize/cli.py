@@ -13,13 +13,14 @@ import torch
 
 from quantize.calibration import LayerStore, ShardedCheckpoint
 from quantize.config import DECODER_LINEARS, QuantConfig, QuantConfigError
-from quantize.formats import DENSE_DTYPES, FORMATS, CheckpointError, default_format, refusal, save_quantized
-from quantize.rotation import choose_layers, rotate_model, rotation_record
+from quantize.formats import CT_LAYOUT, DENSE_DTYPES, FORMATS, CheckpointError, default_format, refusal, save_quantized
+from quantize.rotation import choose_layers, choose_layers_cost, rotate_model, rotation_record
 from quantize.rtn_weight import quantize_weight
 from runtime.cliutil import ArgumentParser, interrupted, run  # noqa: F401 (run: the quantizers' __main__ entry)
 from runtime.config import ModelConfig, UnsupportedModelError
 from runtime.data import load_text, mixed_calibration_windows, parse_mixture, token_windows
 from runtime.loader import ModelSpecError, check_model_spec, load_model, load_tokenizer, resolve
+from runtime.model import Transformer
 from runtime.paths import qspec_home, write_atomic
 from runtime.provenance import module_command
 from runtime.provenance import provenance as record_provenance
@@ -61,7 +62,8 @@ def parser(
             choices=FORMATS,
             default=None,
             help="checkpoint format of --out; default: what most loaders read for the method (gptq, rtn, int8: "
-            "gptq v1; awq: awq GEMM; int8 --w8a8: compressed-tensors). notes/formats.md lists who reads what",
+            "gptq v1; awq: awq GEMM; int8 --w8a8: compressed-tensors), and qspec's own for online rotations "
+            "(--rotate), which no other loader re-installs. notes/formats.md lists who reads what",
         )
         ap.add_argument(
             "--dense-dtype",
@@ -192,6 +194,8 @@ def load(ap: argparse.ArgumentParser, args, cfg: QuantConfig):
         path = resolve(args.model)
         config = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
         check_group_size(ap, cfg, config, saving=args.out is not None)
+        with torch.device("meta"):  # shapes only: every refusal of --format comes before the weights load
+            check_format(ap, args, cfg, Transformer(config))
         log(f"loading {args.model}")
         if getattr(args, "layer_by_layer", False):
             source = ShardedCheckpoint(path)
@@ -225,7 +229,6 @@ def load(ap: argparse.ArgumentParser, args, cfg: QuantConfig):
             f"online Hadamard on down_proj: {not args.no_online_hadamard}, "
             f"layers: {'all' if args.rotate_layers is None else args.rotate_layers})"
         )
-    check_format(ap, args, cfg, model)
     return model, tokenizer, path, source
 
 
@@ -241,7 +244,12 @@ def auto_rotate_layers(ap: argparse.ArgumentParser, args, cfg: QuantConfig, mode
 
     calib = getattr(args, "calib", None) or "wiki"
     windows = mixed_calibration_windows(tokenizer, calib, AUTO_ROTATE_WINDOWS, 512, args.seed)
-    log(f"choosing the layers to rotate: RTN of one layer at a time, plain vs rotated, {len(windows)} {calib} windows")
+    start = time.process_time()
+    window_nlls(model, windows[:1], 1)  # one window pass, to price the rest in this machine's CPU seconds
+    passes = choose_layers_cost(len(model.layers)) * len(windows)
+    seconds = passes * (time.process_time() - start)
+    log(f"--rotate-layers auto: RTN of one layer at a time, plain vs rotated, on {len(windows)} {calib} windows of "
+        f"512 tokens: ~{passes:.0f} window passes, ~{seconds:.0f} CPU-s here")  # fmt: skip
     chosen, records = choose_layers(model, windows, round_trip, args.seed, not args.no_online_hadamard)
     for r in records:
         gain = (r["plain_nll"] - r["rotated_nll"]) / (len(windows) * 511)
@@ -261,21 +269,34 @@ def rotate_layers(spec) -> list[int] | None:
         raise ValueError(f"--rotate-layers {spec!r}: a comma list of layer indices, e.g. 10,12,14") from None
 
 
+def online_rotation(args) -> bool:
+    """Whether --rotate leaves rotations the model must apply at run time (Hadamards on norm outputs or on
+    down_proj's input), which only qspec's loader re-installs."""
+    if not getattr(args, "rotate", False):
+        return False
+    return args.rotation_mode == "online" or not args.no_online_hadamard
+
+
 def check_format(ap: argparse.ArgumentParser, args, cfg: QuantConfig, model) -> None:
-    """Resolve --format (the method's default when not given) and, with --out, refuse before quantizing a
-    setting the format cannot hold (ragged groups, act-order g_idx, bits, W8A8): one argparse error."""
+    """Resolve --format (the method's default when not given: qspec's own for online rotations) and, with --out,
+    refuse a setting the format cannot hold (ragged groups, act-order g_idx, bits, W8A8, online rotations in
+    compressed-tensors): one argparse error. Needs only shapes (model may live on the meta device)."""
     if not hasattr(args, "dense_dtype") or hasattr(args, "checkpoint_format"):
         return  # a parser without checkpoint options, or a quantizer that fixes its format and checks it itself
     act_quant = cfg.act_quant or getattr(args, "w8a8", False)
-    args.format = args.format or default_format(args.quantizer, act_quant, cfg.bits, cfg.sym)
+    online = online_rotation(args)
+    args.format = args.format or default_format(args.quantizer, act_quant, cfg.bits, cfg.sym, online)
     if args.out is None:
         return
-    if getattr(args, "rotate", False) and args.rotation_mode == "online":
-        if args.format == "compressed-tensors":
-            ap.error("--rotate --rotation-mode online needs qspec's loader (it re-installs the online Hadamard), "
-                     "which reads gptq/awq files: use --rotation-mode residual for compressed-tensors")  # fmt: skip
-        log("note: online rotation: only qspec's loader re-installs the online Hadamard; other tools need "
-            "--rotation-mode residual (a pure weight transform)")  # fmt: skip
+    if online and args.format == "compressed-tensors":
+        # its transform_config runs Hadamards of order 2^k only (576 and 1536 are not), and transformers does not
+        # apply it at all (notes/issue-28.md): its loaders would run the rotated weights without the rotations
+        ap.error("--rotate leaves online Hadamard rotations, which compressed-tensors' loaders cannot re-install: "
+                 "use --format qspec (the default with --rotate), or --rotation-mode residual --no-online-hadamard "
+                 "for a pure weight transform")  # fmt: skip
+    if online and args.format != "qspec":
+        log(f"note: online rotation in {args.format}: only qspec's loader re-installs the online Hadamard; other "
+            "tools would run these weights without it (--format qspec makes them refuse the file instead)")  # fmt: skip
     names = cfg.target_names(model)
     # act-order leaves a g_idx on grouped layers unless groups are static (AWQ: only with --gptq)
     act_order = getattr(args, "act_order", False) and not getattr(args, "static_groups", False)
@@ -298,8 +319,11 @@ def check_format(ap: argparse.ArgumentParser, args, cfg: QuantConfig, model) -> 
         )
         if why:
             ap.error(why)
-    if args.format == "compressed-tensors" and cfg.lm_head and model.config.tie_word_embeddings:
-        ap.error("--lm-head on a tied model cannot be expressed in compressed-tensors: drop --lm-head or use gptq")
+    tied = model.config.tie_word_embeddings and not (
+        getattr(args, "rotate", False) and args.rotation_mode == "residual"
+    )
+    if args.format in CT_LAYOUT and cfg.lm_head and tied:
+        ap.error(f"--lm-head on a tied model cannot be expressed in {args.format}: drop --lm-head or use gptq")
 
 
 class CachedTokenizer:

@@ -4,7 +4,7 @@ the layout another tool loads (or refused, naming the layer, where that layout c
     python -m quantize.export --model /tmp/gptq4 --format compressed-tensors --out /tmp/gptq4-ct
     python -m quantize.export --model /tmp/rtn4 --format awq --out /tmp/rtn4-awq --dense-dtype fp32
 
-The input is any checkpoint qspec loads (gptq v1/v2, awq GEMM, compressed-tensors). The quantizer's metadata
+The input is any checkpoint qspec loads (gptq v1/v2, awq GEMM, compressed-tensors, qspec). The quantizer's metadata
 (qspec_quantize.json's quant_config, else the source quantization_config's non-format keys) travels along;
 qspec_quantize.json is copied with the new format and an ``export`` entry.
 """

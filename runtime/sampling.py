@@ -125,6 +125,7 @@ def logits_to_probs(logits: Tensor, params: SamplingParams, mask: Tensor | None 
         sorted_probs, order = probs.sort(-1, descending=True)
         mass_before = sorted_probs.cumsum(-1) - sorted_probs
         drop_sorted = mass_before >= params.top_p
+        drop_sorted[..., 0] = False  # the most likely token crosses any p > 0 (also one below fp32's smallest)
         drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
         probs = probs / probs.sum(-1, keepdim=True)

@@ -30,6 +30,7 @@ import queue
 import threading
 import time
 import uuid
+import zlib
 from dataclasses import dataclass, replace
 
 from aiohttp import web
@@ -49,6 +50,11 @@ MAX_STOP_STRINGS = 4
 MAX_CHOICES = 16  # n and best_of
 MAX_LOGPROBS = 20  # top alternatives per token (vLLM's default limit)
 MAX_LOGIT_BIAS = 300  # entries (OpenAI's limit)
+MAX_BODY_BYTES = 1 << 20  # a request body, before and after its Content-Encoding is undone (aiohttp's default)
+# a client that hangs up before its response is complete: counted under nginx's 499, never as a 500
+CLIENT_CLOSED_REQUEST = 499
+CLIENT_GONE = "qspec_client_gone"  # request key set when a stream write found the client gone
+CONTENT_CODINGS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}  # zlib wbits
 
 # what each endpoint reads; anything else is a 400 naming it (never silently ignored)
 COMMON_PARAMS = {
@@ -231,10 +237,13 @@ def _typed(body: dict, name: str, types: tuple, default, what: str):
 
 
 def _number(body: dict, name: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
-    value = float(_typed(body, name, (int, float), default, "a number"))
+    value = _typed(body, name, (int, float), default, "a number")
+    # compared before float(): an integer of 309+ digits has no float (OverflowError)
     if not (lo < value if lo_open else lo <= value) or not value <= hi:
-        raise BadRequest(f"'{name}' must be in {'(' if lo_open else '['}{lo}, {hi}], got {value}", name)
-    return value
+        big = isinstance(value, int) and abs(value) >= 10**20
+        shown = f"an integer of {len(str(abs(value)))} digits" if big else value
+        raise BadRequest(f"'{name}' must be in {'(' if lo_open else '['}{lo}, {hi}], got {shown}", name)
+    return float(value)
 
 
 def _int(body: dict, name: str, default, lo: int, hi: int | None = None):
@@ -424,6 +433,28 @@ def parse_json(raw: bytes) -> dict:
     return body
 
 
+def decode_body(raw: bytes, content_encoding: str) -> bytes:
+    """Undo a request's Content-Encoding (gzip, deflate, identity; listed in the order applied): a body that
+    does not decode is a 400, another encoding a 415, and a body that decodes past MAX_BODY_BYTES a 413."""
+    for coding in reversed([c.strip().lower() for c in content_encoding.split(",") if c.strip()]):
+        if coding == "identity":
+            continue
+        if coding not in CONTENT_CODINGS:
+            raise BadRequest(f"unsupported Content-Encoding {coding[:40]!r}; use gzip, deflate or identity", status=415)
+        inflater = zlib.decompressobj(CONTENT_CODINGS[coding])
+        try:
+            out = inflater.decompress(raw, MAX_BODY_BYTES + 1)
+            out += inflater.flush() if len(out) <= MAX_BODY_BYTES else b""
+        except zlib.error as err:
+            raise BadRequest(f"the body is not valid {coding} data: {err}") from None
+        if len(out) > MAX_BODY_BYTES:
+            raise BadRequest(f"the decoded body is larger than {MAX_BODY_BYTES} bytes", status=413)
+        if not inflater.eof:
+            raise BadRequest(f"the body is truncated {coding} data")
+        raw = out
+    return raw
+
+
 # ---- text assembly -----------------------------------------------------------------------------------
 
 
@@ -503,7 +534,12 @@ class Server:
         self.started = time.time()
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._errors, self._guard])
+        # bodies are decoded here (decode_body), not by aiohttp, whose decoding errors surface as 500s
+        app = web.Application(
+            middlewares=[self._errors, self._guard],
+            client_max_size=MAX_BODY_BYTES,
+            handler_args={"auto_decompress": False},
+        )
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
@@ -524,6 +560,9 @@ class Server:
     async def _errors(self, request: web.Request, handler):
         try:
             response = await handler(request)
+        except asyncio.CancelledError:  # the client hung up and aiohttp cancelled the handler
+            self._count(CLIENT_CLOSED_REQUEST)
+            raise
         except BadRequest as err:
             response = error_response(err.status, str(err), err.param, err.code)
         except GrammarError as err:
@@ -535,8 +574,11 @@ class Server:
         except Exception as err:  # a bug in request handling: still a JSON error, and the server serves on
             log.error("internal error handling %s %s", request.method, request.path, exc_info=err)
             response = error_response(500, f"internal error: {type(err).__name__}: {str(err)[:300]}")
-        self.http_counts[response.status] = self.http_counts.get(response.status, 0) + 1
+        self._count(CLIENT_CLOSED_REQUEST if request.get(CLIENT_GONE) else response.status)
         return response
+
+    def _count(self, status: int) -> None:
+        self.http_counts[status] = self.http_counts.get(status, 0) + 1
 
     @web.middleware
     async def _guard(self, request: web.Request, handler):
@@ -560,7 +602,7 @@ class Server:
         return await handler(request)
 
     async def _json_body(self, request: web.Request) -> dict:
-        body = parse_json(await request.read())
+        body = parse_json(decode_body(await request.read(), request.headers.get("Content-Encoding", "")))
         model = _typed(body, "model", (str,), None, "a string")
         if model is not None and model not in self.served_names:
             raise BadRequest(f"The model `{model[:200]}` does not exist.", "model", 404, "model_not_found")
@@ -646,6 +688,16 @@ class Server:
 
     async def _stream(self, request, meta, mailbox, final, req, chat, prompt_ids, prompt_text, count):
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        try:
+            await self._stream_events(request, response, meta, mailbox, final, req, chat, prompt_ids, prompt_text,
+                                      count)  # fmt: skip
+        except ConnectionError:  # the client hung up mid-stream: not a server error (_serve aborts the rest)
+            log.info("client went away during a stream (%s %s)", request.method, request.path)
+            request[CLIENT_GONE] = True
+        return response
+
+    async def _stream_events(self, request, response, meta, mailbox, final, req, chat, prompt_ids, prompt_text,
+                             count) -> None:  # fmt: skip
         await response.prepare(request)
         obj = "chat.completion.chunk" if chat else "text_completion"
 
@@ -700,7 +752,6 @@ class Server:
             await send_choice(None, {"usage": usage(list(final.values()), req.zero_tokens)})
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
-        return response
 
     # ---- logprobs in the two OpenAI shapes ------------------------------------------------------------
 
@@ -839,7 +890,7 @@ def main(argv: list[str] | None = None) -> None:
         help="comma-separated Host names accepted (e.g. localhost,127.0.0.1); default: any",
     )
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    add_speculator_args(ap)  # --speculator {ngram,draft,medusa,quant-draft}: speculation in the engine step
+    add_speculator_args(ap)  # --speculator {ngram,draft,medusa,quant-draft,eagle}: speculation in the engine step
     args = ap.parse_args(argv)
     if args.model:
         check_model_arg(ap, args.model)  # before anything loads: a bad spec is one line, not a traceback

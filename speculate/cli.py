@@ -5,6 +5,7 @@
     python -m runtime.generate --speculator draft --draft-model layers:8 -k 3 --prompt "..."
     python -m runtime.generate --speculator medusa --medusa-heads DIR --tree-size 8 --prompt "..."
     python -m runtime.generate --speculator quant-draft --quant-bits 8 -k 3 --prompt "..."
+    python -m runtime.generate --speculator eagle --tree-size 8 --prompt "..."  # after python -m speculate.eagle.train
     python -m runtime.server --speculator draft --draft-model layers:8 -k 3
 """
 
@@ -20,13 +21,16 @@ from runtime.speculation import CandidateTree
 from runtime.timing import timing_line
 from speculate.base import Speculator, SpeculatorError, check_k
 from speculate.draft import DraftModelSpeculator, parse_draft_spec, quantized_draft
+from speculate.eagle.head import load_eagle
+from speculate.eagle.speculator import EagleSpeculator
 from speculate.generate import speculative_generate
 from speculate.medusa.heads import load_medusa
 from speculate.medusa.speculator import MedusaSpeculator, build_tree
 from speculate.ngram import NgramSpeculator
 from speculate.training import head_dir
 
-SPECULATORS = ("ngram", "draft", "medusa", "quant-draft")
+SPECULATORS = ("ngram", "draft", "medusa", "quant-draft", "eagle")
+EAGLE_TREE_SIZE = 8  # nodes of EAGLE's dynamic tree when --tree-size is not given (evals.specbench's default)
 
 
 def build_speculator(
@@ -37,6 +41,7 @@ def build_speculator(
     draft_model: str | None = None,
     medusa_heads: str | None = None,
     tree_size: int | None = None,
+    eagle_heads: str | None = None,
     acceptance: str = "rejection",
     quant_bits: int = 8,
     quant_group_size: int | None = None,
@@ -61,6 +66,10 @@ def build_speculator(
             model, quantized_draft(model, quant_bits, quant_group_size), k=k, name=f"quant-draft(int{quant_bits})"
         )
 
+    if name == "eagle":
+        head = load_eagle(eagle_heads or head_dir("eagle", model_path), model)
+        return EagleSpeculator(model, head, tree_size=EAGLE_TREE_SIZE if tree_size is None else tree_size)
+
     heads = load_medusa(medusa_heads or head_dir("medusa", model_path), model)
     if tree_size is None:  # a chain of the heads' top-1 candidates, k long
         tree = CandidateTree.chain(min(check_k(k), heads.config.num_heads))
@@ -82,7 +91,13 @@ def add_speculator_args(ap: argparse.ArgumentParser) -> None:
         "measured best for this model by evals.spec_cost choose-draft, else int4)",
     )
     ap.add_argument("--medusa-heads", default=None, help="trained Medusa heads for --speculator medusa")
-    ap.add_argument("--tree-size", type=int, default=None, help="Medusa candidate-tree nodes (default: top-1 chain)")
+    ap.add_argument("--eagle-heads", default=None, help="a trained EAGLE head for --speculator eagle")
+    ap.add_argument(
+        "--tree-size",
+        type=int,
+        default=None,
+        help=f"candidate-tree nodes: Medusa (default: a top-1 chain of -k) and EAGLE (default {EAGLE_TREE_SIZE})",
+    )
     ap.add_argument("--typical-acceptance", action="store_true", help="Medusa typical acceptance (APPROXIMATE)")
     ap.add_argument("--quant-bits", type=int, default=8, help="weight bits of the --speculator quant-draft copy")
     ap.add_argument(
@@ -101,6 +116,7 @@ def speculator_from_args(model, path, args) -> Speculator:
             draft_model=getattr(args, "draft_model", None),
             medusa_heads=getattr(args, "medusa_heads", None),
             tree_size=getattr(args, "tree_size", None),
+            eagle_heads=getattr(args, "eagle_heads", None),
             acceptance="typical" if getattr(args, "typical_acceptance", False) else "rejection",
             quant_bits=getattr(args, "quant_bits", 8),
             ngram_fixed=getattr(args, "ngram_fixed", False),

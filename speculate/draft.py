@@ -48,19 +48,24 @@ def layer_skip_draft(model: Transformer, num_layers: int) -> Transformer:
     return draft.eval()
 
 
-def quantized_draft(model: Transformer, bits: int = 8, group_size: int | None = None) -> Transformer:
+def quantized_draft(
+    model: Transformer, bits: int = 8, group_size: int | None = None, dtype: torch.dtype | None = None
+) -> Transformer:
     """A quantized copy of the target (RTN from the quant package; decoder linears only, lm_head kept).
 
     group_size None: the standard layout of each width, int8 symmetric per-channel and int4 group 128 (the
-    layouts the fast CPU kernels are built for; int8 with groups runs one kernel per group)."""
+    layouts the fast CPU kernels are built for; int8 with groups runs one kernel per group).
+    dtype: the copy's compute dtype; None: bf16 for an fp32 target, the target's own otherwise."""
 
     if group_size is None:
         group_size = -1 if bits == 8 else 128
     draft = copy.deepcopy(model)  # a deepcopy keeps a tied lm_head tied inside the copy
-    if draft.compute_dtype == torch.float32:
+    if dtype is None and draft.compute_dtype == torch.float32:
         # the int kernels run bf16 activations (fp32 ones are several times slower), and a bf16 head reads
         # half the bytes: the draft only proposes, so its precision costs acceptance, never exactness
-        draft.set_dtype(torch.bfloat16, mixed=False)
+        dtype = torch.bfloat16
+    if dtype is not None and dtype != draft.compute_dtype:
+        draft.set_dtype(dtype, mixed=False)
     # int8 symmetric per-channel is quantize.int8's weight-only layout; int4 asymmetric g128 is RTN4's
     quantize_model(draft, QuantConfig(bits=bits, group_size=group_size, sym=bits == 8))
     # quantize_model pins the dequantize-every-forward reference path (exact, for measuring quantization
@@ -135,19 +140,28 @@ class DraftModelSpeculator(Speculator):
             self.blocks.allocate(r, n)
 
     def _forward(self, rows: list[_DraftSeq], feeds: list[list[int]], index: list[list[int]]) -> Tensor:
-        """Draft logits [B, V] after each row's last fed token (feeds at sequence positions index)."""
+        """Draft logits [B, V] after each row's last fed token (feeds at sequence positions index).
+
+        Each row runs its own forward, with the call shapes it has without batch mates: a batched call changes
+        the matmuls' row count and the padding, and so their rounding, which a 16-bit draft (every quantized
+        draft computes in bf16) turns into q differences of ~3e-2 (notes/issue-28.md); its drafts, sampled
+        from q by the row's generator, would then depend on the batch. Costs one draft pass per row, not per
+        batch, until the CPU kernels' reduction order stops depending on the row count (issue 29)."""
         device = self.cache.k.device
-        meta = paged_metadata(index, index, [r.block_table for r in rows], self.block_size, device)
-        T = meta.positions.shape[1]
-        tokens = torch.tensor([f + [0] * (T - len(f)) for f in feeds], dtype=torch.long, device=device)
-        hidden = self.draft(tokens, meta, self.cache, hidden_only=True)  # [B, T, H]
-        last = torch.tensor([len(f) - 1 for f in feeds], device=device)
-        return self.draft.logits(hidden[torch.arange(len(feeds), device=device), last])
+        out = []
+        for row, feed, idx in zip(rows, feeds, index):
+            meta = paged_metadata([idx], [idx], [row.block_table], self.block_size, device)
+            tokens = torch.tensor([feed], dtype=torch.long, device=device)
+            hidden = self.draft(tokens, meta, self.cache, hidden_only=True)  # [1, T, H]
+            out.append(self.draft.logits(hidden[:, -1]))
+        return torch.cat(out)
 
     def prefill(self, state: SpecState) -> None:
         """The draft's KV of every committed token but the last (which each proposal feeds to start its drafts)."""
-        rows = [self.seqs.setdefault(key, _DraftSeq()) for key in state.ids]
-        todo = [(r, seq) for r, seq in zip(rows, state.token_ids) if r.committed < len(seq) - 1]
+        self._prefill([self.seqs.setdefault(key, _DraftSeq()) for key in state.ids], state.token_ids)
+
+    def _prefill(self, rows: list[_DraftSeq], seqs: list[list[int]]) -> None:
+        todo = [(r, seq) for r, seq in zip(rows, seqs) if r.committed < len(seq) - 1]
         if not todo:
             return
         self._reserve([r for r, _ in todo], [len(seq) + self.k - 1 for _, seq in todo])
@@ -162,6 +176,10 @@ class DraftModelSpeculator(Speculator):
     def propose(self, state: SpecState) -> Proposal:
         rows = [self.seqs.setdefault(key, _DraftSeq()) for key in state.ids]
         self._reserve(rows, [len(seq) + self.k - 1 for seq in state.token_ids])
+        # rows without draft KV (new, or after a rebuilt pool) are prefilled as the static loop's hook does, so
+        # every loop feeds a row's draft the same calls (a one-call lazy prefill would round differently in bf16)
+        fresh = [(row, seq) for row, seq in zip(rows, state.token_ids) if not row.tokens]
+        self._prefill([row for row, _ in fresh], [seq for _, seq in fresh])
         feeds, index = [], []
         for row, seq in zip(rows, state.token_ids):
             n, limit = row.committed, min(len(row.tokens), len(seq) - 1)

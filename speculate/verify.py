@@ -6,10 +6,10 @@ Lossless rules (the output has exactly the target's distribution):
   drafts are accepted emit a bonus sample of p_k. Deterministic drafts (n-gram, Medusa) are the case
   q = one-hot (``draft_probs=None``): accept with probability p_j(x_j), on rejection sample p_j with x_j
   removed. Greedy is the case p = one-hot: ``greedy_verify`` is that case without random draws.
-- ``tree_rejection_sample`` / ``tree_greedy_verify``: a tree of deterministic candidates. At each node the
-  children are tried in order, each as a one-hot draft against the residual left by its rejected elder
-  siblings (multi-candidate rejection, SpecInfer-style); the first accepted child is descended into.
-  Sequential residuals make the emitted token at every depth an exact sample of the target's distribution.
+- ``tree_rejection_sample`` / ``tree_greedy_verify``: a tree of deterministic candidates. At each node one
+  token is drawn from the target's distribution and the child holding it (if any) is descended into:
+  multi-candidate rejection with one-hot drafts (SpecInfer-style), in the form that uses one draw per
+  committed token, so a row's draws never depend on the tree's shape.
 
 Approximate rules (change the output distribution; labelled as such wherever reported):
 - ``typical_accept_chain`` / ``typical_accept_tree``: Medusa's typical acceptance, a candidate is kept if
@@ -140,10 +140,17 @@ def tree_rejection_sample(
     """Multi-candidate rejection sampling down a tree of deterministic candidates, batched over rows.
 
     node_tokens [B, N] (node 0 = root); target_probs [B, N, V]: the target's distribution of the token
-    after each node's path. At node i the children are tried in order: child c is accepted with
-    probability r(c) / sum(r), where r is p_i with the already-rejected siblings' tokens zeroed (the
-    residual norm(max(0, r - onehot(c))) of a one-hot draft). If all are rejected, the emitted token is
-    a sample of the final residual; at a leaf, a bonus sample of p_i.
+    after each node's path. At the current node one token x is drawn from p_node; if a child holds x the
+    walk descends into it (the first such child), otherwise x is emitted (at a leaf it is the bonus token).
+
+    This is SpecInfer's multi-candidate rule for one-hot drafts, child c accepted with probability
+    r(c) / sum(r) where r is p_node with the rejected elder siblings removed: P(descend into c) = p_node(c)
+    and, given no child was taken, x follows p_node restricted to the non-children, normalised, which is
+    the final residual. So every emitted token (and every accepted one) is an exact draw of the target's
+    distribution after the path before it. Drawing it first makes each row use exactly one draw of its
+    generator per committed token, whatever the tree's shape: a row's sampled tokens are those of plain
+    sampling with the same generator (up to the logits' float noise), and never depend on a tree that
+    its batch mates helped to shape (EAGLE's dynamic trees).
     """
     B, N = node_tokens.shape
     device = target_probs.device
@@ -156,32 +163,16 @@ def tree_rejection_sample(
     for _ in range(tree.max_depth + 1):
         if not bool(active.any()):
             break
-        dist = target_probs[rows, cur].float().clone()  # [B, V]
-        moved = torch.zeros(B, dtype=torch.bool, device=device)
-        new_cur = cur.clone()
-        for c in range(children.shape[1]):
-            child = children[cur, c]  # [B]
-            trying = active & ~moved & (child >= 0)
-            if not bool(trying.any()):
-                break
-            tok = torch.where(trying, node_tokens[rows, child.clamp(min=0)], 0)
-            mass = dist.sum(-1)
-            prob = dist[rows, tok] / mass.clamp(min=1e-30)
-            u = torch.rand(B, generator=generator, device=device)
-            accept = trying & (u < prob)
-            new_cur = torch.where(accept, child, new_cur)
-            moved |= accept
-            reject = trying & ~accept
-            dist[rows[reject], tok[reject]] = 0.0  # residual of a one-hot draft: remove the rejected token
-        finishing = active & ~moved
-        if bool(finishing.any()):
-            mass = dist.sum(-1, keepdim=True)
-            safe = torch.where(mass > 0, dist, target_probs[rows, cur].float())  # rounding guard, as above
-            drawn = sample(safe, generator)
-            next_token = torch.where(finishing, drawn, next_token)
+        drawn = torch.zeros(B, dtype=torch.long, device=device)  # one draw per active row and depth
+        drawn[active] = sample(target_probs[rows[active], cur[active]].float(), generator)
+        kids = children[cur]  # [B, C]
+        hit = (kids >= 0) & (node_tokens[rows[:, None], kids.clamp(min=0)] == drawn[:, None])  # [B, C]
+        moved = active & hit.any(-1)
+        child = kids[rows, hit.long().argmax(-1)]  # the first child holding the drawn token
+        next_token = torch.where(active & ~moved, drawn, next_token)
         for b in torch.nonzero(moved).flatten().tolist():
-            paths[b].append(int(new_cur[b]))
-        cur = new_cur
+            paths[b].append(int(child[b]))
+        cur = torch.where(moved, child, cur)
         active = moved
     return TreeResult(path=paths, next_token=next_token)
 

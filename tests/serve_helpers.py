@@ -1,7 +1,8 @@
 """Shared by the HTTP server tests: a tiny random checkpoint with the real tokenizer, and the server as a
 real subprocess on 127.0.0.1 with one planted fault (a request with seed PLANTED_SEED raises inside its
 own logit processing from its third token on), so tests can check that an internal error fails only
-the request it belongs to."""
+the request it belongs to; and one planted hang-up (a request with the header PLANTED_HANGUP: N sees its
+client's connection close at its (N+1)-th stream write, the moment that race-prone disconnects hit)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from tests.tiny_models import tiny_model_config
 
 ROOT = Path(__file__).resolve().parents[1]
 PLANTED_SEED = 666013
+PLANTED_HANGUP = "X-Planted-Hangup"
 MODEL_NAME = "tiny"
 
 LAUNCH = f"""
@@ -35,6 +37,17 @@ def planted(logits, params, prompt_ids, output_ids, stop_ids):
         raise RuntimeError("planted fault")
     return real(logits, params, prompt_ids, output_ids, stop_ids)
 engine.process_logits = planted
+from aiohttp import web
+real_write = web.StreamResponse.write
+async def hangup_write(self, data):
+    request = self._req
+    limit = request.headers.get("{PLANTED_HANGUP}") if request is not None else None
+    if limit is not None:
+        request["planted_writes"] = request.get("planted_writes", 0) + 1
+        if request["planted_writes"] > int(limit):
+            request.transport.close()  # as if the client had gone: aiohttp's write now raises
+    return await real_write(self, data)
+web.StreamResponse.write = hangup_write
 from runtime.server import main
 main(sys.argv[1:])
 """
@@ -60,15 +73,16 @@ def save_tiny_checkpoint(directory: Path, max_len: int = 256) -> Path:
 
 
 @contextlib.contextmanager
-def running_server(checkpoint: Path, *args: str, env: dict | None = None):
-    """Yields the base URL of `python -m runtime.server` (with the planted fault) on a free port."""
+def running_server(checkpoint: Path, *args: str, env: dict | None = None, log_path: Path | None = None):
+    """Yields the base URL of `python -m runtime.server` (with the planted faults) on a free port; its log goes
+    to log_path when given."""
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     cmd = [sys.executable, "-c", LAUNCH, "--model", str(checkpoint), "--port", str(port), "--served-model-name",
            MODEL_NAME, "--kv-cache-gb", "0.002", "--block-size", "4", "--max-num-batched-tokens", "32",
            *args]  # fmt: skip
     # its log goes to a file: a pipe nobody reads fills up and blocks the server's next log line
-    log = tempfile.TemporaryFile(mode="w+")
+    log = tempfile.TemporaryFile(mode="w+") if log_path is None else open(log_path, "w+")  # noqa: SIM115
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 120
     while time.time() < deadline:

@@ -249,6 +249,8 @@ def test_gptq_per_channel_act_order_saves_and_reloads(tiny_checkpoint, tmp_path)
         (rtn.main, ["--bits", "4", "--group-size", "32", "--format", "compressed-tensors"], "compressed-tensors"),
         (int8.main, [], "gptq"),
         (int8.main, ["--w8a8"], "compressed-tensors"),
+        (int8.main, ["--w8a8", "--rotate"], "qspec"),  # online rotations: only qspec's loader re-installs them
+        (rtn.main, ["--bits", "4", "--group-size", "32", "--rotate", "--rotation-mode", "residual"], "qspec"),
         (awq.main, ["--bits", "4", "--group-size", "32", "--nsamples", "2", "--seqlen", "32", "--grid", "2"], "awq"),
     ],
 )
@@ -277,14 +279,64 @@ def test_cli_format_default_is_recorded(tiny_checkpoint, tmp_path, main, argv, f
         (gptq.main, ["--group-size", "32", "--act-order", "--format", "awq"], "AWQ has no g_idx"),
         (awq.main, ["--bits", "3", "--group-size", "32", "--format", "awq"], "AWQ GEMM stores 4-bit codes"),
         (int8.main, ["--w8a8", "--format", "gptq"], "W8A8 (int8 activations) cannot be expressed in a GPTQ"),
+        (
+            int8.main,
+            ["--w8a8", "--rotate", "--format", "compressed-tensors"],
+            "compressed-tensors' loaders cannot re-install: use --format qspec",
+        ),
+        (rtn.main, ["--group-size", "32", "--rotate", "--format", "compressed-tensors"], "use --format qspec"),
     ],
 )
-def test_cli_refuses_what_the_format_cannot_hold_before_quantizing(
-    tiny_checkpoint, tmp_path, capsys, main, argv, message
+def test_cli_refuses_what_the_format_cannot_hold_before_loading(
+    tiny_checkpoint, tmp_path, capsys, monkeypatch, main, argv, message
 ):
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded before the refusal")
+
+    monkeypatch.setattr("quantize.cli.load_model", no_loading)
     err = run_error(main, ["--model", str(tiny_checkpoint), *argv, "--out", str(tmp_path / "q")], capsys)
     assert message in err, err
     assert not (tmp_path / "q").exists()
+
+
+def test_rotated_w8a8_saves_and_reloads_to_the_in_memory_perplexity(tiny_checkpoint, tmp_path, capsys):
+    """The README's W8A8 recipe, `quantize.int8 --w8a8 --rotate --out DIR` (it exited 2 before saving): qspec's
+    format holds int8 activations and the online Hadamards, and `evals.perplexity --model DIR` gives the figure
+    the quantizer measured in memory (to the checkpoint's fp16 scales: 1e-4 here)."""
+    from evals import perplexity
+
+    out, rec = tmp_path / "w8a8-rot", tmp_path / "rec.jsonl"
+    argv = ["--model", str(tiny_checkpoint), "--w8a8", "--rotate", "--eval", "wiki:3", "--dense-dtype", "fp32"]
+    int8.main([*argv, "--out", str(out), "--record", str(rec)])
+    record = json.loads(rec.read_text())
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert record["format"] == "qspec" and qc["quant_method"] == "qspec" and qc["rotation"]["mode"] == "online"
+    loaded = load_model(str(out))[0]
+    assert isinstance(loaded.layers[0].mlp, HadamardMLP) and isinstance(
+        loaded.layers[1].input_layernorm, RotatedRMSNorm
+    )
+    assert all(m.act_quant for m in loaded.modules() if isinstance(m, QuantLinear))
+    capsys.readouterr()
+    perplexity.main(["--model", str(out), "--max-windows", "3"])
+    reloaded = float(capsys.readouterr().out.split("perplexity ")[1].split()[0])
+    assert reloaded == pytest.approx(record["perplexity"]["wiki"], rel=1e-4), (reloaded, record["perplexity"])
+
+
+def test_rotated_checkpoint_exports_only_where_its_rotations_load(tiny_checkpoint, tmp_path, capsys):
+    """quantize.export of an online-rotated (qspec) checkpoint: compressed-tensors is refused (its loaders would
+    run the weights without the Hadamards); gptq keeps the rotation record, and reloads to the same logits."""
+    from quantize import export
+
+    src = tmp_path / "rot"
+    rtn.main(["--model", str(tiny_checkpoint), "--group-size", "32", "--rotate", "--out", str(src)])
+    to_ct = ["--model", str(src), "--format", "compressed-tensors", "--out", str(tmp_path / "ct")]
+    refused = run_error(export.main, to_ct, capsys)
+    assert "compressed-tensors' loaders cannot re-install: use --format qspec" in refused
+    export.main(["--model", str(src), "--format", "gptq", "--out", str(tmp_path / "g")])
+    tokens = torch.randint(0, VOCAB, (2, 12))
+    with torch.no_grad():
+        want = load_model(str(src))[0](tokens)
+        torch.testing.assert_close(load_model(str(tmp_path / "g"))[0](tokens), want, rtol=1e-5, atol=1e-5)
 
 
 def test_ragged_group_is_fine_in_memory(tiny_checkpoint, tmp_path):
@@ -433,7 +485,11 @@ def test_rotate_layers_auto_rotates_the_layers_the_per_layer_loss_chooses(
         rtn.main([*argv, "auto", "--out", str(tmp_path / "q"), "--record", str(rec)])
         chosen = json.loads(rec.read_text())["quant_config"]["rotation"]["layers"]
     except SystemExit:  # no layer gains: a one-line error, nothing written
-        assert "rotating no layer lowers the calibration loss" in capsys.readouterr().err
+        chosen = None
+    err = capsys.readouterr().err
+    assert "--rotate-layers auto: RTN of one layer at a time" in err and " window passes, ~" in err  # cost first
+    if chosen is None:
+        assert "rotating no layer lowers the calibration loss" in err
         chosen = []
     windows = mixed_calibration_windows(WordTokenizer(), "wiki", AUTO_ROTATE_WINDOWS, 512, 0)
     cfg = rtn.QuantConfig(bits=3, group_size=32)

@@ -10,10 +10,12 @@ malformed and extreme requests that must leave the server serving, identical and
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import math
 import random
 import time
+import zlib
 
 import pytest
 import torch
@@ -25,6 +27,7 @@ from runtime.loader import load_model, load_tokenizer  # noqa: E402
 from runtime.sampling import SamplingParams  # noqa: E402
 from tests.serve_helpers import (  # noqa: E402
     MODEL_NAME,
+    PLANTED_HANGUP,
     PLANTED_SEED,
     metrics,
     running_server,
@@ -43,8 +46,13 @@ def checkpoint(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(checkpoint):
-    with running_server(checkpoint) as url:
+def server_log(tmp_path_factory):
+    return tmp_path_factory.mktemp("log") / "server.log"
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint, server_log):
+    with running_server(checkpoint, log_path=server_log) as url:
         yield url
 
 
@@ -414,6 +422,101 @@ def test_n_best_of_and_seeds_per_choice(server):
     run(body)
 
 
+# ---- issue 28: the last four inputs that gave a 500 ---------------------------------------------------
+
+
+def http_counts(text: str) -> dict[str, float]:
+    """qspec_http_responses_total{status="S"} samples of /metrics, by status."""
+    out = {}
+    for line in text.splitlines():
+        if line.startswith('qspec_http_responses_total{status="'):
+            out[line.split('"')[1]] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def test_huge_integers_tiny_top_p_bad_encodings_and_hangups_are_not_500s(server, server_log, oracle):
+    """Integers of 309+ digits in float parameters (no float holds them) are a 400 naming the parameter; a
+    top_p below fp32's smallest number keeps the most likely token (the greedy answer, as any tiny top_p);
+    a body marked gzip that is not gzip is a 400, another encoding a 415, a valid gzip / deflate body is
+    served, one that inflates past the body limit a 413; 20 clients that hang up mid-stream, and 20 whose
+    stream write finds the connection closing (planted: the race that made them 500s), leave no 500 in
+    /metrics (they count as 499), no ERROR in the log, and the server serving right."""
+    model, tokenizer = oracle
+    prompt = {"prompt": "The river", "max_tokens": 6, "ignore_eos": True}
+    want = tokenizer.decode(greedy_ids(model, tokenizer("The river", add_special_tokens=False).input_ids, 6),
+                            skip_special_tokens=True)  # fmt: skip
+    huge = b"7" * 309
+
+    async def body(s):
+        for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            for raw in (huge, b"-" + huge + b"0" * 100):
+                data = b'{"prompt": "hi", "max_tokens": 1, "' + name.encode() + b'": ' + raw + b"}"
+                status, out = await post(s, f"{server}/v1/completions", data)
+                assert status == 400 and out["error"]["param"] == name, (name, out)
+                assert "digits" in out["error"]["message"]
+        for top_p in (1e-50, 5e-324, 1e-30):
+            status, out = await post(s, f"{server}/v1/completions", {**prompt, "top_p": top_p, "seed": 3})
+            assert status == 200 and out["choices"][0]["text"] == want, (top_p, out)
+        plain = json.dumps({**prompt, "temperature": 0}).encode()
+        encoded = [
+            ("gzip", plain, 400, "not valid gzip"),
+            ("gzip", gzip.compress(plain)[:-9], 400, "truncated"),
+            ("deflate", b"\x00\x01garbage", 400, "not valid deflate"),
+            ("br", plain, 415, "unsupported Content-Encoding"),
+            ("zstd, gzip", gzip.compress(plain), 415, "unsupported Content-Encoding"),
+            ("gzip", gzip.compress(b'{"prompt": "' + b"a" * (1 << 20) + b'"}'), 413, "larger than"),
+            ("gzip", gzip.compress(plain), 200, None),
+            ("deflate", zlib.compress(plain), 200, None),
+            ("identity, gzip", gzip.compress(plain), 200, None),
+        ]
+        for coding, data, want_status, needle in encoded:
+            status, out = await post(s, f"{server}/v1/completions", data, {**JSON, "Content-Encoding": coding})
+            assert status == want_status, (coding, out)
+            if needle is None:
+                assert out["choices"][0]["text"] == want
+            else:
+                assert needle in out["error"]["message"], (coding, out)
+        async with s.get(f"{server}/metrics") as r:
+            before = http_counts(await r.text())
+
+        async def hang_up(i: int) -> None:
+            req = {"prompt": "The river", "max_tokens": 200, "n": 3, "stream": True, "ignore_eos": True, "seed": i,
+                   "temperature": 1.0}  # fmt: skip
+            resp = await s.post(f"{server}/v1/completions", json=req)
+            assert resp.status == 200
+            seen = 0
+            async for raw in resp.content:
+                seen += raw.startswith(b"data: ")
+                if seen == 1 + i % 4:
+                    break
+            resp.close()  # hang up mid-stream
+
+        async def cut_off(i: int) -> None:
+            req = {"prompt": "The river", "max_tokens": 100, "stream": True, "ignore_eos": True}
+            try:
+                async with s.post(f"{server}/v1/completions", json=req, headers={PLANTED_HANGUP: str(i % 7)}) as r:
+                    assert r.status == 200
+                    chunks, done = await sse_chunks(r)
+                assert not done
+            except aiohttp.ClientPayloadError:  # the connection closed mid-body
+                pass
+
+        for start in range(0, 20, 5):
+            await asyncio.gather(*(hang_up(i) for i in range(start, start + 5)), *(cut_off(i) for i in range(5)))
+        m = await wait_idle(s, server)
+        assert m["qspec_kv_blocks_used"] == 0 and m["qspec_requests_running"] == 0, m
+        async with s.get(f"{server}/metrics") as r:
+            after = http_counts(await r.text())
+        assert after.get("500", 0) == before.get("500", 0), (before, after)
+        assert after.get("499", 0) - before.get("499", 0) >= 20, (before, after)  # at least the planted ones
+        errors = [line for line in server_log.read_text().splitlines() if "ERROR" in line and "planted" not in line]
+        assert not errors, errors[:3]
+        status, out = await post(s, f"{server}/v1/completions", {**prompt, "temperature": 0})
+        assert status == 200 and out["choices"][0]["text"] == want
+
+    run(body)
+
+
 # ---- the bounded fuzz ----------------------------------------------------------------------------------
 
 
@@ -421,6 +524,7 @@ def extreme_values(rng: random.Random):
     return rng.choice([
         None, True, False, 0, -1, 1, 2**63, -(2**63), 2**64, 10**40, 1e-40, 1e308, -1e308, 0.5, "", "x" * 1000,
         "\u0000", "🙂", [], [1, 2], [[[]]], {}, {"a": 1}, [-1], [10**9], "NaN", 1e-320, 17, 255, 4096,
+        10**309, -(10**400), 1e-50,
     ])  # fmt: skip
 
 
@@ -459,6 +563,11 @@ def fuzz_request(rng: random.Random) -> tuple[str, bytes, dict]:
         data = json.dumps(body).encode()
     except ValueError:
         data = b"{}"
+    coding = rng.random()
+    if coding < 0.05:  # marked gzip, not gzip
+        headers = {**headers, "Content-Encoding": "gzip"}
+    elif coding < 0.1:
+        data, headers = gzip.compress(data), {**headers, "Content-Encoding": rng.choice(["gzip", "br", "deflate"])}
     return path, data, headers
 
 

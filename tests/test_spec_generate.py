@@ -156,8 +156,11 @@ def test_seeded_request_gives_the_same_sample_alone_in_any_batch_and_in_every_lo
         got[loop] = alone
     assert got["generate"] == got["engine"]
     assert len(set(got["generate"])) > 3  # really sampled
-    if name is not None:  # and speculation ran: the sample differs from the plain loop's, whose draws differ
-        assert got["generate"] != seeded_run("generate", None, model, [prompts[3]], [mine])[0]
+    plain = seeded_run("generate", None, model, [prompts[3]], [mine])[0]
+    if name in ("medusa", "medusa-chain"):  # tree verification draws once per committed token, as plain sampling
+        assert got["generate"] == plain
+    elif name is not None:  # chain verification draws differently (acceptance tests, residuals): another sample
+        assert got["generate"] != plain
 
 
 @pytest.mark.parametrize("name", ["draft", "medusa"])
@@ -211,7 +214,7 @@ def test_draft_prefill_hook_gives_the_lazy_proposals():
     eager.prefill(state())
     assert [eager.seqs[b].committed for b in range(3)] == [len(p) - 1 for p in prompts]
     a, b = eager.propose(state()), lazy.propose(state())
-    assert torch.equal(a.tokens, b.tokens) and torch.allclose(a.draft_probs, b.draft_probs, atol=1e-6)
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.draft_probs, b.draft_probs)  # the same draft calls
     calls = []
     spec = DraftModelSpeculator(model, draft, k=3)
     spec.prefill = lambda st: calls.append([len(t) for t in st.token_ids])  # the loop's hook, once, before steps
@@ -418,8 +421,10 @@ def test_cli_bad_input_exits_with_one_clear_error(capsys, tmp_path):
     with pytest.raises(SystemExit):
         generate_speculative(model, tmp_path, None, [[1, 2]], SamplingParams(), args)
     assert "not a Medusa checkpoint" in capsys.readouterr().err
-    with pytest.raises(SpeculatorError, match="unknown speculator 'eagle'"):
-        build_speculator("eagle", model)
+    with pytest.raises(SpeculatorError, match="unknown speculator 'eagel'"):
+        build_speculator("eagel", model)
+    with pytest.raises(ValueError, match=r"not an EAGLE checkpoint .* `python -m speculate\.eagle\.train`"):
+        build_speculator("eagle", model, tmp_path / "model")  # no head trained for this model
     with pytest.raises(SpeculatorError, match="typical acceptance is a Medusa mode"):
         build_speculator("ngram", model, acceptance="typical")
     with pytest.raises(SpeculatorError, match="expected layers:N"):

@@ -1,5 +1,10 @@
 """Packed quantized checkpoints in the layouts other tools load: GPTQ (v1 "gptq" and "gptq_v2"), AWQ GEMM and
-compressed-tensors (llm-compressor / vLLM).
+compressed-tensors (llm-compressor / vLLM); and qspec's own format, for what no other tool can run.
+
+"qspec": compressed-tensors' tensor layout under ``quant_method: qspec`` with the model's online Hadamard
+rotations (quantize.rotation) in ``quantization_config.rotation``: every setting compressed-tensors holds (W8A8
+included) plus the online rotations, which its loaders could not re-install. Other tools refuse the unknown
+quant_method instead of running a rotated model without its rotations; qspec's loader reads it.
 
 ``save_quantized`` writes an HF-style directory (config.json with ``quantization_config``, safetensors with
 per-layer packed tensors under the unfused HF names q_proj/k_proj/v_proj, gate_proj/up_proj); layers that are
@@ -26,11 +31,12 @@ from quantize.formats.errors import CheckpointError, check_safetensors_file
 from quantize.fplinear import FloatWeight, FPLinear
 from quantize.qembedding import shares_quantized_head, tie_quantized_embedding
 from quantize.qlinear import QuantizedWeight, QuantLinear, set_module
-from quantize.rotation import install_online_hadamard
+from quantize.rotation import HadamardMLP, RotatedRMSNorm, install_online_hadamard
 from runtime import layout
 from runtime.loader import load_state_dict, register_quantized_format, save_checkpoint
 
-FORMATS = ("gptq", "gptq_v2", "awq", "compressed-tensors")
+FORMATS = ("gptq", "gptq_v2", "awq", "compressed-tensors", "qspec")
+CT_LAYOUT = ("compressed-tensors", "qspec")  # formats whose tensors are compressed-tensors'
 DENSE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 __all__ = [
     "FORMATS",
@@ -45,8 +51,9 @@ __all__ = [
 ]
 
 
-def default_format(method: str, act_quant: bool = False, bits: int = 4, sym: bool = False) -> str:
-    """The format most loaders read for a method's checkpoints.
+def default_format(method: str, act_quant: bool = False, bits: int = 4, sym: bool = False, online: bool = False) -> str:
+    """The format most loaders read for a method's checkpoints (online: the model carries online rotations, which
+    only qspec's loader re-installs -> "qspec").
 
     GPTQ and RTN/int8 weight-only -> "gptq" (v1): transformers (gptqmodel), AutoGPTQ, vLLM (gptq, gptq_marlin),
     TGI, SGLang and ExLlama all read it; RTN is GPTQ's grid without the Hessian update, and 8-bit is in v1.
@@ -55,6 +62,8 @@ def default_format(method: str, act_quant: bool = False, bits: int = 4, sym: boo
     transformers read v2. AWQ -> "awq" (GEMM): what AutoAWQ, transformers and vLLM's awq / awq_marlin read.
     W8A8 -> compressed-tensors (int-quantized): the only one of these formats that can say activations are int8.
     """
+    if online:
+        return "qspec"
     if act_quant:
         return "compressed-tensors"
     if method.startswith("awq") and bits == 4:
@@ -122,10 +131,10 @@ def refusal(
         if out_features % 8:
             return f"{name}: AWQ GEMM packs 8 output columns per word; out_features={out_features}: use --format gptq"
         return None
-    # compressed-tensors
+    # compressed-tensors' layout (also qspec's)
     if g_idx:
         return (
-            f"{name}: compressed-tensors (>= 0.14) has no g_idx (actorder 'group' was removed), so act-order "
+            f"{name}: {fmt} (compressed-tensors >= 0.14) has no g_idx (actorder 'group' was removed), so act-order "
             "with permuted groups cannot be saved: use --static-groups (actorder 'weight') or --format gptq"
         )
     if act_quant and (grouped or not sym or bits != 8):
@@ -259,8 +268,22 @@ def is_symmetric(layer: QuantLinear) -> bool:
     return bool((layer.zeros.float() == 2 ** (layer.bits - 1)).all())  # the buffer: no unpacking
 
 
-def check_expressible(model, fmt: str) -> None:
-    """Raise CheckpointError (one line naming the layer) if `fmt` cannot hold some QuantLinear of the model."""
+def online_rotated(model) -> bool:
+    """Whether the model applies Hadamard rotations at run time (quantize.rotation's online modules)."""
+    return any(isinstance(m, HadamardMLP | RotatedRMSNorm) for m in model.modules())
+
+
+def check_expressible(model, fmt: str, quant_config: dict | None = None) -> None:
+    """Raise CheckpointError (one line naming the layer) if `fmt` cannot hold some QuantLinear of the model, or
+    its online rotations (only qspec's loader re-installs them, from quant_config's rotation record)."""
+    if online_rotated(model):
+        if fmt == "compressed-tensors":
+            raise CheckpointError(
+                "the model applies online Hadamard rotations, which compressed-tensors' loaders cannot re-install: "
+                "use --format qspec"
+            )
+        if not (quant_config or {}).get("rotation"):
+            raise CheckpointError("the model applies online Hadamard rotations but its metadata has no rotation record")
     layers = quantized_layers(model)
     widths = [m.in_features for _, m in layers]
     for name, m in layers:
@@ -278,7 +301,7 @@ def check_expressible(model, fmt: str) -> None:
         )
         if why:
             raise CheckpointError(why)
-    if fmt == "compressed-tensors" and shares_quantized_head(model):
+    if fmt in CT_LAYOUT and shares_quantized_head(model):
         raise CheckpointError(
             "lm_head: a quantized head shared with the tied embedding cannot be expressed in compressed-tensors "
             "(the embedding needs its own dense table there): drop --lm-head or use --format gptq"
@@ -306,13 +329,13 @@ def quantization_config_for(model, quant_config: dict, fmt: str) -> dict:
         "group_size": -1 if per_channel else group_sizes.pop(),
     }
     sym = all(is_symmetric(m) for _, m in layers)
-    if fmt == "compressed-tensors":
+    if fmt in CT_LAYOUT:
         quantized = {n for n, _ in layers}
         ignore = [hf for name, parts in linear_layout(model) if name not in quantized for hf, _ in parts]
         if "lm_head" not in quantized and "lm_head" not in ignore:
             ignore.append("lm_head")  # tied heads too: transformers builds an lm_head Linear for them
         static_act_order = bool(quant_config.get("act_order")) and not any(m.g_idx is not None for _, m in layers)
-        return ct.quantization_config(
+        document = ct.quantization_config(
             derived["bits"],
             derived["group_size"],
             sym,
@@ -320,6 +343,7 @@ def quantization_config_for(model, quant_config: dict, fmt: str) -> dict:
             ignore,
             actorder="weight" if static_act_order else None,
         )
+        return document if fmt == "compressed-tensors" else qspec_document(document, quant_config)
     if fmt in ("gptq", "gptq_v2"):
         derived.update(
             quant_method="gptq",
@@ -342,6 +366,14 @@ def quantization_config_for(model, quant_config: dict, fmt: str) -> dict:
             out.setdefault("meta", {})[key] = value
     if any(m.act_quant for _, m in layers):
         out["act_quant"] = True  # read back by qspec only; refusal() keeps new W8A8 saves out of GPTQ files
+    return out
+
+
+def qspec_document(document: dict, quant_config: dict) -> dict:
+    """qspec's quantization_config: a compressed-tensors document under quant_method qspec, with the rotation."""
+    out = {**document, "quant_method": "qspec", "layout": "compressed-tensors"}
+    if quant_config.get("rotation"):
+        out["rotation"] = quant_config["rotation"]
     return out
 
 
@@ -377,7 +409,7 @@ def save_quantized(
             ignore.append("lm_head")  # tied heads too, as for integer compressed-tensors
         qconfig = ct.float_quantization_config(block, floats[0][1].act_quant, ignore)
     else:
-        check_expressible(model, fmt)
+        check_expressible(model, fmt, quant_config)
         qconfig = quantization_config_for(model, quant_config, fmt)
     # dense tensors under HF names, in the declared dtype; quantized layers are replaced below
     state = {k: v.to(dense_dtype) if v.is_floating_point() else v for k, v in model.hf_state_dict().items()}
@@ -400,14 +432,14 @@ def save_quantized(
                 state.update(ct.float_to_tensors(prefix, qw))
             elif fmt == "awq":
                 state.update(awq.to_tensors(prefix, qw))
-            elif fmt == "compressed-tensors":
+            elif fmt in CT_LAYOUT:
                 state.update(ct.to_tensors(prefix, qw, sym, module.act_quant))
             else:
                 state.update(gptq.to_tensors(prefix, qw, checkpoint_format=fmt))
     state = {k: v.contiguous() for k, v in state.items()}
     dtype_name = str(dense_dtype).removeprefix("torch.")
     extra = {"quantization_config": qconfig, "torch_dtype": dtype_name, "dtype": dtype_name}
-    if fmt == "compressed-tensors" and quant_config:
+    if fmt in CT_LAYOUT and quant_config:
         extra["qspec_quant_config"] = quant_config
     out = save_checkpoint(
         model,
@@ -439,8 +471,8 @@ def read_tensors(path: Path) -> dict[str, Tensor]:
 def parse_quantization_config(qc: dict) -> dict:
     """Normalised reading of a GPTQ / AWQ / compressed-tensors ``quantization_config`` (or quantize_config.json)."""
     method = str(qc.get("quant_method", "gptq")).lower()
-    if method == "compressed-tensors":
-        return ct.parse_config(qc)
+    if method in CT_LAYOUT:
+        return ct.parse_config(qc)  # qspec: compressed-tensors' layout (its rotation is read by the caller)
     if "bits" not in qc and "w_bit" not in qc:
         raise CheckpointError(f"quantization_config has no 'bits': {qc}")
     bits = int(qc.get("bits", qc.get("w_bit")))
@@ -459,7 +491,7 @@ def parse_quantization_config(qc: dict) -> dict:
             raise CheckpointError(f"unsupported AWQ version {version!r}; supported: {awq.VERSIONS}")
         zero_point = bool(qc.get("zero_point", True))
         return {"method": "awq", "format": version, "bits": bits, "group_size": group_size, "zero_point": zero_point}
-    raise CheckpointError(f"unsupported quant_method {method!r}; supported: gptq, awq, compressed-tensors")
+    raise CheckpointError(f"unsupported quant_method {method!r}; supported: gptq, awq, compressed-tensors, qspec")
 
 
 def quantized_key(qc: dict) -> str:
@@ -533,7 +565,7 @@ def load_quantized_into(model, path: str | Path, quantization_config: dict, dtyp
 def register() -> None:
     """Make runtime.loader.load_model read GPTQ, AWQ and compressed-tensors checkpoints (also the entry
     point runtime finds)."""
-    for method in ("gptq", "awq", "compressed-tensors"):
+    for method in ("gptq", "awq", "compressed-tensors", "qspec"):
         register_quantized_format(method, load_quantized_into)
 
 

@@ -9,7 +9,9 @@ kept (a prefix-closed set: a child never scores above its parent). Siblings are 
 most likely candidate is tried first.
 
 A batch shares one tree shape (nodes are rank paths, as Medusa's) chosen by the path scores summed over the
-batch's active rows; each row fills the nodes with its own tokens, so any shape stays lossless.
+batch's active rows; each row fills the nodes with its own tokens, so any shape stays lossless, and the tree
+verifier draws once per committed token whatever the shape, so a seeded request's tokens do not depend on the
+batch mates that shaped its tree (runtime.speculation's seed contract).
 """
 
 from __future__ import annotations
