@@ -201,6 +201,55 @@ def engine_holds(model, cap: Capacity, prompt_tokens: int, seqs: int, seed: int 
             "pool_blocks": engine.block_manager.num_usable_blocks}  # fmt: skip
 
 
+# ---- one cache's summary (experiments rows) -----------------------------------------------------------
+
+
+def scoring_chunk(kv: KVCacheSpec, chunk: int = 256) -> int:
+    return min(chunk, MAX_CHUNK) if kv.policy == "sink-window" else chunk
+
+
+def long_context_summary(
+    model,
+    tokenizer,
+    kv: KVCacheSpec,
+    reference: dict,
+    lengths: tuple[int, ...] = (2048, 4096, 8192),
+    windows: tuple[int, ...] = (8, 4, 2),
+    depths: tuple[float, ...] = (0.1, 0.5, 0.9),
+    trials: int = 5,
+    retrieval_length: int = 2048,
+    greedy_prompts: int = 4,
+    greedy_length: int = 2048,
+    greedy_tokens: int = 64,
+    seed: int = 0,
+) -> dict:
+    """Perplexity per length (with the full-precision cache's on the same windows and the change in %),
+    retrieval per depth, and greedy agreement with the full-precision cache, for one cache. `reference` memoises
+    the full-precision results across calls (one experiment run scores it once)."""
+    text = wiki_text("eval")
+    full = KVCacheSpec()
+    out: dict = {"kv_cache": kv.label(), "approximate": kv.approximate, "perplexity": {}}
+    for length, count in zip(lengths, windows):
+        wins = token_windows(tokenizer, text, length, count)
+        key = f"perplexity:{length}x{count}"
+        if key not in reference:
+            reference[key] = cache_perplexity(model, wins, full, scoring_chunk(full))
+        res, ref = cache_perplexity(model, wins, kv, scoring_chunk(kv)), reference[key]
+        delta = 100 * (res["perplexity"] / ref["perplexity"] - 1)
+        out["perplexity"][str(length)] = {**res, "reference_perplexity": ref["perplexity"], "delta_pct": delta}
+    if trials:
+        found = retrieval(model, tokenizer, kv, retrieval_length, list(depths), trials, seed)
+        out["retrieval"] = {"length": retrieval_length, "depths": found}
+    if greedy_prompts:
+        prompts = token_windows(tokenizer, text, greedy_length, greedy_prompts + 16)[16:]
+        key = f"greedy:{greedy_length}x{greedy_prompts}+{greedy_tokens}"
+        if key not in reference:
+            reference[key] = greedy_outputs(model, prompts, full, greedy_tokens)
+        match = token_match(reference[key], greedy_outputs(model, prompts, kv, greedy_tokens))
+        out["greedy"] = {"prompt_tokens": greedy_length, **match.to_dict()}
+    return out
+
+
 # ---- the CLI -----------------------------------------------------------------------------------------
 
 

@@ -18,6 +18,7 @@ from runtime.config import DTYPES, ModelConfig
 from runtime.decoding import encode_prompt, generate
 from runtime.grammar import add_grammar_args, cli_grammar, report_incomplete
 from runtime.kernels import cpu_decode
+from runtime.kv_policy import add_kv_cache_args, kv_spec_from_args
 from runtime.layout import device_of
 from runtime.loader import DEFAULT_MODEL, check_model_spec, load_model, load_tokenizer, resolve
 from runtime.sampling import SamplingParams
@@ -60,7 +61,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     add_speculator_args(ap)
     add_grammar_args(ap)
+    add_kv_cache_args(ap)
     args = ap.parse_args(argv)
+    args.kv_cache = kv_spec_from_args(ap, args)
     # every check that needs no model runs here, before the tokenizer and the weights are loaded
     for i, p in enumerate(args.prompt):
         if not p.strip():
@@ -109,7 +112,14 @@ def main(argv: list[str] | None = None) -> None:
         return
 
     result = generate(
-        model, prompts, params, tokenizer=tokenizer, on_token=on_token, compile=args.compile, grammar=grammar
+        model,
+        prompts,
+        params,
+        tokenizer=tokenizer,
+        on_token=on_token,
+        compile=args.compile,
+        grammar=grammar,
+        kv_cache=args.kv_cache,
     )
     if len(prompts) > 1:
         for i, toks in enumerate(result.tokens):
@@ -119,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"\n[qspec] {n_new} tokens, TTFT {result.ttft_s * 1e3:.1f} ms, TPOT {result.tpot_s * 1e3:.1f} ms, "
         f"decode {len(result.step_times_s) * len(prompts) / max(decode_time, 1e-9):.1f} tok/s "
-        f"({args.dtype}, {device}, compile {result.compile}, batch {len(prompts)}, "
+        f"({args.dtype}, {device}, compile {result.compile}, batch {len(prompts)}, KV {args.kv_cache.label()}, "
         f"finish: {','.join(result.finish_reasons)})",
         file=sys.stderr,
     )
