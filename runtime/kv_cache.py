@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from runtime.config import ModelConfig
-from runtime.kv_quant import KVPool, open_blocks_per_sequence
+from runtime.kv_quant import KVPool, open_blocks_per_sequence, row_blocks
 
 
 class KVCache:
@@ -84,20 +84,10 @@ class QuantizedKVCache:
         per_row = self.capacity // block_size
         # ragged rows can hold a stale open group past their end (the padded prefill) besides the current ones
         open_blocks = 2 * batch_size * open_blocks_per_sequence(block_size, lookahead) if kv_dtype == "int4" else 0
-        self.pool = KVPool(
-            config.num_layers,
-            batch_size * per_row,
-            block_size,
-            config.num_kv_heads,
-            config.head_dim,
-            kv_dtype,
-            dtype,
-            device,
-            lookahead,
-            open_blocks,
+        self.pool = KVPool.for_model(
+            config, batch_size * per_row, block_size, kv_dtype, dtype, device, lookahead, open_blocks
         )
-        self.tables = torch.arange(batch_size * per_row, device=device).view(batch_size, per_row)
-        self.row_base = torch.arange(batch_size, device=device)[:, None] * self.capacity
+        self.tables, self.row_base = row_blocks(batch_size, self.capacity, block_size, device)
         self.batch_size, self.max_seq_len, self.kv_dtype = batch_size, max_seq_len, kv_dtype
 
     @property

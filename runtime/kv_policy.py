@@ -25,7 +25,7 @@ from torch import Tensor
 
 from runtime.config import ModelConfig
 from runtime.kv_cache import KVCache, QuantizedKVCache
-from runtime.kv_quant import KV_DTYPES, KVPool, check_kv_dtype
+from runtime.kv_quant import KV_DTYPES, KVPool, check_kv_dtype, row_blocks
 from runtime.layout import device_of
 from runtime.model import AttentionMetadata, apply_rope
 
@@ -141,12 +141,8 @@ class SinkWindowKVCache:
         self.ring = window + max_chunk - 1
         self.capacity = -(-(sinks + self.ring) // block_size) * block_size
         per_row = self.capacity // block_size
-        self.pool = KVPool(
-            config.num_layers, batch_size * per_row, block_size, config.num_kv_heads, config.head_dim, kv_dtype,
-            dtype, device,
-        )  # fmt: skip
-        self.tables = torch.arange(batch_size * per_row, device=device).view(batch_size, per_row)
-        self.row_base = torch.arange(batch_size, device=device)[:, None] * self.capacity
+        self.pool = KVPool.for_model(config, batch_size * per_row, block_size, kv_dtype, dtype, device)
+        self.tables, self.row_base = row_blocks(batch_size, self.capacity, block_size, device)
         self.slot_index = torch.full((batch_size, self.capacity), -1, dtype=torch.int64, device=device)
         self.inv_freq = inv_freq
         self.batch_size = batch_size
@@ -175,6 +171,13 @@ class SinkWindowKVCache:
         mask, (cos, sin) = self._step
         sink_q = apply_rope(q.transpose(1, 2), cos, sin).transpose(1, 2) if self.sinks else None
         return self.pool.attend(layer, q, self.tables[:B], self.capacity, mask, False, sink_q, self.sinks)
+
+    def move(self, batch_index: int, src_slots: Tensor, dst_start: int) -> None:
+        """Copy the k/v of sequence indices src_slots of one row to consecutive indices from dst_start (a tree's
+        accepted path; both within the last write, so their slots hold those indices)."""
+        dst = torch.arange(dst_start, dst_start + src_slots.numel(), device=src_slots.device)
+        base = self.row_base[batch_index]
+        self.pool.copy_slots(self.physical(src_slots) + base, self.physical(dst) + base)
 
     def _mask(self, meta: AttentionMetadata, B: int) -> Tensor:
         """[B, 1, T, capacity]: keys in the row's sinks or in the query's window, causal by index, and allowed by

@@ -41,6 +41,12 @@ b * S / bs ..), so their tensors read as [L, B, S, Hkv, D] (token-major, unlike 
 Attention (``chunked_attention``) never materialises a full-precision copy of the cache: it reads a chunk of
 keys and values (CHUNK slots), dequantizes only that chunk to fp32, and keeps an online softmax (running max,
 running sum, rescaled accumulator) over the chunks, as FlashAttention does.
+
+What an int4 query reads (the rule a kernel must follow): a decode step (one new token per row, written before
+attention) reads an open block's keys from ``k_open`` and every other block's from its codes. A write of several
+tokens (a prefill chunk, a verification) may seal groups it completes; query i of such a write still reads key j
+of those groups in full precision when j >= G * floor((i + 1 - lookahead) / G), i.e. while the group was open at
+i's own step in token-by-token decoding. So int4 attention does not depend on how a sequence was chunked.
 """
 
 from __future__ import annotations
@@ -138,6 +144,14 @@ def quantize_asym4(x: Tensor, dim: int) -> tuple[Tensor, Tensor, Tensor]:
 def dequantize_asym4(packed: Tensor, scale: Tensor, low: Tensor, dim: int) -> Tensor:
     """Inverse of quantize_asym4 (fp32)."""
     return unpack_int4(packed).float() * scale.float().unsqueeze(dim) + low.float().unsqueeze(dim)
+
+
+def row_blocks(batch_size: int, capacity: int, block_size: int, device) -> tuple[Tensor, Tensor]:
+    """A contiguous cache's rows laid out one after another in a pool: each row's block table [B, capacity / bs]
+    and its first global slot [B, 1] (row b's slot s is global slot b * capacity + s)."""
+    per_row = capacity // block_size
+    tables = torch.arange(batch_size * per_row, device=device).view(batch_size, per_row)
+    return tables, torch.arange(batch_size, device=device)[:, None] * capacity
 
 
 def as_bytes(t: Tensor) -> Tensor:
@@ -286,6 +300,16 @@ class KVPool:
             if kv_dtype != "auto":
                 self.k_scale = torch.zeros(L, N, bs, H, dtype=SCALE_DTYPE, **zeros)
                 self.v_scale = torch.zeros(L, N, bs, H, dtype=SCALE_DTYPE, **zeros)
+
+    @classmethod
+    def for_model(
+        cls, config, num_blocks: int, block_size: int, kv_dtype: str, dtype, device, lookahead=0, open_blocks=0
+    ):
+        """A pool shaped for a model config (layers, KV heads, head_dim)."""
+        return cls(
+            config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim, kv_dtype, dtype, device,
+            lookahead, open_blocks,
+        )  # fmt: skip
 
     @property
     def device(self) -> torch.device:

@@ -363,10 +363,9 @@ class PagedKVCache:
     ):
         self.kv_cache_dtype = check_kv_dtype(kv_cache_dtype)
         open_blocks = max_num_seqs * open_blocks_per_sequence(block_size, lookahead) if kv_cache_dtype == "int4" else 0
-        self.pool = KVPool(
-            config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim, kv_cache_dtype, dtype,
-            device, lookahead, open_blocks,
-        )  # fmt: skip
+        self.pool = KVPool.for_model(
+            config, num_blocks, block_size, kv_cache_dtype, dtype, device, lookahead, open_blocks
+        )
         self.k, self.v = self.pool.k, self.pool.v  # [L, N, bs, Hkv, D] (int4: D / 2 packed bytes)
         self.num_blocks, self.block_size = num_blocks, block_size
         self.decode_kernel = resolve_decode_kernel(decode_kernel, self.k.device, block_size)
