@@ -9,8 +9,10 @@
   still-open key group in full precision, exactly as token-by-token decoding would, so the figure does not
   depend on the chunk size); a sink-window query attends to the sinks and to its own window.
 - retrieval (passkey, Mohtashami & Jaggi 2023): a five-digit key planted at a chosen depth of `length` tokens of
-  wiki text ("The pass key is K. Remember it. K is the pass key."), asked for at the end ("What is the pass
-  key? The pass key is"); greedy answer of 8 tokens through the cache; exact match of the key's digits.
+  wiki text ("The pass key is K. Remember it. K is the pass key."), asked for at the end by starting the
+  sentence again ("The pass key is": the model retrieves by copying; with "What is the pass key?" before it the
+  135M default model fails even with the full-precision cache); greedy answer of 8 tokens through the cache;
+  exact match of the key's digits.
 - greedy agreement: greedy continuations of long wiki prompts through the cache vs through the full-precision
   cache (tokens before the first divergence, evals.fidelity.token_match).
 - memory: the cache's bytes at each length (a sink-window cache's stay flat), and the serving engine's maximum
@@ -48,7 +50,7 @@ from runtime.provenance import module_command, provenance
 from runtime.sampling import SamplingParams
 
 NEEDLE = "\nThe pass key is {key}. Remember it. {key} is the pass key.\n"
-QUESTION = "\nWhat is the pass key? The pass key is"
+QUESTION = "\nThe pass key is"  # completed by copying: "What is the pass key?" first defeats this model at any cache
 FILLER_START = 100_000  # retrieval filler comes from later in the eval text than the perplexity windows
 
 

@@ -277,17 +277,16 @@ class KVPool:
         self.dtype, self.block_size, self.num_blocks = dtype, block_size, num_blocks
         self.lookahead = lookahead
         L, N, bs, H, D = num_layers, num_blocks, block_size, num_kv_heads, head_dim
-        zeros = dict(device=device)
         if kv_dtype == "int4":
             if D % 2:
                 raise ValueError(f"int4 KV packs two channels per byte: head_dim {D} must be even")
-            self.k = torch.zeros(L, N, bs, H, D // 2, dtype=torch.uint8, **zeros)
-            self.v = torch.zeros(L, N, bs, H, D // 2, dtype=torch.uint8, **zeros)
-            self.k_scale = torch.zeros(L, N, H, D, dtype=SCALE_DTYPE, **zeros)
-            self.k_min = torch.zeros(L, N, H, D, dtype=SCALE_DTYPE, **zeros)
-            self.v_scale = torch.zeros(L, N, bs, H, dtype=SCALE_DTYPE, **zeros)
-            self.v_min = torch.zeros(L, N, bs, H, dtype=SCALE_DTYPE, **zeros)
-            self.k_open = torch.zeros(L, max(open_blocks, 1), bs, H, D, dtype=dtype, **zeros)
+            self.k = torch.zeros(L, N, bs, H, D // 2, dtype=torch.uint8, device=device)
+            self.v = torch.zeros(L, N, bs, H, D // 2, dtype=torch.uint8, device=device)
+            self.k_scale = torch.zeros(L, N, H, D, dtype=SCALE_DTYPE, device=device)
+            self.k_min = torch.zeros(L, N, H, D, dtype=SCALE_DTYPE, device=device)
+            self.v_scale = torch.zeros(L, N, bs, H, dtype=SCALE_DTYPE, device=device)
+            self.v_min = torch.zeros(L, N, bs, H, dtype=SCALE_DTYPE, device=device)
+            self.k_open = torch.zeros(L, max(open_blocks, 1), bs, H, D, dtype=dtype, device=device)
             self.open_of = torch.full((N,), -1, dtype=torch.int64)  # host copy: the write plan reads it
             self.open_of_dev = self.open_of.to(device)
             self.free_open = list(range(open_blocks - 1, -1, -1))
@@ -295,11 +294,11 @@ class KVPool:
             self.fresh: tuple[int, Tensor] | None = None  # (layer, keys of the blocks the last write sealed)
         else:
             code = {"auto": dtype, "int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}[kv_dtype]
-            self.k = torch.zeros(L, N, bs, H, D, dtype=code, **zeros)
-            self.v = torch.zeros(L, N, bs, H, D, dtype=code, **zeros)
+            self.k = torch.zeros(L, N, bs, H, D, dtype=code, device=device)
+            self.v = torch.zeros(L, N, bs, H, D, dtype=code, device=device)
             if kv_dtype != "auto":
-                self.k_scale = torch.zeros(L, N, bs, H, dtype=SCALE_DTYPE, **zeros)
-                self.v_scale = torch.zeros(L, N, bs, H, dtype=SCALE_DTYPE, **zeros)
+                self.k_scale = torch.zeros(L, N, bs, H, dtype=SCALE_DTYPE, device=device)
+                self.v_scale = torch.zeros(L, N, bs, H, dtype=SCALE_DTYPE, device=device)
 
     @classmethod
     def for_model(

@@ -214,7 +214,8 @@ def test_passkey_prompt_plants_the_key_at_the_depth(default_model):
         ids = passkey_prompt(tokenizer, filler, 512, depth, "48213")
         assert len(ids) == 512
         text = tokenizer.decode(ids)
-        assert text.count("48213") == 2 and text.endswith("What is the pass key? The pass key is")
+        assert text.count("48213") == 2 and text.endswith("48213 is the pass key.\n\nThe pass key is") == (depth == 1)
+        assert text.endswith("\nThe pass key is")
         needle = tokenizer("\nThe pass key is", add_special_tokens=False).input_ids
         first = next(i for i in range(len(ids)) if ids[i : i + len(needle)] == needle)
         assert abs(first - depth * (512 - 40)) < 40
