@@ -285,7 +285,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", required=True, help="directory for records.jsonl and table.md")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: a shared machine stays usable)")
+    ap.add_argument("--render", action="store_true", help="only re-render OUT/table.md from OUT/records.jsonl")
     args = ap.parse_args(argv)
+    if args.render:
+        print(write_table(Path(args.out) / "records.jsonl"))
+        return
     try:
         specs = [parse_spec(s) for s in args.kv.split(",")]
     except ValueError as err:
@@ -365,13 +369,23 @@ def main(argv: list[str] | None = None) -> None:
                 over = engine_holds(engine_model, cap, prompt, cap.concurrent_sequences + 1, args.seed)
                 log(f"engine check {seq} tokens, {args.engine_budget_mib:g} MiB: {d}: {fits} / one more: {over}")
                 emit("engine_check", KVCacheSpec(d), {"capacity": asdict(cap), "fits": fits, "one_more": over})
-    write_atomic(out_dir / "table.md", render(records) + "\n")
+    write_table(records)
     log(f"done in {(time.time() - started) / 60:.1f} min: {records}, {out_dir / 'table.md'}")
+
+
+def write_table(records: Path) -> Path:
+    return write_atomic(records.parent / "table.md", lambda tmp: tmp.write_text(render(records) + "\n"))
 
 
 def render(records_path: Path) -> str:
     """Markdown tables from the records (the latest record per part, cache and setting)."""
-    recs = [json.loads(line) for line in records_path.read_text().splitlines() if line.strip()]
+    latest: dict[tuple, dict] = {}
+    for line in records_path.read_text().splitlines():
+        if line.strip():
+            r = json.loads(line)
+            setting = [r["results"].get(k) for k in ("length", "sequence_tokens", "prompt_tokens")]
+            latest[(r["part"], r["kv"]["label"] if r["kv"] else None, *setting)] = r  # a rerun replaces in place
+    recs = list(latest.values())
     lines = ["# Long-context KV cache quality and capacity", ""]
     ppl = [r for r in recs if r["part"] == "perplexity"]
     if ppl:
