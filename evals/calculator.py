@@ -2,7 +2,10 @@
 
 Everything is exact integer arithmetic on the config's shapes (no measurement). Conventions:
 - parameters count tied embeddings once (the lm_head shares the embedding matrix);
-- KV bytes per token = 2 (K and V) x layers x KV heads x head_dim x bytes per element;
+- KV bytes per token = 2 (K and V) x layers x KV heads x head_dim x bytes per element; a quantized KV cache
+  (--kv-dtype int8, fp8 / fp8_e4m3, int4) counts its real bytes, codes plus scales, as runtime.kv_quant stores
+  them (int8 / fp8: one fp16 scale per token and KV head; int4: fp16 scale and min per value token and per key
+  channel over 64 tokens); int4's per-sequence residual of open key groups is not per token and not counted;
 - GB = 10^9 bytes and GiB = 2^30 bytes, always labelled; bandwidths and FLOP rates are decimal (GB/s, TFLOPS);
 - decode roofline: one decode step reads every weight byte once (plus the KV of every sequence), so
   tokens/s <= batch x bandwidth / bytes per step, and <= the compute rate / FLOPs per token;
@@ -23,10 +26,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from runtime.cliutil import ArgumentParser, run
+from runtime.kv_quant import bytes_per_token_head
 from runtime.loader import REGISTRY, resolve
 
 DTYPE_BYTES = {"fp32": 4.0, "float32": 4.0, "bf16": 2.0, "bfloat16": 2.0, "fp16": 2.0, "float16": 2.0}
 DTYPE_BYTES.update({"fp8": 1.0, "int8": 1.0, "int4": 0.5})
+
+KV_FORMATS = {"int8": "int8", "fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "int4": "int4"}  # -> runtime.kv_quant
+KV_INT4_GROUP = 64  # tokens per int4 key scale (the runtime's default block size for int4 KV)
 
 UNIT_SCALE = {"": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "KI": 2**10, "MI": 2**20, "GI": 2**30}
 UNIT_SCALE["TI"] = 2**40
@@ -195,6 +202,15 @@ def weight_bytes(s: Shapes, dtype_bytes: float, quant: QuantScheme | None = None
     )
 
 
+def kv_element_bytes(kv_dtype: str, head_dim: int) -> float:
+    """Bytes per cached K or V element, scales included for the quantized KV formats."""
+    if kv_dtype in KV_FORMATS:
+        return bytes_per_token_head(KV_FORMATS[kv_dtype], head_dim, 0, KV_INT4_GROUP) / (2 * head_dim)
+    if kv_dtype not in DTYPE_BYTES:
+        raise CalculatorError(f"unknown kv dtype {kv_dtype!r}; choose from {sorted(DTYPE_BYTES | KV_FORMATS)}")
+    return DTYPE_BYTES[kv_dtype]
+
+
 def kv_bytes_per_token(s: Shapes, kv_dtype_bytes: float) -> float:
     return 2 * s.num_layers * s.num_kv_heads * s.head_dim * kv_dtype_bytes
 
@@ -264,9 +280,8 @@ def calculate(
     concurrencies: list[int] | None = None,
     name: str = "config",
 ) -> Report:
-    for label, value in (("dtype", dtype), ("kv dtype", kv_dtype or dtype)):
-        if value not in DTYPE_BYTES:
-            raise CalculatorError(f"unknown {label} {value!r}; choose from {sorted(DTYPE_BYTES)}")
+    if dtype not in DTYPE_BYTES:
+        raise CalculatorError(f"unknown dtype {dtype!r}; choose from {sorted(DTYPE_BYTES)}")
     for label, value in (("context", context), ("concurrency", concurrency)):
         if value < 1:
             raise CalculatorError(f"{label} must be >= 1, got {value}")
@@ -278,7 +293,7 @@ def calculate(
     quant = QuantScheme.from_hf(qc) if qc else None
     p = count_params(s)
     w = weight_bytes(s, DTYPE_BYTES[dtype], quant)
-    kv_pt = kv_bytes_per_token(s, DTYPE_BYTES[kv_dtype])
+    kv_pt = kv_bytes_per_token(s, kv_element_bytes(kv_dtype, s.head_dim))
     kv_seq = kv_pt * context
     tps_empty, _ = decode_rate(s, w, kv_pt, 1, 0, bandwidth, flops)
     tps_1, _ = decode_rate(s, w, kv_pt, 1, context, bandwidth, flops)
@@ -405,7 +420,7 @@ def tp_decode_step(
 ) -> dict:
     """Seconds of one decode step of `batch` sequences at `context` tokens on one TP group."""
     w = tp_weight_bytes_per_gpu(s, DTYPE_BYTES[dtype], tp, vocab_parallel)
-    kv = tp_kv_bytes_per_token_per_gpu(s, DTYPE_BYTES[kv_dtype], tp)
+    kv = tp_kv_bytes_per_token_per_gpu(s, kv_element_bytes(kv_dtype, s.head_dim), tp)
     t_mem = (w + batch * context * kv) / hw.bandwidth
     t_compute = batch * flops_per_token(s, context) / tp / hw.flops
     t_comm = batch * tp_comm_bytes_per_token(s, tp, hw.act_bytes, vocab_parallel) / hw.link_bandwidth
@@ -438,7 +453,7 @@ def tp_layouts(
             per_replica = -(-batch // replicas)
             step = tp_decode_step(s, dtype, kv_dtype, tp, per_replica, context, hw, vocab_parallel)
             w = tp_weight_bytes_per_gpu(s, DTYPE_BYTES[dtype], tp, vocab_parallel)
-            kv = per_replica * context * tp_kv_bytes_per_token_per_gpu(s, DTYPE_BYTES[kv_dtype], tp)
+            kv = per_replica * context * tp_kv_bytes_per_token_per_gpu(s, kv_element_bytes(kv_dtype, s.head_dim), tp)
             fits = memory_per_gpu is None or w + kv <= memory_per_gpu
             cands.append(
                 {
@@ -504,7 +519,7 @@ def disaggregation(
     t_prefill = prefill_flops(s, prompt) / tp / hw.flops
     t_prefill += prompt * tp_comm_bytes_per_token(s, tp, hw.act_bytes, vocab_parallel) / hw.link_bandwidth
     t_prefill += tp_collectives_per_forward(s, tp, vocab_parallel) * hw.link_latency
-    kv_transfer = prompt * kv_bytes_per_token(s, DTYPE_BYTES[kv_dtype]) / (tp * hw.link_bandwidth)
+    kv_transfer = prompt * kv_bytes_per_token(s, kv_element_bytes(kv_dtype, s.head_dim)) / (tp * hw.link_bandwidth)
 
     def tpot(b: int) -> dict:
         t_decode = tp_decode_step(s, dtype, kv_dtype, tp, b, prompt + output, hw, vocab_parallel)["step_s"]
@@ -714,7 +729,9 @@ def main(argv: list[str] | None = None) -> None:
         "--config", required=True, help="an HF config.json, a directory holding one, or a registry name (smollm2-135m)"
     )
     ap.add_argument("--dtype", default="bf16", help=f"weight dtype: {', '.join(sorted(DTYPE_BYTES))}")
-    ap.add_argument("--kv-dtype", default=None, help="KV cache dtype (default: --dtype)")
+    ap.add_argument(
+        "--kv-dtype", default=None, help="KV cache dtype (default: --dtype); int8, fp8_e4m3, int4 count their scales"
+    )
     ap.add_argument("--context", type=int, default=4096, help="tokens per sequence (default 4096)")
     ap.add_argument("--concurrency", type=int, default=1, help="sequences decoding together (default 1)")
     ap.add_argument(

@@ -20,8 +20,8 @@ import torch
 from torch import Tensor
 
 from runtime.decoding import generate
-from runtime.kv_cache import KVCache
-from runtime.model import AttentionMetadata, decode_meta, prefill_meta
+from runtime.kv_policy import KVCacheSpec, chunked_prefill
+from runtime.model import AttentionMetadata, decode_meta
 from runtime.sampling import SamplingParams
 
 Scorer = Callable[[Tensor], Tensor]
@@ -65,17 +65,17 @@ def model_scorer(model) -> Scorer:
     return score
 
 
-def cached_scorer(model, prefill: int | None = None, chunk: int = 1) -> Scorer:
+def cached_scorer(model, prefill: int | None = None, chunk: int = 1, kv: KVCacheSpec | None = None) -> Scorer:
     """Logits through the KV cache: prefill the first `prefill` tokens (default: half), then feed the rest
-    `chunk` tokens per forward (chunk=1 is plain decoding; larger chunks are speculative verification)."""
+    `chunk` tokens per forward (chunk=1 is plain decoding; larger chunks are speculative verification).
+    kv: the cache's format and policy (runtime.kv_policy; default full precision)."""
 
     @torch.inference_mode()
     def score(tokens: Tensor) -> Tensor:
         B, T = tokens.shape
-        dtype = model.embed_tokens.weight.dtype
-        cache = KVCache(model.config, B, T, dtype, tokens.device)
+        cache = (kv or KVCacheSpec()).build(model, B, T)
         p = max(1, min(T, T // 2 if prefill is None else prefill))
-        outs = [model(tokens[:, :p], prefill_meta(B, p, tokens.device), cache)]
+        outs = [model.logits(chunked_prefill(model, tokens[:, :p], cache))]
         pos = p
         while pos < T:
             n = min(chunk, T - pos)

@@ -138,6 +138,7 @@ def render_table(cfg, records: list[dict], out_dir: Path) -> list[Path]:
             "with the logits their sampler saw, against the fp32 model on the same tokens. Perplexity of a model's "
             f"own greedy text is far lower and is not comparable with the column: {listed}.",
         ]
+    lines += kv_section(records)
     md = out_dir / "table.md"
     md.write_text("\n".join(lines) + "\n")
     summary = out_dir / "summary.md"
@@ -153,6 +154,43 @@ def render_table(cfg, records: list[dict], out_dir: Path) -> list[Path]:
     if plot:
         paths.append(plot)
     return paths
+
+
+def kv_section(records: list[dict]) -> list[str]:
+    """KV-cache rows (experiments.rows.kv_row): what each buys in memory and serving capacity, and, where measured,
+    what it costs at long context (perplexity change, passkey retrieval, greedy agreement on long prompts)."""
+    kv = [r for r in records if r.get("status") == "ok" and "kv_memory" in r.get("results", {})]
+    if not kv:
+        return []
+    lines = [
+        "",
+        "KV cache rows (all approximate): what each buys, bytes per token in a bf16 model (codes + scales) and the "
+        "serving engine's concurrent sequences under one KV budget (its own block sizing; int4 includes its residual "
+        "of open key groups), and what it costs at long context (perplexity through the cache vs the full-precision "
+        "cache on the same wiki windows; passkey retrieval; greedy agreement on long prompts).",
+        "",
+        "| row | KV bytes / token (x less than bf16) | engine sequences (bf16 → this) | long-context Δ perplexity "
+        "| passkey retrieval by depth | long greedy match |",
+        "|---|---:|---:|---|---|---:|",
+    ]
+    for r in kv:
+        res = r["results"]
+        mem, lc = res["kv_memory"], res.get("long_context") or {}
+        if "kv_tokens_kept" in mem:
+            seqs = f"bounded: {mem['kv_tokens_kept']} tokens kept"
+        else:
+            e = mem["engine_sequences"]
+            ratio = e["this"] / e["bf16"] if e["bf16"] else float("nan")
+            seqs = f"{e['bf16']} → {e['this']} ({ratio:.2f}x; {e['sequence_tokens']} tokens, {e['budget_mib']:g} MiB)"
+        ppl = ", ".join(f"{n}: {x['delta_pct']:+.2f} %" for n, x in lc.get("perplexity", {}).items()) or "—"
+        ret = lc.get("retrieval")
+        found = "—" if not ret else ", ".join(f"{d}: {x['accuracy']:.2f}" for d, x in ret["depths"].items())
+        greedy = lc.get("greedy")
+        lines.append(
+            f"| {r['row']['name']} | {mem['kv_bytes_per_token']:,.0f} ({mem['kv_memory_vs_bf16']:.2f}x) | {seqs} "
+            f"| {ppl} | {found} | {'—' if not greedy else format(greedy['match_rate'], '.3f')} |"
+        )
+    return lines
 
 
 def render_summary(rows: list[dict]) -> str:

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from evals.fidelity import Scorer, batched_scorer, cached_scorer, greedy_outputs, model_scorer
+from evals.long_context import capacity, long_context_summary
 from evals.naive_attention import naive_attention
 from evals.specbench import build_method, parse_method, run_suite
 from experiments.artifacts import Artifact, BuildError, ensure_built
@@ -28,6 +29,8 @@ from quantize.qlinear import QuantLinear
 from runtime.config import DTYPES, ModelConfig
 from runtime.decoding import generate
 from runtime.engine import EngineConfig, LLMEngine
+from runtime.kv_policy import KVCacheSpec
+from runtime.kv_quant import bytes_per_token_head
 from runtime.loader import load_model, resolve
 from runtime.model import Transformer
 from runtime.prompts import build_suite, encode_messages
@@ -425,6 +428,84 @@ def engine_row(ctx, params: dict) -> Variant:
     )
 
 
+# ---- the KV cache: quantized or bounded (issue 30) ---------------------------------------------------
+
+
+def kv_spec(params: dict) -> KVCacheSpec:
+    try:
+        return KVCacheSpec(
+            params.get("kv_cache_dtype", "auto"),
+            params.get("policy", "full"),
+            int(params.get("sinks", 4)),
+            int(params.get("window", 1020)),
+            int(params.get("block_size", 64)),
+        )
+    except ValueError as err:
+        raise ValueError(f"rows.params: {err}") from err
+
+
+def kv_memory(ctx, kv: KVCacheSpec, budget_mib: float, seq_tokens: int) -> dict:
+    """What the cache buys: bytes per token (codes + scales) against a bf16 cache, and the serving engine's
+    concurrent sequences of seq_tokens under a budget, against bf16 (the engine's own sizing, int4's residual in)."""
+    cfg = ctx.model.config
+    heads = cfg.num_layers * cfg.num_kv_heads
+    own = heads * bytes_per_token_head(kv.dtype, cfg.head_dim, 2, kv.block_size)
+    bf16 = heads * bytes_per_token_head("auto", cfg.head_dim, 2)
+    out = {"kv_bytes_per_token": own, "kv_bytes_per_token_bf16": bf16, "kv_memory_vs_bf16": bf16 / own}
+    if kv.policy == "sink-window":  # a fixed number of tokens, whatever the context
+        out["kv_tokens_kept"] = kv.sinks + kv.window
+        return out
+    budget = int(budget_mib * 2**20)
+    held = [capacity(cfg, torch.bfloat16, d, budget, seq_tokens, kv.block_size) for d in ("auto", kv.dtype)]
+    out["engine_sequences"] = {
+        "budget_mib": budget_mib,
+        "sequence_tokens": seq_tokens,
+        "bf16": held[0].concurrent_sequences,
+        "this": held[1].concurrent_sequences,
+    }
+    return out
+
+
+def kv_row(ctx, params: dict) -> Variant:
+    """The model unchanged, its KV cache quantized (int8, fp8_e4m3, int4 KIVI-style) or bounded (StreamingLLM
+    sink + window): runtime.kv_policy. Approximate. Quality columns: teacher-forced through the cache (the first
+    half of each sequence prefilled, the rest decoded token by token, every token read back from the cache) and
+    greedy decoding through it; speed: plain decoding through it against the full-precision cache. What it buys:
+    KV bytes per token and the engine's concurrent sequences at a fixed KV budget (results.kv_memory); with
+    params.long_context, perplexity at 2k / 4k / 8k, passkey retrieval and long-prompt greedy agreement
+    (evals.long_context; the full-precision cache's figures are computed once per run)."""
+    m, kv = ctx.model, kv_spec(params)
+
+    def run(spec: KVCacheSpec):
+        def go(prompts, max_tokens):
+            p = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+            return [generate(m, [list(q)], p, kv_cache=spec).tokens[0] for q in prompts]
+
+        return go
+
+    extra = {"kv_cache": kv.label(), "kv_memory": kv_memory(ctx, kv, float(params.get("budget_mib", 1024)),
+                                                            int(params.get("sequence_tokens", 2048)))}  # fmt: skip
+    settings = params.get("long_context")
+    if settings:
+        if ctx.tokenizer is None:
+            raise RowUnavailable("long-context measures read wiki text: this model has no tokenizer")
+        try:
+            extra["long_context"] = long_context_summary(
+                m, ctx.tokenizer, kv, ctx.cache.setdefault("long_context", {}), seed=ctx.cfg.seed, **settings
+            )
+        except TypeError as err:
+            raise ValueError(f"rows.params.long_context: {err}") from err
+    return Variant(
+        greedy=run(kv),
+        timed=run(kv),
+        baseline_timed=run(KVCacheSpec()),
+        baseline_name="the full-precision KV cache (plain decoding, batch 1)",
+        scorer=cached_scorer(m, kv=kv),
+        model=m,
+        extra=extra,
+    )
+
+
 # ---- speculative decoding (issue 5) -----------------------------------------------------------------
 
 
@@ -570,4 +651,5 @@ ROWS: dict[str, Callable] = {
     "float_quant": float_quant_row,
     "engine": engine_row,
     "speculative": speculative_row,
+    "kv": kv_row,
 }

@@ -13,6 +13,11 @@ for fp32 and mixed bf16). ``resolve_compile`` names what runs; generation result
 
 Compiled steps are cached per (model, batch size, capacity bucket): capacity is rounded up to a multiple of
 CAPACITY_STEP so a new prompt length reuses the graphs instead of compiling new ones.
+
+Quantized KV (int8, fp8_e4m3; runtime.kv_quant): ``StaticQuantKVCache`` quantizes the new k/v in the graph and
+folds the per-token scales into the scores and into the value weights (softmax(q codes_k^T * s_k) * s_v) codes_v),
+so no scaled copy of the cache is made (the codes are cast to the compute dtype inside the graph). int4 and
+sink-window caches change shape with their data (open key groups, eviction): they run eager.
 """
 
 from __future__ import annotations
@@ -24,8 +29,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from runtime.kv_cache import KVCache
-from runtime.layout import device_of
+from runtime.kv_cache import KVCache, QuantizedKVCache
+from runtime.kv_policy import KVCacheSpec
+from runtime.kv_quant import as_bytes, quantize_fp8, quantize_int8
 from runtime.model import AttentionMetadata, Transformer
 
 COMPILE_MODES = ("off", "auto", "on")
@@ -83,6 +89,41 @@ class StaticKVCache(nn.Module):
         return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=True)
 
 
+class StaticQuantKVCache(nn.Module):
+    """A QuantizedKVCache's int8 / fp8 pool (the same storage) read with constant shapes, as StaticKVCache: codes
+    [L, B, S, Hkv, D] and scales [L, B, S, Hkv] viewed row by row; attention over all S slots, masked by position."""
+
+    def __init__(self, cache: QuantizedKVCache):
+        super().__init__()
+        pool, B, S = cache.pool, cache.batch_size, cache.capacity
+        L = pool.k.shape[0]
+        for name in ("k", "v", "k_scale", "v_scale"):
+            t = getattr(pool, name)
+            self.register_buffer(name, t.view(L, B, S, *t.shape[3:]), persistent=False)
+        self.register_buffer("slot_ids", torch.arange(S, device=pool.device), persistent=False)
+        self.quantize = quantize_int8 if cache.kv_dtype == "int8" else quantize_fp8
+        self.max_seq_len = S
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, meta: AttentionMetadata) -> Tensor:
+        B, H, T, D = q.shape
+        Hkv = k.shape[1]
+        index = meta.slots[:, :, None]  # [B, T, 1]
+        for codes, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
+            c, s = self.quantize(x.transpose(1, 2))  # [B, T, Hkv, D], [B, T, Hkv]
+            as_bytes(codes[layer, :B]).scatter_(1, index[..., None].expand(B, T, Hkv, D), as_bytes(c))
+            scales[layer, :B].scatter_(1, index.expand(B, T, Hkv), s)
+        g = H // Hkv
+        qg = q.reshape(B, Hkv, g * T, D) * D**-0.5
+        k_codes = self.k[layer, :B].transpose(1, 2).to(q.dtype)  # [B, Hkv, S, D]
+        scores = (qg @ k_codes.transpose(-1, -2)).float() * self.k_scale[layer, :B].transpose(1, 2)[:, :, None]
+        mask = self.slot_ids <= meta.positions[:, None, :, None]  # [B, 1, T, S]
+        mask = mask[:, :, None].expand(-1, -1, g, -1, -1).reshape(B, 1, g * T, -1)
+        probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+        weights = (probs * self.v_scale[layer, :B].transpose(1, 2)[:, :, None]).to(q.dtype)
+        out = weights @ self.v[layer, :B].transpose(1, 2).to(q.dtype)  # [B, Hkv, g*T, D]
+        return out.reshape(B, H, T, D)
+
+
 class DecodeStep(nn.Module):
     """tokens [B, T], positions [B, T] -> final-norm hidden states [B, T, hidden], over the static cache."""
 
@@ -99,12 +140,14 @@ class CompiledDecoder:
     """Runs decode steps and chain verifications of up to BUCKETS[-1] tokens through one compiled step per
     bucket. ``cache`` is the eager KVCache over the same storage: prefills and tree steps use it directly."""
 
-    def __init__(self, model: Transformer, batch_size: int, capacity: int, backend: str):
-        cfg = model.config
-        device = device_of(model)
-        self.cache = KVCache(cfg, batch_size, capacity, model.compute_dtype, device)
+    def __init__(self, model: Transformer, batch_size: int, capacity: int, backend: str, kv: KVCacheSpec | None = None):
+        kv = kv or KVCacheSpec()
+        if not kv.compilable:
+            raise ValueError(f"the compiled step has no static cache for {kv.label()}: run it eager (compile off)")
+        self.cache = kv.build(model, batch_size, capacity)
         self.backend = backend
-        self.step = DecodeStep(model, StaticKVCache(self.cache))
+        static = StaticKVCache(self.cache) if isinstance(self.cache, KVCache) else StaticQuantKVCache(self.cache)
+        self.step = DecodeStep(model, static)
         # "eager": dynamo tracing only, with fullgraph so tests catch a graph break in the model's own code; the
         # real backends allow breaks (a stand-in module, e.g. a Triton QuantLinear, costs speed, not correctness)
         if backend == "eager":
@@ -139,7 +182,9 @@ class CompiledDecoder:
         return self.compiled(tokens.contiguous(), positions.contiguous())[:, :T].clone()
 
 
-def compiled_decoder(model: Transformer, batch_size: int, max_len: int, backend: str) -> CompiledDecoder:
+def compiled_decoder(
+    model: Transformer, batch_size: int, max_len: int, backend: str, kv: KVCacheSpec | None = None
+) -> CompiledDecoder:
     """The cached decoder for this model and batch size whose capacity holds max_len tokens plus the largest
     bucket's padding; built (and compiled lazily, at its first call) when none fits."""
     capacity = -(-(max_len + BUCKETS[-1]) // CAPACITY_STEP) * CAPACITY_STEP
@@ -149,9 +194,10 @@ def compiled_decoder(model: Transformer, batch_size: int, max_len: int, backend:
     dynamo.recompile_limit = max(dynamo.recompile_limit, 256)
     dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, 1024)
     per_model = _DECODERS.setdefault(model, {})
-    key = (batch_size, capacity, backend, model.compute_dtype)
+    kv = kv or KVCacheSpec()
+    key = (batch_size, capacity, backend, model.compute_dtype, kv)
     if key not in per_model:
-        per_model[key] = CompiledDecoder(model, batch_size, capacity, backend)
+        per_model[key] = CompiledDecoder(model, batch_size, capacity, backend, kv)
     return per_model[key]
 
 

@@ -15,9 +15,9 @@ import torch
 
 from runtime.compiled import compiled_decoder, resolve_compile
 from runtime.grammar import Grammar, mask_logits, row_constraints
-from runtime.kv_cache import KVCache
+from runtime.kv_policy import KVCacheSpec, chunked_prefill
 from runtime.layout import device_of
-from runtime.model import AttentionMetadata, Transformer, decode_meta, prefill_meta
+from runtime.model import AttentionMetadata, Transformer, decode_meta
 from runtime.sampling import SamplingParams, logits_to_probs, make_generator, process_logits, sample_rows
 from runtime.stopping import StopChecker
 from runtime.timing import LoopClock, LoopTiming, PhaseTimer
@@ -44,20 +44,22 @@ def generate(
     compile: str = "auto",
     grammar: Grammar | list[Grammar | None] | None = None,
     profile: bool = False,
+    kv_cache: KVCacheSpec | None = None,
 ) -> GenerationOutput:
     """Generate for a batch of token-id prompts; on_token(row, token) streams each new token. grammar (one
     for the batch or one per row): every token is drawn under its mask (runtime.grammar).
 
     compile: "off" | "auto" | "on" (runtime.compiled): decode steps through a compiled step over a static cache.
-    The clock covers the whole call (runtime.timing); profile=True also splits it into forward, lm_head and
-    sampling seconds (``out.timing.phase_s``; CUDA is synchronized at each boundary, so only when asked)."""
+    kv_cache: the cache's format and policy (runtime.kv_policy; default full precision, keep everything); int4
+    and sink-window caches run eager. The clock covers the whole call (runtime.timing); profile=True also splits
+    it into forward, lm_head and sampling seconds (``out.timing.phase_s``; CUDA is synchronized at each
+    boundary, so only when asked)."""
     clock = LoopClock()
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
     B = len(prompts)
     row_params = params if isinstance(params, list) else [params] * B
     device = device_of(model)
-    dtype = model.compute_dtype
     cfg = model.config
     lengths = torch.tensor([len(p) for p in prompts], device=device)
     max_new = max(p.max_tokens for p in row_params)
@@ -73,12 +75,13 @@ def generate(
     tokens = torch.zeros(B, total, dtype=torch.long, device=device)
     for b, p in enumerate(prompts):
         tokens[b, : len(p)] = torch.tensor(p, device=device)
-    backend = resolve_compile(compile, device) if use_cache else "off"
-    decoder = compiled_decoder(model, B, total, backend) if backend != "off" else None
+    kv = kv_cache or KVCacheSpec()
+    backend = resolve_compile(compile, device) if use_cache and kv.compilable else "off"
+    decoder = compiled_decoder(model, B, total, backend, kv) if backend != "off" else None
     if decoder is not None:
         cache = decoder.cache  # the same storage the compiled step reads; the prefill writes it eagerly
     else:
-        cache = KVCache(cfg, B, total, dtype, device) if use_cache else None
+        cache = kv.build(model, B, total) if use_cache else None
     all_greedy = all(p.greedy for p in row_params)
 
     out = GenerationOutput(tokens=[[] for _ in range(B)], finish_reasons=[""] * B, compile=backend)
@@ -88,7 +91,7 @@ def generate(
     T = int(lengths.max())
     with phase("forward"):
         if use_cache:
-            hidden = model(tokens[:, :T], prefill_meta(B, T, device), cache, hidden_only=True)
+            hidden = chunked_prefill(model, tokens[:, :T], cache)  # one forward unless the cache is bounded
         else:
             hidden = model(tokens[:, :T], hidden_only=True)
         last = hidden[torch.arange(B, device=device), lengths - 1]  # [B, H]

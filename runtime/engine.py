@@ -76,6 +76,8 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     # decode attention: "auto" = the Triton paged kernel on CUDA, gather + SDPA on CPU; "triton" | "torch" force one
     decode_kernel: str = "auto"
+    # KV storage (runtime.kv_quant): auto (the compute dtype) | int8 | fp8_e4m3 | int4; quantized = approximate
+    kv_cache_dtype: str = "auto"
 
     def scheduler_config(self, model_max_len: int) -> SchedulerConfig:
         return SchedulerConfig(
@@ -132,14 +134,17 @@ class LLMEngine:
         cfg = model.config
         self.device = device_of(model)
         kv_dtype = model.compute_dtype  # the dtype k/v come out in
+        lookahead = speculator.max_tokens_per_step() - 1 if speculator is not None else 0
+        kv = (config.kv_cache_dtype, config.max_num_seqs, lookahead)  # quantized storage, int4's residual size
         num_blocks = config.num_blocks or (
-            PagedKVCache.blocks_for_budget(cfg, config.kv_cache_bytes, config.block_size, kv_dtype) + 1
+            PagedKVCache.blocks_for_budget(cfg, config.kv_cache_bytes, config.block_size, kv_dtype, *kv) + 1
         )
-        self.cache = PagedKVCache(cfg, num_blocks, config.block_size, kv_dtype, self.device, config.decode_kernel)
+        self.cache = PagedKVCache(cfg, num_blocks, config.block_size, kv_dtype, self.device, config.decode_kernel, *kv)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager.on_free = self.cache.block_freed  # int4: a freed block's open keys are sealed
         sched_config = config.scheduler_config(cfg.max_position_embeddings)
         if speculator is not None:  # room for every speculative step's drafts, reserved with the decode slot
-            sched_config.num_lookahead_slots = speculator.max_tokens_per_step() - 1
+            sched_config.num_lookahead_slots = lookahead
         self.scheduler = Scheduler(sched_config, self.block_manager)
         self.eos_ids = list(cfg.eos_token_ids)
         self.seqs: dict[str, Sequence] = {}

@@ -18,6 +18,7 @@ from runtime.config import DTYPE_CHOICES, ModelConfig, cli_dtype, dtype_name
 from runtime.decoding import encode_prompt, generate
 from runtime.grammar import add_grammar_args, cli_grammar, report_incomplete
 from runtime.kernels import cpu_step
+from runtime.kv_policy import add_kv_cache_args, kv_spec_from_args
 from runtime.layout import device_of
 from runtime.loader import DEFAULT_MODEL, check_model_spec, load_model, load_tokenizer, resolve
 from runtime.sampling import SamplingParams
@@ -63,7 +64,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     add_speculator_args(ap)
     add_grammar_args(ap)
+    add_kv_cache_args(ap)
     args = ap.parse_args(argv)
+    args.kv_cache = kv_spec_from_args(ap, args)
     # every check that needs no model runs here, before the tokenizer and the weights are loaded
     for i, p in enumerate(args.prompt):
         if not p.strip():
@@ -112,7 +115,14 @@ def main(argv: list[str] | None = None) -> None:
         return
 
     result = generate(
-        model, prompts, params, tokenizer=tokenizer, on_token=on_token, compile=args.compile, grammar=grammar
+        model,
+        prompts,
+        params,
+        tokenizer=tokenizer,
+        on_token=on_token,
+        compile=args.compile,
+        grammar=grammar,
+        kv_cache=args.kv_cache,
     )
     if len(prompts) > 1:
         for i, toks in enumerate(result.tokens):
@@ -120,6 +130,7 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"\n[qspec] {timing_line(result.timing)} "
         f"({dtype_name(model.compute_dtype)}, {device}, compile {result.compile}, batch {len(prompts)}, "
+        f"KV {args.kv_cache.label()}, "
         f"finish: {','.join(result.finish_reasons)})",
         file=sys.stderr,
     )

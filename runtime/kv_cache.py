@@ -3,6 +3,9 @@
 Writes go to ``meta.slots`` (so rejected speculative positions are simply overwritten by the next write
 at the same slot); reads return the first ``meta.kv_len`` slots, which the attention mask restricts
 further. Nothing is allocated per step.
+
+``QuantizedKVCache`` is the same contract over quantized storage (int8, fp8_e4m3, int4; runtime.kv_quant):
+it quantizes on write and attends over its chunks itself, dequantizing one chunk at a time.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import torch
 from torch import Tensor
 
 from runtime.config import ModelConfig
+from runtime.kv_quant import KVPool, open_blocks_per_sequence, row_blocks
 
 
 class KVCache:
@@ -54,3 +58,61 @@ class KVCache:
 
     def nbytes(self) -> int:
         return self.k.numel() * self.k.element_size() * 2
+
+
+class QuantizedKVCache:
+    """The contiguous cache in a quantized format: a runtime.kv_quant.KVPool whose blocks are laid out row by row
+    (row b's slot s is global slot b * capacity + s, so the pool's tensors read as [L, B, capacity, Hkv, D]).
+
+    Same contract as KVCache for the model (``attend`` writes the new k/v, then attends), for speculation
+    (``move``) and for memory (``nbytes``). block_size: int4's key group (tokens per channel scale).
+    lookahead: trailing slots a later step may rewrite (a speculator's drafts): int4 keeps their key groups in
+    full precision until they are final. Not a KVCache: the compiled CPU step never sees it."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        batch_size: int,
+        max_seq_len: int,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        kv_dtype: str = "int8",
+        block_size: int = 64,
+        lookahead: int = 0,
+    ):
+        self.capacity = -(-max_seq_len // block_size) * block_size
+        per_row = self.capacity // block_size
+        # ragged rows can hold a stale open group past their end (the padded prefill) besides the current ones
+        open_blocks = 2 * batch_size * open_blocks_per_sequence(block_size, lookahead) if kv_dtype == "int4" else 0
+        self.pool = KVPool.for_model(
+            config, batch_size * per_row, block_size, kv_dtype, dtype, device, lookahead, open_blocks
+        )
+        self.tables, self.row_base = row_blocks(batch_size, self.capacity, block_size, device)
+        self.batch_size, self.max_seq_len, self.kv_dtype = batch_size, max_seq_len, kv_dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.pool.device
+
+    def check_fits(self, kv_len: int) -> None:
+        if kv_len > self.max_seq_len:
+            raise ValueError(f"KV cache holds {self.max_seq_len} positions, {kv_len} requested")
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, meta) -> Tensor:
+        """Quantize and write the new k/v [B, Hkv, T, D] at meta.slots [B, T], then attend q [B, H, T, D] over
+        each row's first meta.kv_len slots under meta's mask -> [B, H, T, D]."""
+        B = k.shape[0]
+        self.check_fits(meta.kv_len)
+        ends = (meta.slots.max(1).values + 1).tolist() if self.kv_dtype == "int4" and layer == 0 else []
+        self.pool.write(layer, k, v, meta.slots + self.row_base[:B], self.tables[:B], ends)
+        tables = self.tables[:B, : -(-meta.kv_len // self.pool.block_size)]
+        return self.pool.attend(layer, q, tables, meta.kv_len, meta.mask, meta.is_causal, query_index=meta.slots)
+
+    def move(self, batch_index: int, src_slots: Tensor, dst_start: int) -> None:
+        """Copy the k/v at src_slots of one sequence to consecutive slots from dst_start (tree acceptance)."""
+        base = batch_index * self.capacity
+        dst = torch.arange(dst_start, dst_start + src_slots.numel(), device=self.device)
+        self.pool.copy_slots(src_slots.to(self.device) + base, dst + base)
+
+    def nbytes(self) -> int:
+        return self.pool.nbytes()

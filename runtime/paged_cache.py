@@ -9,6 +9,11 @@ query per row, plain causal mask) go to the Triton paged-decode kernel in
 k+1 verification, tree masks, CPU by default) gathers the blocks into ``[B, Hkv, S, D]`` and runs SDPA with
 the metadata's mask, exactly as ``update`` + the model's SDPA would.
 
+Quantized pools (``kv_cache_dtype`` int8, fp8_e4m3, int4; layouts in runtime.kv_quant): every write is
+quantized, attention dequantizes a chunk of blocks at a time (the Triton decode kernel reads int8 / fp8 codes and
+scales in place); the block budget counts the real bytes per block (codes + scales) and, for int4, the residual
+of full-precision keys each running sequence may hold (``residual_bytes``). int4's key group is the block.
+
 Block 0 is never handed out: padding tokens of a ragged batch write there, and block tables of shorter
 sequences are padded with it (those keys are masked, and its contents stay finite).
 
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import importlib.util
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -30,6 +36,13 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from runtime.config import ModelConfig
+from runtime.kv_quant import (
+    KVPool,
+    bytes_per_token_head,
+    check_kv_dtype,
+    open_blocks_per_sequence,
+    residual_bytes_per_block,
+)
 from runtime.model import AttentionMetadata
 
 SCRATCH_BLOCK = 0
@@ -79,6 +92,7 @@ class BlockManager:
         self.hash_to_block: dict[int, int] = {}
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # of those, tokens served from cached blocks
+        self.on_free: Callable[[int], None] | None = None  # told each block whose last reference goes (int4 KV)
 
     # ---- accounting --------------------------------------------------------------------------------
 
@@ -199,6 +213,8 @@ class BlockManager:
                 raise AssertionError(f"double free of block {block_id}")
             self.ref_counts[block_id] -= 1
             if self.ref_counts[block_id] == 0:
+                if self.on_free is not None:
+                    self.on_free(block_id)
                 if self.block_hash[block_id] is not None:
                     self.cached_free[block_id] = None
                 else:
@@ -345,6 +361,9 @@ class PagedKVCache:
     CPU, where it needs
     TRITON_INTERPRET=1: for tests) or "torch" (always gather + SDPA). ``kernel_launches`` counts the
     Triton decode calls, so callers can see which path ran.
+    kv_cache_dtype: auto (the compute dtype) | int8 | fp8_e4m3 | int4 (runtime.kv_quant); a quantized pool attends
+    chunk by chunk (or, int8 / fp8 decode on CUDA, through the Triton kernel). int4 only: max_num_seqs and
+    lookahead (a speculator's draft slots) size the residual of open key groups.
     """
 
     def __init__(
@@ -355,34 +374,73 @@ class PagedKVCache:
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
         decode_kernel: str = "auto",
+        kv_cache_dtype: str = "auto",
+        max_num_seqs: int = 0,
+        lookahead: int = 0,
     ):
-        shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.kv_cache_dtype = check_kv_dtype(kv_cache_dtype)
+        open_blocks = max_num_seqs * open_blocks_per_sequence(block_size, lookahead) if kv_cache_dtype == "int4" else 0
+        self.pool = KVPool.for_model(
+            config, num_blocks, block_size, kv_cache_dtype, dtype, device, lookahead, open_blocks
+        )
+        self.k, self.v = self.pool.k, self.pool.v  # [L, N, bs, Hkv, D] (int4: D / 2 packed bytes)
         self.num_blocks, self.block_size = num_blocks, block_size
         self.decode_kernel = resolve_decode_kernel(decode_kernel, self.k.device, block_size)
         self.per_shape = decode_kernel == "auto"  # "auto" on CUDA: triton_decode_wins decides per step
         self.kernel_launches = 0
         self._decode_fn = None
-        if self.decode_kernel == "triton":  # imported only here: torch-only runs never load triton
-            from runtime.kernels import paged_attention
+        if self.decode_kernel == "triton" and kv_cache_dtype in ("auto", "int8", "fp8_e4m3"):
+            from runtime.kernels import paged_attention  # imported only here: torch-only runs never load triton
 
             self._decode_fn = paged_attention.paged_decode_attention
 
     @staticmethod
-    def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+        """Stored bytes of one block, every layer: codes + scales (runtime.kv_quant.bytes_per_token_head)."""
         elem = torch.empty((), dtype=dtype).element_size()
-        return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * elem
+        per_token = bytes_per_token_head(kv_cache_dtype, config.head_dim, elem, group=block_size)
+        return round(config.num_layers * block_size * config.num_kv_heads * per_token)
+
+    @staticmethod
+    def residual_bytes(
+        config: ModelConfig, block_size: int, dtype: torch.dtype, kv_cache_dtype: str, max_num_seqs: int, lookahead=0
+    ) -> int:
+        """int4: the full-precision keys of the open groups of max_num_seqs sequences (0 for other formats)."""
+        if kv_cache_dtype != "int4":
+            return 0
+        elem = torch.empty((), dtype=dtype).element_size()
+        per_block = residual_bytes_per_block(config.head_dim, config.num_kv_heads, config.num_layers, block_size, elem)
+        return max_num_seqs * open_blocks_per_sequence(block_size, lookahead) * per_block
 
     @classmethod
-    def blocks_for_budget(cls, config: ModelConfig, budget_bytes: int, block_size: int, dtype: torch.dtype) -> int:
-        return budget_bytes // cls.bytes_per_block(config, block_size, dtype)
+    def blocks_for_budget(
+        cls,
+        config: ModelConfig,
+        budget_bytes: int,
+        block_size: int,
+        dtype: torch.dtype,
+        kv_cache_dtype: str = "auto",
+        max_num_seqs: int = 0,
+        lookahead: int = 0,
+    ) -> int:
+        """Blocks that fit the budget once the int4 residual of max_num_seqs sequences is set aside."""
+        residual = cls.residual_bytes(config, block_size, dtype, kv_cache_dtype, max_num_seqs, lookahead)
+        return max(0, budget_bytes - residual) // cls.bytes_per_block(config, block_size, dtype, kv_cache_dtype)
 
     def nbytes(self) -> int:
-        return self.k.numel() * self.k.element_size() * 2
+        return self.pool.nbytes()
+
+    def block_freed(self, block_id: int) -> None:
+        """BlockManager.on_free: an int4 block whose keys are still open is sealed and its residual slot freed."""
+        self.pool.block_freed(block_id)
 
     def write(self, layer: int, k: Tensor, v: Tensor, meta: PagedAttentionMetadata) -> None:
         """Write the new k/v [B, Hkv, T, D] at meta.slots [B, T] (global pool slots)."""
+        if self.kv_cache_dtype != "auto":
+            slots = meta.slots.masked_fill(meta.slots < self.block_size, -1)  # padding (scratch block): no write
+            ends = meta.context_lens.tolist() if self.kv_cache_dtype == "int4" and layer == 0 else []
+            self.pool.write(layer, k, v, slots, meta.block_tables.long(), ends)
+            return
         B, H, T, D = k.shape
         flat_k = self.k[layer].view(-1, H, D)  # [num_blocks * bs, Hkv, D]
         flat_v = self.v[layer].view(-1, H, D)
@@ -392,7 +450,9 @@ class PagedKVCache:
 
     def update(self, layer: int, k: Tensor, v: Tensor, meta: PagedAttentionMetadata) -> tuple[Tensor, Tensor]:
         """Write k/v [B, Hkv, T, D] at meta.slots [B, T]; return [B, Hkv, kv_len, D] gathered through
-        meta.block_tables."""
+        meta.block_tables (full-precision pools only: a quantized pool is read inside ``attend``)."""
+        if self.kv_cache_dtype != "auto":
+            raise NotImplementedError("a quantized KV pool is read inside attend(), never gathered whole")
         self.write(layer, k, v, meta)
         return gather_blocks(self.k[layer], meta.block_tables, meta.kv_len), gather_blocks(
             self.v[layer], meta.block_tables, meta.kv_len
@@ -401,31 +461,40 @@ class PagedKVCache:
     def copy_slots(self, src: Tensor, dst: Tensor) -> None:
         """Copy the k/v at global slots src to slots dst in every layer (a tree's accepted path moves to
         consecutive slots)."""
-        L, _, _, H, D = self.k.shape
-        for pool in (self.k, self.v):
-            flat = pool.view(L, -1, H, D)
-            flat[:, dst] = flat[:, src]
+        self.pool.copy_slots(src, dst)
 
     def uses_decode_kernel(self, q: Tensor, meta: PagedAttentionMetadata) -> bool:
         """Pure decode (one query per row, prefix mask, context lengths given) with the Triton backend."""
         if not (self._decode_fn is not None and q.shape[2] == 1 and meta.prefix_mask and meta.context_lens is not None):
             return False
-        return not self.per_shape or triton_decode_wins(q.dtype, q.shape[0], meta.kv_len)
+        # a quantized pool: the kernel reads the codes in place, the other path dequantizes chunk by chunk (unmeasured)
+        quantized = self.kv_cache_dtype != "auto"
+        return not self.per_shape or quantized or triton_decode_wins(q.dtype, q.shape[0], meta.kv_len)
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, meta: PagedAttentionMetadata) -> Tensor:
         """The model's attention over the pool: q [B, H, T, D] (after rope), the new k/v [B, Hkv, T, D]
         -> out [B, H, T, D]. Writes k/v first, so a decode row attends to its own new key too."""
+        quantized = self.kv_cache_dtype != "auto"
         if not self.uses_decode_kernel(q, meta):
+            if quantized:
+                self.write(layer, k, v, meta)
+                tables, T = meta.block_tables.long(), q.shape[2]
+                # each query's index in its sequence: a row's real tokens come first (right padding)
+                real = (meta.slots >= self.block_size).sum(1, keepdim=True)
+                index = meta.context_lens[:, None].long() - real + torch.arange(T, device=q.device)
+                return self.pool.attend(layer, q, tables, meta.kv_len, meta.mask, meta.is_causal, query_index=index)
             k, v = self.update(layer, k, v, meta)
             return F.scaled_dot_product_attention(
                 q, k, v, attn_mask=meta.mask, is_causal=meta.is_causal, enable_gqa=True
             )
         self.write(layer, k, v, meta)
         self.kernel_launches += 1
+        scales = (self.pool.k_scale[layer], self.pool.v_scale[layer]) if quantized else (None, None)
         # SDPA's default scale, so both paths compute the same function; the kernel accumulates in fp32
         out = self._decode_fn(
-            q[:, :, 0], self.k[layer], self.v[layer], meta.block_tables, meta.context_lens, scale=q.shape[-1] ** -0.5
-        )  # [B, H, D]
+            q[:, :, 0], self.k[layer], self.v[layer], meta.block_tables, meta.context_lens, q.shape[-1] ** -0.5,
+            *scales,
+        )  # fmt: skip  # [B, H, D]
         return out[:, :, None]
 
 

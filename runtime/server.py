@@ -39,6 +39,7 @@ from runtime.cliutil import ArgumentParser, run
 from runtime.config import DTYPE_CHOICES, cli_dtype, dtype_name
 from runtime.engine import EngineConfig, LLMEngine, RequestOutput
 from runtime.grammar import Grammar, GrammarError, ResponseFormats
+from runtime.kv_quant import KV_DTYPES
 from runtime.loader import DEFAULT_MODEL, check_model_arg, load_model, load_tokenizer
 from runtime.sampling import SamplingParams, TokenLogprob
 from runtime.scheduler import RequestRejectedError
@@ -858,7 +859,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--kv-cache-gb", type=float, default=1.0, help="memory budget of the KV block pool")
-    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default 16; int4 KV: 64)")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=KV_DTYPES,
+                    help="KV storage: auto = the model dtype; int8 / fp8_e4m3 per token and head; int4 KIVI-style "
+                    "(keys per channel over a block, values per token). Quantized KV is approximate")  # fmt: skip
     ap.add_argument("--decode-kernel", choices=["auto", "triton", "torch"], default="auto",
                     help="decode attention: auto = Triton paged kernel on CUDA, gather + SDPA on CPU")  # fmt: skip
     ap.add_argument("--max-num-seqs", type=int, default=16)
@@ -892,6 +896,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     add_speculator_args(ap)  # --speculator {ngram,draft,medusa,quant-draft,eagle}: speculation in the engine step
     args = ap.parse_args(argv)
+    if args.block_size is None:
+        args.block_size = 64 if args.kv_cache_dtype == "int4" else 16  # int4: one key scale per channel per block
     if args.model:
         check_model_arg(ap, args.model)  # before anything loads: a bad spec is one line, not a traceback
     names = (
@@ -925,6 +931,7 @@ def main(argv: list[str] | None = None) -> None:
         policy=args.policy,
         max_model_len=args.max_model_len,
         decode_kernel=args.decode_kernel,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     speculator = speculator_from_args(model, path, args) if args.speculator else None
     engine = LLMEngine(model, tokenizer, config, speculator=speculator)
@@ -936,7 +943,8 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"[qspec] serving {args.model} as {', '.join(names)} on http://{args.host}:{args.port} "
         f"({dtype_name(model.compute_dtype)}, {args.device}); "
-        f"KV pool {bm.num_usable_blocks} blocks x {bm.block_size} tokens = {engine.cache.nbytes() / 2**20:.0f} MiB, "
+        f"KV pool {bm.num_usable_blocks} blocks x {bm.block_size} tokens = {engine.cache.nbytes() / 2**20:.0f} MiB "
+        f"({args.kv_cache_dtype}{', approximate' if args.kv_cache_dtype != 'auto' else ''}), "
         f"max context {engine.scheduler.config.max_model_len}, decode attention {engine.cache.decode_kernel}"
         + (f", speculator {speculator.name} ({speculator.acceptance})" if speculator is not None else "")
         + (", API key required" if args.api_key else ""),

@@ -139,6 +139,7 @@ def generate_speculative(model, path, tokenizer, prompts: list[list[int]], param
         compile=getattr(args, "compile", "auto"),
         on_token=on_token,
         grammar=grammar,
+        kv_cache=getattr(args, "kv_cache", None),  # --kv-cache-dtype / --kv-policy (runtime.kv_policy)
     )
     for i, toks in enumerate(out.tokens):
         text = tokenizer.decode(toks, skip_special_tokens=True)

@@ -24,8 +24,9 @@ from torch import Tensor
 from runtime.compiled import CompiledDecoder, bucket, compiled_decoder, resolve_compile
 from runtime.grammar import Grammar, mask_logits, row_constraints
 from runtime.kv_cache import KVCache
+from runtime.kv_policy import KVCacheSpec, chunked_prefill
 from runtime.layout import device_of
-from runtime.model import AttentionMetadata, Transformer, prefill_meta
+from runtime.model import AttentionMetadata, Transformer
 from runtime.sampling import SamplingParams, logits_to_probs, make_generator, sample_rows
 from runtime.speculation import CandidateTree, Proposal, SpecState, draft_budget
 from runtime.stopping import StopChecker
@@ -146,6 +147,7 @@ def speculative_generate(
     compile: str = "auto",
     on_token: Callable[[int, int], None] | None = None,
     grammar: Grammar | list[Grammar | None] | None = None,
+    kv_cache: KVCacheSpec | None = None,
 ) -> SpecOutput:
     """Generate for a batch of token-id prompts with ``speculator`` proposing and the one verifier deciding.
 
@@ -156,8 +158,10 @@ def speculative_generate(
     compiled step; trees and longer chains run eager. on_token(row, token) streams each committed token.
     grammar (one, or one per row): the target's distribution at every position is masked by the row's grammar
     state after the committed tokens and the drafts before it (the verifier does it), so the output has the
-    distribution of constrained plain sampling. The clock covers the whole call (runtime.timing): the TTFT
-    includes the speculator's prefill, each step its propose, verification forward, lm_head and verify."""
+    distribution of constrained plain sampling. kv_cache: the target cache's format and policy (runtime.kv_policy);
+    its trailing draft slots stay rewritable (int4 keeps their key groups open). The clock covers the whole call
+    (runtime.timing): the TTFT includes the speculator's prefill, each step its propose, verification forward,
+    lm_head and verify."""
     clock = LoopClock()
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
@@ -182,9 +186,11 @@ def speculative_generate(
     constraints = row_constraints(grammar, row_params, cfg.vocab_size)
     seqs = [list(p) for p in prompts]  # committed tokens per row
     keys = [("speculative_generate", next(_RUNS), b) for b in range(B)]  # this call's rows, for the speculator
-    backend = resolve_compile(compile, device)
-    decoder = compiled_decoder(model, B, capacity, backend) if backend != "off" else None
-    cache = decoder.cache if decoder is not None else KVCache(cfg, B, capacity, model.compute_dtype, device)
+    kv = kv_cache or KVCacheSpec()
+    backend = resolve_compile(compile, device) if kv.compilable else "off"
+    decoder = compiled_decoder(model, B, capacity, backend, kv) if backend != "off" else None
+    lookahead = speculator.max_tokens_per_step() - 1
+    cache = decoder.cache if decoder is not None else kv.build(model, B, capacity, lookahead)
     out = SpecOutput(tokens=[[] for _ in range(B)], finish_reasons=[""] * B, stats=SpecStats(rows=B), compile=backend)
     stats = out.stats
     active = [True] * B
@@ -229,7 +235,7 @@ def speculative_generate(
 
     T = int(lengths.max())
     tokens = torch.tensor([p + [0] * (T - len(p)) for p in prompts], device=device)
-    hidden = model(tokens, prefill_meta(B, T, device), cache, hidden_only=True)
+    hidden = chunked_prefill(model, tokens, cache)
     last_hidden = hidden[torch.arange(B, device=device), lengths - 1]  # [B, H]
     logits = model.logits(last_hidden)
     probs = torch.stack(
@@ -258,7 +264,7 @@ def speculative_generate(
                 path = verdict.paths[i]
                 if path != list(range(len(path))):  # a tree's accepted nodes' k/v to consecutive slots
                     base = int(lengths[b]) - 1
-                    cache.move(b, torch.tensor(path[1:], device=cache.k.device) + base, base + 1)
+                    cache.move(b, torch.tensor(path[1:], device=device) + base, base + 1)
                 last_hidden[b] = hidden[b, verdict.last[i]]
                 stats.row_steps += 1
                 _record(stats, depth, verdict.offered[i], len(verdict.tokens[i]) - 1)

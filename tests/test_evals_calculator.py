@@ -27,6 +27,7 @@ from evals.calculator import (
 )
 from runtime.config import ModelConfig
 from runtime.model import Transformer, random_model
+from runtime.paged_cache import PagedKVCache
 
 QWEN3_06B = {  # public values of Qwen/Qwen3-0.6B's config.json
     "architectures": ["Qwen3ForCausalLM"],
@@ -63,6 +64,22 @@ def test_kv_bytes_32_layers_8k_tokens():
     r = calculate(hf, dtype="bf16", context=8192)
     assert r.kv_bytes_per_sequence == 32 * 8 * 128 * 8192 * 2 * 2 == 1_073_741_824
     assert r.kv_bytes_per_sequence == 2**30  # exactly 1 GiB, 1.07 GB
+
+
+def test_quantized_kv_counts_codes_and_scales_as_the_engine_does():
+    """int8 / fp8: one fp16 scale per token and KV head; int4: nibbles, a value scale + min per token, a key scale + min
+    per channel per 64 tokens. The engine's block budget (PagedKVCache.bytes_per_block) counts the same bytes."""
+    per_head = {"int8": 2 * (128 + 2), "fp8": 2 * (128 + 2), "fp8_e4m3": 2 * (128 + 2), "int4": 128 + 4 + 4 * 128 / 64}
+    cfg = ModelConfig.from_hf({**QWEN3_06B, "max_position_embeddings": 4096})
+    for kv, head_bytes in per_head.items():
+        r = calculate(QWEN3_06B, dtype="bf16", kv_dtype=kv)
+        assert r.kv_bytes_per_token == 28 * 8 * head_bytes
+        fmt = "fp8_e4m3" if kv == "fp8" else kv
+        assert r.kv_bytes_per_token * 64 == PagedKVCache.bytes_per_block(cfg, 64, torch.bfloat16, fmt)
+    bf16 = calculate(QWEN3_06B, dtype="bf16").kv_bytes_per_token
+    assert bf16 / calculate(QWEN3_06B, kv_dtype="int8").kv_bytes_per_token > 1.9
+    with pytest.raises(CalculatorError, match="unknown kv dtype 'int3'"):
+        calculate(QWEN3_06B, kv_dtype="int3")
 
 
 def test_made_up_8b_params_untied():

@@ -51,6 +51,9 @@ def test_tiny_run_writes_records_table_and_plot(tiny_run):
         assert res["fidelity"]["max_abs_dlogprob"] < 1e-4 and res["greedy"]["match_rate"] == 1.0, name
         assert res["speed"]["speedup"] > 0
     assert ok["bf16"]["results"]["fidelity"]["max_abs_dlogprob"] > 1e-4
+    kv = ok["KV int8"]["results"]  # a quantized KV cache: approximate, and what it buys
+    assert 1e-4 < kv["fidelity"]["max_abs_dlogprob"] < 0.5 and kv["claim_check"] == "changes the model"
+    assert kv["kv_memory"]["kv_memory_vs_bf16"] > 1.5 and kv["kv_memory"]["engine_sequences"]["this"] > 0
     assert ok["bf16"]["results"]["weight_bytes"] < ref["weight_bytes"]
     spec = next(r for r in records if r["row"]["kind"] == "speculative")
     assert spec["status"] in ("ok", "wired, not run")
@@ -58,6 +61,7 @@ def test_tiny_run_writes_records_table_and_plot(tiny_run):
     for r in cfg.rows:
         assert f"| {r.name} |" in table
     assert "greedy match %" in table and "speedup" in table
+    assert "KV cache rows (all approximate)" in table and "| KV int8 |" in table
     header = (tiny_run / "table.csv").read_text().splitlines()[0]
     assert "greedy_match_pct" in header and "max_abs_dlogprob" in header
     w, h = png_size(tiny_run / "speedup_vs_quality.png")

@@ -197,6 +197,23 @@ def check_attend_dtypes() -> None:
         print(f"attend {dtype}: kernel err {err:.2e}, gather+SDPA err {err_sdpa:.2e} (tol {tol})")
 
 
+def check_quantized_engine_triton_equals_torch() -> None:
+    """int8 / fp8 pools: decode steps through the Triton kernel (codes and scales read in place, dequantized in
+    registers) give the tokens of the chunked torch path over the same pool."""
+    model = random_model(CFG, seed=0)
+    prompts = [[5, 9, 13, 2, 7], list(range(3, 40))]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    for fmt in ("int8", "fp8_e4m3"):
+        outs = {}
+        for kernel in ("triton", "torch"):
+            config = EngineConfig(block_size=BS, num_blocks=32, decode_kernel=kernel, kv_cache_dtype=fmt)
+            engine = LLMEngine(model, config=config)
+            outs[kernel] = [o.output_ids for o in engine.generate(prompts, params)]
+            assert (engine.cache.kernel_launches > 0) == (kernel == "triton")
+        assert outs["triton"] == outs["torch"], fmt
+        print(f"quantized {fmt}: Triton decode tokens equal the chunked torch path's")
+
+
 def check_gpu_script_smoke() -> None:
     from evals.bench_paged_decode import main
 
@@ -207,6 +224,7 @@ INTERPRETER_CHECKS = [
     "check_engine_greedy_equals_contiguous",
     "check_decode_logits_close",
     "check_attend_dtypes",
+    "check_quantized_engine_triton_equals_torch",
     "check_gpu_script_smoke",
 ]
 

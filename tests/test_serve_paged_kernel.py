@@ -47,6 +47,7 @@ KERNEL_CHECK = textwrap.dedent(
     """
     import torch
     from runtime.kernels.paged_attention import paged_decode_attention, paged_decode_attention_reference
+    from runtime.kv_quant import dequantize_scaled, quantize_fp8, quantize_int8
     from tests.test_serve_paged_kernel import random_paged_case
 
     import sys
@@ -59,6 +60,15 @@ KERNEL_CHECK = textwrap.dedent(
         pool = torch.stack([k_pool, k_pool * 0]), torch.stack([v_pool * 0, v_pool])
         out = paged_decode_attention(q, pool[0][0], pool[1][1], tables, lens)
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+        # quantized pools (int8 / fp8 codes, per-token scales): the kernel dequantizes in registers, the same
+        # function as the reference over the dequantized pools
+        for quantize in (quantize_int8, quantize_fp8):
+            (kc, ks), (vc, vs) = quantize(k_pool), quantize(v_pool)
+            out = paged_decode_attention(q, kc, vc, tables, lens, None, ks, vs)
+            k_deq, v_deq = dequantize_scaled(kc, ks), dequantize_scaled(vc, vs)
+            deq = paged_decode_attention_reference(q, k_deq, v_deq, tables, lens)
+            torch.testing.assert_close(out, deq, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(paged_decode_attention_reference(q, kc, vc, tables, lens, None, ks, vs), deq)
     print("KERNEL_OK")
     """
 )

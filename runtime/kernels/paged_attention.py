@@ -9,7 +9,9 @@ PagedAttention v1. GQA: query head h reads kv head h // (H / Hkv).
 ``paged_decode_attention_reference`` is the torch reference: gather the blocks, mask past the context
 length, softmax, weighted sum.
 
-Pool layout (runtime.paged_cache): k_pool, v_pool [num_blocks, block_size, Hkv, D].
+Pool layout (runtime.paged_cache): k_pool, v_pool [num_blocks, block_size, Hkv, D]. Quantized pools (int8 or
+float8_e4m3fn codes, runtime.kv_quant) add k_scale, v_scale [num_blocks, block_size, Hkv] (one scale per token
+and KV head): the kernel loads the codes and scales of a block and dequantizes them in registers.
 """
 
 from __future__ import annotations
@@ -21,15 +23,26 @@ from torch import Tensor
 
 
 def paged_decode_attention_reference(
-    q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tables: Tensor, context_lens: Tensor, scale: float | None = None
+    q: Tensor,
+    k_pool: Tensor,
+    v_pool: Tensor,
+    block_tables: Tensor,
+    context_lens: Tensor,
+    scale: float | None = None,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
 ) -> Tensor:
-    """q [B, H, D] -> out [B, H, D] (fp32 math, q's dtype out)."""
+    """q [B, H, D] -> out [B, H, D] (fp32 math, q's dtype out); k_scale / v_scale: a quantized pool's scales."""
     B, H, D = q.shape
     _, bs, Hkv, _ = k_pool.shape
     scale = scale if scale is not None else 1.0 / math.sqrt(D)
     nb = block_tables.shape[1]
-    k = k_pool[block_tables].reshape(B, nb * bs, Hkv, D).float()  # [B, S, Hkv, D]
-    v = v_pool[block_tables].reshape(B, nb * bs, Hkv, D).float()
+    k = k_pool[block_tables].float()  # [B, nb, bs, Hkv, D]
+    v = v_pool[block_tables].float()
+    if k_scale is not None:
+        k, v = k * k_scale[block_tables].float()[..., None], v * v_scale[block_tables].float()[..., None]
+    k = k.reshape(B, nb * bs, Hkv, D)  # [B, S, Hkv, D]
+    v = v.reshape(B, nb * bs, Hkv, D)
     group = H // Hkv
     k = k.repeat_interleave(group, dim=2)  # [B, S, H, D]
     v = v.repeat_interleave(group, dim=2)
@@ -50,14 +63,16 @@ if triton is not None:
 
     @triton.jit
     def _paged_decode_kernel(
-        q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr,
+        q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, ks_ptr, vs_ptr,
         scale,
         stride_qb, stride_qh,
         stride_kn, stride_ks, stride_kh,
         stride_vn, stride_vs, stride_vh,
         stride_tb,
         stride_ob, stride_oh,
+        stride_sn, stride_ss, stride_sh,
         GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+        QUANT: tl.constexpr,
     ):  # fmt: skip
         b = tl.program_id(0)
         h = tl.program_id(1)
@@ -81,6 +96,10 @@ if triton is not None:
                 mask=kv_mask,
                 other=0.0,
             ).to(tl.float32)  # [BLOCK_SIZE, BLOCK_D]
+            # per-token scales of a quantized pool ([N, bs, Hkv], the same strides for k and v)
+            scale_offs = block * stride_sn + offs_s * stride_ss + kv_h * stride_sh
+            if QUANT:
+                k = k * tl.load(ks_ptr + scale_offs, mask=s_mask, other=0.0).to(tl.float32)[:, None]
             scores = tl.sum(k * q[None, :], axis=1) * scale  # [BLOCK_SIZE]
             scores = tl.where(s_mask, scores, -float("inf"))
             m_new = tl.maximum(m_i, tl.max(scores, axis=0))
@@ -91,6 +110,8 @@ if triton is not None:
                 mask=kv_mask,
                 other=0.0,
             ).to(tl.float32)
+            if QUANT:
+                v = v * tl.load(vs_ptr + scale_offs, mask=s_mask, other=0.0).to(tl.float32)[:, None]
             acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
             l_i = l_i * alpha + tl.sum(p, axis=0)
             m_i = m_new
@@ -99,9 +120,17 @@ if triton is not None:
 
 
 def paged_decode_attention(
-    q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tables: Tensor, context_lens: Tensor, scale: float | None = None
+    q: Tensor,
+    k_pool: Tensor,
+    v_pool: Tensor,
+    block_tables: Tensor,
+    context_lens: Tensor,
+    scale: float | None = None,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
 ) -> Tensor:
-    """Triton paged decode attention: q [B, H, D] -> [B, H, D]. Every context_len must be >= 1."""
+    """Triton paged decode attention: q [B, H, D] -> [B, H, D]. Every context_len must be >= 1. k_scale / v_scale
+    [num_blocks, block_size, Hkv]: the pools hold int8 / float8_e4m3fn codes scaled per token and KV head."""
     if triton is None:
         raise RuntimeError("triton is not installed; use paged_decode_attention_reference")
     B, H, D = q.shape
@@ -116,14 +145,20 @@ def paged_decode_attention(
     out = torch.empty_like(q)
     block_tables = block_tables.to(torch.int32).contiguous()
     context_lens = context_lens.to(torch.int32).contiguous()
+    quant = k_scale is not None
+    if quant and (k_scale.stride() != v_scale.stride() or k_scale.shape != k_pool.shape[:3]):
+        raise ValueError("k_scale and v_scale must be [num_blocks, block_size, Hkv] with the same strides")
+    scales = (k_scale, v_scale) if quant else (k_pool, v_pool)  # unread placeholders when not quantized
+    sn, ss, sh = k_scale.stride() if quant else (0, 0, 0)
     _paged_decode_kernel[(B, H)](
-        q, k_pool, v_pool, block_tables, context_lens, out,
+        q, k_pool, v_pool, block_tables, context_lens, out, *scales,
         scale,
         q.stride(0), q.stride(1),
         k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
         v_pool.stride(0), v_pool.stride(1), v_pool.stride(2),
         block_tables.stride(0),
         out.stride(0), out.stride(1),
-        GROUP=H // Hkv, BLOCK_SIZE=bs, HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D),
+        sn, ss, sh,
+        GROUP=H // Hkv, BLOCK_SIZE=bs, HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D), QUANT=quant,
     )  # fmt: skip
     return out
