@@ -12,9 +12,10 @@ roofline share compares the weight bytes read per decoded token with a streaming
 
 Rows: ``qspec:fp32``, ``qspec:bf16`` (bf16 layers and head, fp32 residual stream), ``qspec:bf16-fp32head``,
 ``qspec:int8`` (per-channel), ``qspec:int4`` (group 64, asymmetric), ``qspec:int4-int8head`` (the tied head
-int8 per-channel), ``hf:fp32``, ``hf:bf16``, ``llama.cpp`` (llama-cpp-python on the GGUF the default model
-ships as, an optional peer: skipped with a note when it is not installed). Quantized rows use round-to-nearest
-codes (speed does not depend on how codes are chosen) with bf16 activations.
+int8 per-channel), ``qspec:fp8`` (e4m3 weight-only, per-channel scales), ``hf:fp32``, ``hf:bf16``,
+``llama.cpp`` (llama-cpp-python on the GGUF the default model ships as, an optional peer: skipped with a note
+when it is not installed). Quantized rows use round-to-nearest codes (speed does not depend on how codes are
+chosen) with bf16 activations.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from pathlib import Path
 import torch
 
 from quantize.config import QuantConfig
+from quantize.fplinear import FPLinear, quantize_fp8
 from quantize.qembedding import tie_quantized_embedding
 from quantize.qlinear import QuantLinear, set_module
 from quantize.rtn_weight import quantize_weight
@@ -41,7 +43,7 @@ from runtime.loader import DEFAULT_MODEL, check_model_arg, gguf_source, load_mod
 from runtime.provenance import provenance
 from runtime.sampling import SamplingParams
 
-QSPEC_ROWS = ("fp32", "bf16", "bf16-fp32head", "int8", "int4", "int4-int8head")
+QSPEC_ROWS = ("fp32", "bf16", "bf16-fp32head", "int8", "int4", "int4-int8head", "fp8")
 DEFAULT_ROWS = "qspec:fp32,hf:fp32,qspec:bf16,hf:bf16,qspec:int8,qspec:int4,llama.cpp"
 
 
@@ -90,6 +92,11 @@ def qspec_model(base, variant: str):
         return copy.deepcopy(base).set_dtype(torch.bfloat16, head_dtype=torch.float32)
     model = copy.deepcopy(base).set_dtype(torch.bfloat16)
     if variant == "bf16":
+        return model
+    if variant == "fp8":
+        for name in QuantConfig(bits=8, group_size=-1).targets(model):
+            fw = quantize_fp8(base.get_submodule(name).weight)
+            set_module(model, name, FPLinear(fw, compute_dtype=torch.bfloat16))
         return model
     bits, group = (8, -1) if variant == "int8" else (4, 64)
     cfg = QuantConfig(bits=bits, group_size=group, sym=bits == 8)

@@ -49,6 +49,7 @@ from pathlib import Path
 
 import torch
 
+from evals.bench_decode import qspec_model
 from evals.specbench import (
     DEFAULT_METHODS,
     SMOKE_CONFIG,
@@ -537,7 +538,13 @@ def main(argv: list[str] | None = None) -> None:
     m.add_argument("--methods", nargs="*", default=None, help="draft methods to time (evals.specbench syntax)")
     m.add_argument("--smoke", action="store_true", help="tiny random model")
     m.add_argument("--threads", type=int, default=None)
-    m.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="target dtype")
+    m.add_argument(
+        "--dtype",
+        choices=("fp32", "bf16", "int8", "int4"),
+        default="fp32",
+        help="target weights: fp32 / bf16 dense, or RTN int8 per-channel / int4 g64 codes with bf16 activations "
+        "(evals.bench_decode's rows)",
+    )
     m.add_argument("--out", required=True)
     c = sub.add_parser("choose-draft", help="the default draft for this model, by measured acceptance per cost")
     c.add_argument("--suite", required=True)
@@ -560,7 +567,11 @@ def main(argv: list[str] | None = None) -> None:
         if args.smoke:
             model, heads = random_model(SMOKE_CONFIG), {"medusa": None, "eagle": None}
         else:
-            model, _, path = load_model(args.model or DEFAULT_MODEL, dtype=DTYPES[args.dtype])
+            quantized = args.dtype in ("int8", "int4")
+            dtype = torch.float32 if quantized else DTYPES[args.dtype]  # codes come from the fp32 weights
+            model, _, path = load_model(args.model or DEFAULT_MODEL, dtype=dtype)
+            if quantized:
+                model = qspec_model(model, args.dtype)
             heads = {kind: head_dir(kind, path) for kind in ("medusa", "eagle")}
         try:
             Ts = sorted({int(t) for t in args.Ts.split(",")}) if args.Ts else list(range(1, args.max_T + 1))

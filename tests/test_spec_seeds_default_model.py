@@ -82,8 +82,9 @@ def first_difference(a: list[int], b: list[int]) -> int:
 
 
 def fp32_draft(model, bits: int, path: str | None = None):
-    """The quant-draft copy computing in fp32: int8 on its packed kernel (fp32 activations), int4 on the path named
-    (dense: dequantized once, the reference's math; cpu_int4: the packed kernel, which rounds to bf16)."""
+    """The quant-draft copy computing in fp32: int8 on its automatic path (the CPU step kernel, fp32 activations),
+    int4 on the path named (dense: dequantized once, the reference's math; cpu: qspec's CPU step kernel;
+    cpu_int4: torch's packed kernel, which rounds to bf16)."""
     draft = quantized_draft(model, bits, dtype=torch.float32)
     if path is not None:
         for layer in draft.modules():
@@ -109,14 +110,15 @@ PACKED_INT4 = pytest.mark.xfail(
     strict=True,
     reason="torch's packed int4 CPU kernel (_weight_int4pack_mm_for_cpu) rounds activations and outputs to bf16 "
     "and its rounding depends on the call's row count: with the rest of the draft in fp32, q differs from the "
-    "uncached forward by 4e-3 to 1.8e-2 per step (notes/issue-28.md); issue 29 replaces the kernel",
+    "uncached forward by 4e-3 to 1.8e-2 per step (notes/issue-28.md); QuantLinear's CPU default is now qspec's "
+    "step kernel (path 'cpu', the int4-step case), which holds the bar",
 )
 
 
 @pytest.mark.parametrize(
     "bits, path",
-    [(8, None), (4, "dense"), pytest.param(4, "cpu_int4", marks=PACKED_INT4)],
-    ids=["int8", "int4", "int4-packed"],
+    [(8, None), (4, "dense"), (4, "cpu"), pytest.param(4, "cpu_int4", marks=PACKED_INT4)],
+    ids=["int8", "int4", "int4-step", "int4-packed"],
 )
 @pytest.mark.parametrize("batch", [2, pytest.param(1, marks=pytest.mark.slow)])
 def test_draft_proposes_its_own_uncached_distribution(default_model, bits, path, batch):
