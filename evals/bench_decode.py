@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import json
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -147,12 +148,30 @@ def hf_runner(name: str, hf_model, prompt: list[int]) -> Runner:
     return Runner(name, call, hf_decode_weight_bytes(hf_model))
 
 
+LLAMA_CPP_PROBE = """
+import sys
+from llama_cpp import Llama
+llm = Llama(model_path=sys.argv[1], n_ctx=64, n_threads=int(sys.argv[2]), n_batch=64, verbose=False)
+for i, _ in enumerate(llm.generate([1, 2, 3, 4], top_k=1, top_p=1.0, temp=0.0, reset=True)):
+    if i >= 2:
+        break
+"""
+
+
 def llama_cpp_runner(gguf: Path, prompt: list[int], threads: int) -> Runner | str:
     """llama.cpp through llama-cpp-python (an optional peer, never a dependency), or why it cannot run."""
     try:
         from llama_cpp import Llama
-    except ImportError:
-        return "llama-cpp-python is not installed (pip install llama-cpp-python)"
+    except ImportError as err:  # not installed, or installed without one of its own dependencies
+        return f"llama-cpp-python does not import ({err}; pip install llama-cpp-python)"
+    # a few tokens in a child process first: a llama.cpp build that crashes on this CPU (seen: its AMX Q4_1 path)
+    # is reported and skipped instead of taking the whole benchmark down
+    probe = subprocess.run(
+        [sys.executable, "-c", LLAMA_CPP_PROBE, str(gguf), str(threads)], capture_output=True, text=True, timeout=300
+    )
+    if probe.returncode != 0:
+        why = f"signal {-probe.returncode}" if probe.returncode < 0 else probe.stderr.strip().splitlines()[-1:]
+        return f"llama.cpp failed a 3-token probe on this machine ({why}); rebuild llama-cpp-python for this CPU"
     llm = Llama(model_path=str(gguf), n_ctx=1024, n_threads=threads, n_threads_batch=threads, n_batch=512,
                 verbose=False)  # fmt: skip
 

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import importlib
-import sys
-
 import pytest
 import torch
 
 from runtime.config import ModelConfig
 from runtime.model import random_model
+from tests.patching import PROJECT_PACKAGES, patch_everywhere, restore_late_bindings  # noqa: F401 (re-exported)
 from tests.serve_helpers import save_tiny_checkpoint
 from tests.tiny_models import TINY_CONFIGS
 
@@ -48,14 +46,8 @@ def tiny_checkpoint(tmp_path_factory):
     return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))
 
 
-PROJECT_PACKAGES = ("runtime", "quantize", "speculate", "evals", "experiments")
-
-
-def patch_everywhere(monkeypatch, target: str, value) -> None:
-    """monkeypatch "package.module.name" and every loaded project module's own binding of it: a module that
-    did ``from package.module import name`` holds its own reference, which patching the source misses."""
-    module_name, _, name = target.rpartition(".")
-    original = getattr(importlib.import_module(module_name), name)
-    for mod in list(sys.modules.values()):  # (the source module included: it holds the original too)
-        if getattr(mod, "__name__", "").split(".")[0] in PROJECT_PACKAGES and getattr(mod, name, None) is original:
-            monkeypatch.setattr(mod, name, value)
+@pytest.fixture(autouse=True)
+def undo_late_bindings():
+    """After each test (and after monkeypatch's own undo): no project module keeps a patch_everywhere value."""
+    yield
+    restore_late_bindings()

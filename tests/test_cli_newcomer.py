@@ -260,7 +260,7 @@ SIX_LAYERS = tiny_model_config(vocab_size=VOCAB, num_layers=6, eos_token_ids=[])
 
 
 def start(tmp_path, mode: str, argv: list[str]) -> subprocess.Popen:
-    env = {**os.environ, "QSPEC_HOME": str(tmp_path / "home"), "OMP_NUM_THREADS": "1", "QSPEC_FAST_DECODE": "0"}
+    env = {**os.environ, "QSPEC_HOME": str(tmp_path / "home"), "OMP_NUM_THREADS": "1", "QSPEC_CPU_STEP": "0"}
     return subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(DRIVER), mode, *argv],
         cwd=REPO,

@@ -20,7 +20,7 @@ from tests.tiny_models import TINY_CONFIGS
 
 @pytest.fixture(autouse=True)
 def python_layers(monkeypatch):
-    monkeypatch.setenv("QSPEC_FAST_DECODE", "0")  # the eager reference runs the same Python layers
+    monkeypatch.setenv("QSPEC_CPU_STEP", "0")  # the eager reference runs the same Python layers
 
 
 def prompts(vocab: int) -> list[list[int]]:

@@ -39,7 +39,7 @@ def linear_cuda_layout(*args, **kwargs):
 def cuda_layouts(monkeypatch):
     monkeypatch.setattr(F, "scaled_dot_product_attention", sdpa_cuda_layout)
     monkeypatch.setattr(F, "linear", linear_cuda_layout)
-    monkeypatch.setenv("QSPEC_FAST_DECODE", "0")  # the CPU C++ step would bypass the Python attention
+    monkeypatch.setenv("QSPEC_CPU_STEP", "0")  # the CPU C++ step would bypass the Python attention
 
 
 def test_patch_changes_the_layout():
@@ -62,7 +62,7 @@ def prompts(vocab: int) -> list[list[int]]:
     [("llama", torch.float32), ("llama", torch.bfloat16), ("mistral", torch.float32), ("qwen3", torch.float32)],
 )
 def test_generate_and_speculation_in_cuda_layouts(name, dtype, monkeypatch):
-    monkeypatch.setenv("QSPEC_FAST_DECODE", "0")  # the CPU C++ step would bypass the Python attention
+    monkeypatch.setenv("QSPEC_CPU_STEP", "0")  # the CPU C++ step would bypass the Python attention
     cfg = TINY_CONFIGS[name]
     model = random_model(cfg, seed=0).set_dtype(dtype)
     params = SamplingParams(max_tokens=8, ignore_eos=True)

@@ -478,7 +478,7 @@ def test_rotate_layers_auto_rotates_the_layers_the_per_layer_loss_chooses(
     from runtime.data import mixed_calibration_windows
     from runtime.scoring import window_nlls
 
-    monkeypatch.setenv("QSPEC_FAST_DECODE", "0")  # the fixture's fresh QSPEC_HOME would compile the C++ step
+    monkeypatch.setenv("QSPEC_CPU_STEP", "0")  # the fixture's fresh QSPEC_HOME would compile the C++ step
     rec = tmp_path / "rec.jsonl"
     argv = ["--model", str(tiny_checkpoint), "--group-size", "32", "--bits", "3", "--rotate", "--rotate-layers"]
     try:

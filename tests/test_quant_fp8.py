@@ -199,7 +199,7 @@ def test_quantize_model_equals_dequantized_dense_model(fmt, block, w8a8):
 
 
 def test_cli_errors_and_record(tiny_checkpoint, tmp_path, capsys, monkeypatch):  # noqa: F811
-    monkeypatch.setenv("QSPEC_FAST_DECODE", "0")  # no compiled-extension build in the fixture's fresh QSPEC_HOME
+    monkeypatch.setenv("QSPEC_CPU_STEP", "0")  # no compiled-extension build in the fixture's fresh QSPEC_HOME
     ckpt = str(tiny_checkpoint)
     assert "--out: mxfp4 is emulated" in run_error(
         fp8.main, ["--model", ckpt, "--format", "mxfp4", "--out", str(tmp_path / "x")], capsys

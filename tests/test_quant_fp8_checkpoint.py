@@ -78,7 +78,7 @@ def test_fp8_checkpoint_refusals(tmp_path):
 
 
 def test_cli_saves_a_loadable_fp8_checkpoint(tiny_checkpoint, tmp_path, capsys, monkeypatch):  # noqa: F811
-    monkeypatch.setenv("QSPEC_FAST_DECODE", "0")
+    monkeypatch.setenv("QSPEC_CPU_STEP", "0")
     ckpt = str(tiny_checkpoint)
     assert "emulated (no FP4 checkpoint layout" in run_error(
         fp8.main, ["--model", ckpt, "--format", "nvfp4", "--out", str(tmp_path / "x")], capsys

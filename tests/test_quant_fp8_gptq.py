@@ -97,7 +97,7 @@ def test_scale_search_never_worse_per_channel():
 
 
 def test_cli_gptq_errors_and_record(tiny_checkpoint, tmp_path, capsys, monkeypatch):  # noqa: F811
-    monkeypatch.setenv("QSPEC_FAST_DECODE", "0")
+    monkeypatch.setenv("QSPEC_CPU_STEP", "0")
     ckpt = str(tiny_checkpoint)
     base = ["--model", ckpt, "--eval", "wiki:2"]
     assert run_error(fp8.main, base + ["--format", "mxfp4", "--gptq"], capsys) == (

@@ -1,0 +1,34 @@
+"""patch_everywhere: monkeypatch a project function in every module that bound it. Its registry lives in this
+module (not in conftest, which pytest may load under a second name) so the conftest fixture sees every patch."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+PROJECT_PACKAGES = ("runtime", "quantize", "speculate", "evals", "experiments")
+_LATE_BINDINGS: list[tuple[str, object, object]] = []  # (name, patch, original) of this test's patch_everywhere
+
+
+def project_modules() -> list:
+    return [m for m in list(sys.modules.values()) if getattr(m, "__name__", "").split(".")[0] in PROJECT_PACKAGES]
+
+
+def patch_everywhere(monkeypatch, target: str, value) -> None:
+    """monkeypatch "package.module.name" and every loaded project module's own binding of it: a module that
+    did ``from package.module import name`` holds its own reference, which patching the source misses. A module
+    first imported while the patch is on binds the patch itself: `restore_late_bindings` puts those back."""
+    module_name, _, name = target.rpartition(".")
+    original = getattr(importlib.import_module(module_name), name)
+    for mod in project_modules():  # (the source module included: it holds the original too)
+        if getattr(mod, name, None) is original:
+            monkeypatch.setattr(mod, name, value)
+    _LATE_BINDINGS.append((name, value, original))
+
+
+def restore_late_bindings() -> None:
+    while _LATE_BINDINGS:
+        name, value, original = _LATE_BINDINGS.pop()
+        for mod in project_modules():
+            if getattr(mod, name, None) is value:
+                setattr(mod, name, original)
