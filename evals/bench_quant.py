@@ -85,7 +85,7 @@ def build_variant(base, variant: str, group_size: int, lm_head: bool):
     model = copy.deepcopy(base)
     if variant == "fp32":
         return model
-    model.set_dtype(torch.bfloat16, mixed=False)
+    model.set_dtype(torch.bfloat16)  # mixed (fp32 residual stream): the runtime's bf16, which the CPU step runs
     if variant == "bf16":
         return model
     names = decoder_linears(model) + (["lm_head"] if lm_head else [])
