@@ -74,6 +74,7 @@ def test_generated_transcripts_are_reproducible(tokenizer):
     assert first != generate_chat(model, tokenizer, ChatSpec(prompts=3, max_tokens=6, batch=2, seed=5))
 
 
+@pytest.mark.slow  # ~0.5 min here: the default suite keeps under 15 min
 def test_chat_text_renders_the_cached_transcripts_with_the_chat_template(tokenizer, tmp_path, monkeypatch):
     monkeypatch.setenv("QSPEC_HOME", str(tmp_path))
     spec = ChatSpec()

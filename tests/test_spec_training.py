@@ -145,6 +145,7 @@ def test_training_prompts_cover_every_category_from_the_training_split_only():
     assert not any(f"Tell me about {t}." in x for x in text for t in eval_titles)  # chat turns name their document
 
 
+@pytest.mark.slow  # 0.5-1.5 min here: the default suite keeps under 15 min
 def test_answers_are_greedy_and_features_equal_each_sequence_alone(tmp_path, monkeypatch):
     """Oracles: each answer is the argmax continuation by full forwards (no cache, one row); each row's features
     are the hidden states of its own unpadded forward, cut to the answer span, whatever its batch mates."""
