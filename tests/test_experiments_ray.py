@@ -29,9 +29,16 @@ RUN_IDENTITY = {"run_id", "time_utc", "command", "cluster"}  # which run, when, 
 
 @pytest.fixture(scope="module", autouse=True)
 def local_cluster():
+    import psutil  # a dependency of ray
+
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
     assert connect("local", num_cpus=2, object_store_bytes=80 * 1024**2)
     yield
     ray.shutdown()
+    # Ray's processes stop after shutdown returns; wait for them, so that the next tests (latency measurements
+    # among them) do not share the 2 cores with a cluster going down
+    mine = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    psutil.wait_procs(mine, timeout=30)
 
 
 def comparable(record: dict) -> dict:

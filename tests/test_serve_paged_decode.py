@@ -229,6 +229,7 @@ INTERPRETER_CHECKS = [
 ]
 
 
+@pytest.mark.slow  # ~0.5 min under the interpreter; test_serve_paged_kernel checks the kernel itself by default
 def test_triton_decode_path_under_interpreter():
     pytest.importorskip("triton")
     code = "import tests.test_serve_paged_decode as t\nfor c in t.INTERPRETER_CHECKS: getattr(t, c)()\nprint('OK')"
