@@ -74,8 +74,10 @@ def bundling_stub():
     stop(proc)
 
 
-def within(measured: float, expected: float, rel: float = 0.1) -> bool:
-    # 10 %: on the 2-core machine in the full suite, the client's event loop was measured 6.4 % late once
+def within(measured: float, expected: float, rel: float = 0.2) -> bool:
+    # 20 %: on this VM asyncio.sleep(0.3) itself overshoots by 8-11 ms at times, and the stub's TTFT then reads
+    # 300 + 20..41 ms through HTTP on 2 busy cores; the loadgen's own errors this test exists for (counting from
+    # the wrong event, missing chunks) are whole ITLs or TTFTs
     return abs(measured - expected) <= rel * expected
 
 
@@ -126,7 +128,7 @@ def test_loadgen_cli_against_the_stub(stub, tmp_path, capsys):
     assert "TTFT" in printed and "goodput" in printed
     record = json.loads(out.read_text())
     assert record["summary"]["completed"] == 4 and record["summary"]["goodput"] > 0
-    assert within(record["summary"]["ttft_s"]["mean"], TTFT_S, rel=0.1)  # no warm-up request here
+    assert within(record["summary"]["ttft_s"]["mean"], TTFT_S, rel=0.3)  # no warm-up request: connection set-up too
     assert record["config"]["prompt_format"] == "text"
 
 
