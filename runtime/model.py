@@ -8,6 +8,7 @@ decoder layer does four matmuls; any module with ``forward(x)`` can stand in for
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -399,34 +400,38 @@ class Transformer(nn.Module):
 
     # ---- checkpoint loading -------------------------------------------------------------------------
 
-    def load_hf_state_dict(self, state: dict[str, Tensor]) -> None:
-        """Load an HF Llama-family state dict, fusing q/k/v and gate/up. Missing tensors are an error."""
+    def load_hf_state_dict(self, state: Mapping[str, Tensor]) -> None:
+        """Load an HF Llama-family state dict (a dict, or a mapping that reads each tensor when asked), fusing
+        q/k/v and gate/up. Tensors are copied (cast to each parameter's dtype) one layer at a time, so a lazy
+        mapping never holds more than a layer beside the model. Missing or extra tensors are an error."""
         cfg = self.config
-        state = {k.removeprefix("model."): v for k, v in state.items()}
 
         def take(name: str) -> Tensor:
-            if name not in state:
-                raise KeyError(f"checkpoint is missing tensor {name!r}")
-            return state[name]
+            for key in (f"model.{name}", name):
+                if key in state:
+                    return state[key]
+            raise KeyError(f"checkpoint is missing tensor {name!r}")
 
-        own: dict[str, Tensor] = {
-            "embed_tokens.weight": take("embed_tokens.weight"),
-            "norm.weight": take("norm.weight"),
-        }
+        loaded: set[str] = set()
+
+        def put(tensors: dict[str, Tensor]) -> None:
+            for name, tensor in tensors.items():
+                target = self.get_parameter(name)
+                if target.shape != tensor.shape:
+                    shapes = f"checkpoint shape {tuple(tensor.shape)} != {tuple(target.shape)}"
+                    raise ValueError(f"tensor {name!r}: {shapes}")
+                with torch.no_grad():
+                    target.copy_(tensor.to(target.dtype))
+                loaded.add(name)
+
+        put({"embed_tokens.weight": take("embed_tokens.weight"), "norm.weight": take("norm.weight")})
         if not cfg.tie_word_embeddings:
-            own["lm_head.weight"] = take("lm_head.weight")
+            put({"lm_head.weight": take("lm_head.weight")})
         for i in range(cfg.num_layers):
-            layer_state = fused_layer_state(cfg, take, f"layers.{i}.")
-            own.update({f"layers.{i}.{name}": tensor for name, tensor in layer_state.items()})
+            put({f"layers.{i}.{name}": t for name, t in fused_layer_state(cfg, take, f"layers.{i}.").items()})
         expected = set(self.state_dict()) - ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
-        if set(own) != expected:
-            raise KeyError(f"state dict mismatch: {sorted(expected ^ set(own))[:5]}")
-        for name, tensor in own.items():
-            target = self.get_parameter(name)
-            if target.shape != tensor.shape:
-                raise ValueError(f"tensor {name!r}: checkpoint shape {tuple(tensor.shape)} != {tuple(target.shape)}")
-            with torch.no_grad():
-                target.copy_(tensor.to(target.dtype))
+        if loaded != expected:
+            raise KeyError(f"state dict mismatch: {sorted(expected ^ loaded)[:5]}")
 
     def hf_state_dict(self) -> dict[str, Tensor]:
         """Inverse of load_hf_state_dict: unfused HF names (for saving and for HF oracles in tests)."""
