@@ -18,10 +18,12 @@ draft (propose) and verify time, tok/s and speedup against plain decoding measur
 whether every row's greedy output equals plain decoding (a lossless method that differs is flagged and,
 with ``--strict``, an error).
 
-Methods: plain, ngram:k=K (fixed=1: always K), draft:layers=L,k=K, quant-draft:bits=B,k=K[,layers=L]
-(int4/int8 RTN copy of the target, of its first L layers with layers=), medusa:tree=N, eagle:tree=N,depth=D,
-topk=K,frontier=F. Medusa and EAGLE need trained heads ($QSPEC_HOME/medusa|eagle/MODEL); a method whose heads
-are missing is skipped and recorded as such.
+Methods: plain, ngram:k=K (fixed=1: always K), draft:layers=L,k=K (the target's first L layers),
+draft:model=SPEC,k=K (a separate draft checkpoint sharing the target's tokenizer: a registry name, a checkpoint
+dir or a .gguf, loaded in the target's dtype), quant-draft:bits=B,k=K[,layers=L] (int4/int8 RTN copy of the
+target, of its first L layers with layers=), medusa:tree=N, eagle:tree=N,depth=D,topk=K,frontier=F. Medusa
+and EAGLE need trained heads ($QSPEC_HOME/medusa|eagle/MODEL); a method whose heads are missing is skipped and
+recorded as such.
 
     python -m evals.specbench --smoke                      # seconds, tiny random model (tested)
     python -m evals.specbench --per-category 4 --batch-sizes 1 4 --out results/specbench.json
@@ -42,13 +44,13 @@ import torch
 
 from runtime.config import DTYPES, ModelConfig
 from runtime.decoding import generate
-from runtime.loader import DEFAULT_MODEL, load_model, load_tokenizer
+from runtime.loader import DEFAULT_MODEL, ModelSpecError, check_model_spec, load_model, load_tokenizer
 from runtime.model import random_model
 from runtime.prompts import CATEGORIES, SuiteError, build_suite, encode_messages
 from runtime.provenance import module_command, provenance
 from runtime.sampling import SamplingParams
 from speculate.base import Proposal, SpecState, Speculator, SpeculatorError
-from speculate.draft import DraftModelSpeculator, layer_skip_draft, quantized_draft
+from speculate.draft import DraftModelSpeculator, layer_skip_draft, parse_draft_spec, quantized_draft
 from speculate.eagle.head import EagleConfig, EagleHead, load_eagle
 from speculate.eagle.speculator import EagleSpeculator
 from speculate.generate import speculative_generate
@@ -75,7 +77,8 @@ SMOKE_METHODS = [
     "medusa:tree=4",
     "eagle:tree=4,depth=2",
 ]
-METHOD_OPTIONS = {"k", "fixed", "layers", "bits", "tree", "depth", "topk", "frontier"}
+METHOD_OPTIONS = {"k", "fixed", "layers", "bits", "tree", "depth", "topk", "frontier", "model"}
+STRING_OPTIONS = {"model"}  # draft:model=SPEC: a model spec, not an integer
 SMOKE_CONFIG = ModelConfig(
     vocab_size=96,
     hidden_size=128,
@@ -113,10 +116,20 @@ def parse_method(spec: str) -> tuple[str, dict]:
         key, eq, value = item.partition("=")
         if not eq or key not in METHOD_OPTIONS:
             raise SuiteError(f"bad option {item!r} in method {spec!r}; options are {', '.join(sorted(METHOD_OPTIONS))}")
+        if key in STRING_OPTIONS:
+            kwargs[key] = value
+            continue
         try:
             kwargs[key] = int(value)
         except ValueError:
             raise SuiteError(f"option {key} of method {spec!r} must be an integer, got {value!r}") from None
+    if "model" in kwargs:
+        if name != "draft" or "layers" in kwargs:
+            raise SuiteError(f"method {spec!r}: model= names a separate draft: draft:model=SPEC[,k=K], without layers=")
+        try:
+            check_model_spec(kwargs["model"])
+        except ModelSpecError as err:
+            raise SuiteError(f"method {spec!r}: {err}") from None
     return name, kwargs
 
 
@@ -161,6 +174,9 @@ def build_method(name: str, kw: dict, model, heads_dir: dict[str, Path | None], 
     k = kw.get("k", 4)
     if name == "ngram":
         return NgramSpeculator(k=k, scaled=not kw.get("fixed", 0))
+    if name == "draft" and "model" in kw:  # a separate checkpoint, in the target's dtype and device
+        draft, label = parse_draft_spec(kw["model"], model)
+        return DraftModelSpeculator(model, draft, k=k, name=f"draft({label})")
     if name == "draft":
         layers = kw.get("layers", max(1, model.config.num_layers // 4))
         return DraftModelSpeculator(model, layer_skip_draft(model, layers), k=k, name=f"draft(layers:{layers})")

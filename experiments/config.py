@@ -35,6 +35,24 @@ class ModelSection:
 
 
 @dataclass
+class HumanEvalSection:
+    """HumanEval pass@1 of each evaluated row's model (evals.humaneval: greedy completions of the raw code prompts,
+    each run in its sandbox; completions and results cached per checkpoint and settings under $QSPEC_HOME)."""
+
+    subset: str | None = "quick40"  # a fixed subset (evals.humaneval.SUBSETS); null: all 164 problems
+    limit: int | None = None  # only the first N problems (of the subset)
+    max_new_tokens: int = 384
+    batch_size: int = 8  # prompts decoded together (part of the completion cache key)
+
+    def __post_init__(self):
+        for name in ("max_new_tokens", "batch_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"evals.humaneval.{name}: {getattr(self, name)} must be >= 1")
+        if self.limit is not None and self.limit < 1:
+            raise ConfigError(f"evals.humaneval.limit: {self.limit} must be >= 1 (or null: every problem)")
+
+
+@dataclass
 class EvalSection:
     fidelity_sequences: int = 8  # teacher-forced windows from the wiki eval split
     fidelity_seqlen: int = 256
@@ -52,6 +70,7 @@ class EvalSection:
     bootstrap_iters: int = 200
     # torch threads outside timed sections: 0 = every core (an idle machine); 1 lets several runs share one
     threads: int = 0
+    humaneval: HumanEvalSection | None = None  # set: HumanEval pass@1 (95% CI) of every evaluated row
 
 
 @dataclass
@@ -70,8 +89,9 @@ class Row:
     kind: str  # a key of experiments.rows.ROWS
     lossless_class: str = "approximate"  # the claim; the runner checks it against the measurements
     params: dict = field(default_factory=dict)
-    run_evals: bool = True  # fidelity, perplexity, tasks
+    run_evals: bool = True  # fidelity, perplexity, tasks (and HumanEval, where evals.humaneval is set)
     run_bench: bool = True
+    run_humaneval: bool = True  # with run_evals and evals.humaneval set; off: the other evals only
     grid: dict = field(default_factory=dict)  # a grid row's point: axis -> label (set by the expansion)
 
 

@@ -51,8 +51,51 @@ def table_rows(records: list[dict]) -> list[dict]:
             if acc:
                 row[f"acc:{task}"] = acc["value"]
                 row[f"acc_stderr:{task}"] = acc["stderr"]
+        if "humaneval" in res:
+            row.update(humaneval_columns(res["humaneval"], r["row"]["kind"] == "reference"))
         out.append(row)
-    return out
+    return humaneval_deltas(out)
+
+
+def humaneval_columns(he: dict, reference: bool) -> dict:
+    """A record's HumanEval figures as flat columns: pass@1, its 95% Wilson interval, passed / problems, and a note
+    where the row carries the reference's figure (lossless) or none."""
+    lo, hi = he.get("ci95") or (None, None)
+    note = "same as reference (lossless)" if he.get("same_as_reference") else he.get("not_measured", "")
+    return {
+        "humaneval_pass_at_1": he.get("pass_at_1"),
+        "humaneval_ci95_lo": lo,
+        "humaneval_ci95_hi": hi,
+        "humaneval_passed": he.get("passed"),
+        "humaneval_problems": he.get("problems"),
+        "humaneval_delta": None,
+        "humaneval_reference": reference,
+        "humaneval_note": note,
+    }
+
+
+def humaneval_deltas(rows: list[dict]) -> list[dict]:
+    """Each measured row's pass@1 minus the reference row's (kind reference), on the same problems."""
+    ref = next((r for r in rows if r.get("humaneval_reference") and r["humaneval_pass_at_1"] is not None), None)
+    for r in rows:
+        if ref is not None and r.get("humaneval_pass_at_1") is not None and r is not ref:
+            if r["humaneval_problems"] == ref["humaneval_problems"]:
+                r["humaneval_delta"] = r["humaneval_pass_at_1"] - ref["humaneval_pass_at_1"]
+    return rows
+
+
+def humaneval_cell(r: dict, ref: dict | None) -> str:
+    """pass@1 [95% CI] (passed/problems), Δ vs the reference; a lossless row's is the reference's."""
+    if r.get("humaneval_pass_at_1") is not None:
+        cell = (
+            f"{r['humaneval_pass_at_1']:.3f} [{r['humaneval_ci95_lo']:.2f}, {r['humaneval_ci95_hi']:.2f}] "
+            f"({r['humaneval_passed']}/{r['humaneval_problems']})"
+        )
+        return cell if r["humaneval_delta"] is None else f"{cell}, Δ {r['humaneval_delta']:+.3f}"
+    if r.get("humaneval_note") == "same as reference (lossless)":
+        ref_p = None if ref is None else ref["humaneval_pass_at_1"]
+        return "same as reference (lossless)" + ("" if ref_p is None else f": {ref_p:.3f}")
+    return "not measured ²" if "humaneval_note" in r else "—"
 
 
 CLASS_ORDER = ("exact", "same math", "same distribution", "approximate")
@@ -70,12 +113,13 @@ def short_baseline(text: str | None) -> str:
         ("static batching", "static batching"),
         ("the same prompts one at a time", "one prompt at a time"),
         ("naive attention", "naive attention"),
-        ("plain decode (contiguous cache, batch 1, fp32)", "fp32 decode"),
         ("the unquantized model in bf16", "bf16 model"),
     )
     for prefix, short in rules:
         if text.startswith(prefix):
             return short
+    if text.startswith("plain decode (contiguous cache, batch 1, "):  # a model row's baseline: the reference
+        return text.removeprefix("plain decode (contiguous cache, batch 1, ").rstrip(")") + " decode"
     if text.startswith("plain decoding"):
         temp = text.rsplit("temperature", 1)[-1].strip()
         return f"plain decoding, T={temp}" if "temperature" in text else "plain decoding"
@@ -89,7 +133,7 @@ def ordered(rows: list[dict]) -> list[dict]:
 
 
 def quality_cell(r: dict) -> str:
-    """Δ perplexity vs the fp32 reference, teacher-forced; rows scored on their own outputs are kept apart."""
+    """Δ perplexity vs the reference, teacher-forced; rows scored on their own outputs are kept apart."""
     if r["perplexity"] is None:
         return "—"
     if r["scored_on"] == OWN_OUTPUTS:
@@ -102,8 +146,12 @@ def render_table(cfg, records: list[dict], out_dir: Path) -> list[Path]:
     tasks = sorted({k.split(":", 1)[1] for r in rows for k in r if k.startswith("acc:")})
     seqlen, n = cfg.evals.fidelity_seqlen, cfg.evals.fidelity_sequences
     head = ["row", "lossless class", "speedup (vs)", "Δ perplexity (ppl)", "greedy match %", "max abs Δ log-prob"]
-    head += [f"{TASK_SHORT.get(t, t)} acc ± se" for t in tasks] + ["weights MB", "tok/s", "check"]
+    head += [f"{TASK_SHORT.get(t, t)} acc ± se" for t in tasks]
+    he = any("humaneval_note" in r for r in rows)
+    he_ref = next((r for r in rows if r.get("humaneval_reference") and r["humaneval_pass_at_1"] is not None), None)
+    head += ["HumanEval pass@1"] * he + ["weights MB", "tok/s", "check"]
     own = [r for r in rows if r["scored_on"] == OWN_OUTPUTS and r["perplexity"] is not None]
+    ref = f"{cfg.model.dtype} reference"
     lines = [
         f"# {cfg.name}: what does each speedup cost in quality, and what does it buy?",
         "",
@@ -111,9 +159,10 @@ def render_table(cfg, records: list[dict], out_dir: Path) -> list[Path]:
         "",
         f"Speedup: median of {cfg.bench.repeats} interleaved runs against the one baseline named in the cell, same "
         f"run (rows have different baselines: read each against its own). Δ perplexity: wiki eval split, {n} "
-        f"windows x {seqlen} tokens, teacher-forced through the row's path, minus the fp32 reference's on the same "
+        f"windows x {seqlen} tokens, teacher-forced through the row's path, minus the {ref}'s on the same "
         f"tokens. Greedy match: {cfg.evals.greedy_prompts} prompts x {cfg.evals.greedy_tokens} new tokens vs plain "
-        f"fp32 decoding (tokens before the first divergence). Tasks: lm-eval, {cfg.evals.task_limit} documents each.",
+        f"{cfg.model.dtype} decoding (tokens before the first divergence). Tasks: lm-eval, {cfg.evals.task_limit} "
+        "documents each." + (humaneval_legend(cfg) if he else ""),
         "",
         "| " + " | ".join(head) + " |",
         "|" + "|".join(["---"] * 2 + ["---:"] * (len(head) - 3) + ["---"]) + "|",
@@ -122,22 +171,20 @@ def render_table(cfg, records: list[dict], out_dir: Path) -> list[Path]:
         if r["status"] != "ok":
             cells = [r["row"], r["class"]] + ["—"] * (len(head) - 3) + [f"{r['status']}: {r['check']}"]
         else:
-            sp = "baseline" if r["speedup"] is None else f"{r['speedup']:.2f}x ({r['baseline']})"
-            cells = [r["row"], r["class"], sp, quality_cell(r)]
-            cells += [fmt(r["greedy_match_pct"], ".1f"), fmt(r["max_abs_dlogprob"], ".2e")]
-            for t in tasks:
-                v, se = r.get(f"acc:{t}"), r.get(f"acc_stderr:{t}")
-                cells.append("—" if v is None else f"{v:.3f} ± {se:.3f}" if se is not None else f"{v:.3f}")
-            cells += [fmt(r["weight_mb"], ".1f"), fmt(r["tokens_per_s"], ".1f"), r["check"]]
+            cells = row_cells(r, tasks, he_ref if he else False)
         lines.append("| " + " | ".join(cells) + " |")
     if own:
         listed = ", ".join(f"{r['row']} {r['perplexity']:.3f} (Δ {r['perplexity_delta']:+.3f})" for r in own)
         lines += [
             "",
             "¹ Engine rows emit tokens, not logits over the eval text: they are scored on their own greedy outputs "
-            "with the logits their sampler saw, against the fp32 model on the same tokens. Perplexity of a model's "
-            f"own greedy text is far lower and is not comparable with the column: {listed}.",
+            f"with the logits their sampler saw, against the {cfg.model.dtype} model on the same tokens. Perplexity "
+            f"of a model's own greedy text is far lower and is not comparable with the column: {listed}.",
         ]
+    unmeasured = [r for r in rows if r["status"] == "ok" and humaneval_cell(r, he_ref) == "not measured ²"]
+    if unmeasured:
+        listed = "; ".join(f"{r['row']}: {r['humaneval_note']}" for r in unmeasured)
+        lines += ["", f"² HumanEval not measured: {listed}."]
     lines += kv_section(records)
     md = out_dir / "table.md"
     md.write_text("\n".join(lines) + "\n")
@@ -154,6 +201,34 @@ def render_table(cfg, records: list[dict], out_dir: Path) -> list[Path]:
     if plot:
         paths.append(plot)
     return paths
+
+
+def row_cells(r: dict, tasks: list[str], he_ref: dict | None | bool) -> list[str]:
+    """A finished row's cells; he_ref False: no HumanEval column, else the reference row's figures (or None)."""
+    sp = "baseline" if r["speedup"] is None else f"{r['speedup']:.2f}x ({r['baseline']})"
+    cells = [r["row"], r["class"], sp, quality_cell(r)]
+    cells += [fmt(r["greedy_match_pct"], ".1f"), fmt(r["max_abs_dlogprob"], ".2e")]
+    for t in tasks:
+        v, se = r.get(f"acc:{t}"), r.get(f"acc_stderr:{t}")
+        cells.append("—" if v is None else f"{v:.3f} ± {se:.3f}" if se is not None else f"{v:.3f}")
+    if he_ref is not False:
+        cells.append(humaneval_cell(r, he_ref))
+    return cells + [fmt(r["weight_mb"], ".1f"), fmt(r["tokens_per_s"], ".1f"), r["check"]]
+
+
+def humaneval_legend(cfg) -> str:
+    """The table's sentence on its HumanEval column."""
+    he = cfg.evals.humaneval
+    if he is None:  # records rendered under a config without the section
+        return " HumanEval pass@1: see each record's results.humaneval."
+    which = f"the {he.subset} subset" if he.subset else "all problems"
+    which += f", first {he.limit}" if he.limit else ""
+    return (
+        f" HumanEval pass@1: {which} (evals.humaneval), greedy, at most {he.max_new_tokens} new tokens, each program "
+        "run in a sandbox; [95% Wilson interval] (passed/problems), Δ vs the reference row on the same problems "
+        "(a Δ inside the intervals is noise at this size). Rows that change how the model decodes, not the model, "
+        "are not rerun: a lossless one whose greedy output matched the reference's carries its pass@1."
+    )
 
 
 def kv_section(records: list[dict]) -> list[str]:
@@ -227,6 +302,9 @@ def render_summary(rows: list[dict]) -> str:
             cost = f"none measurable; {fmt(r['greedy_match_pct'], '.0f')}% greedy match"
         else:
             cost = f"{r['perplexity_delta']:+.3f}, {fmt(r['greedy_match_pct'], '.0f')}% greedy match"
+        if r.get("humaneval_pass_at_1") is not None:
+            d = r["humaneval_delta"]
+            cost += f"; HumanEval {r['humaneval_pass_at_1']:.3f}" + ("" if d is None else f" (Δ {d:+.3f})")
         lines.append(f"| {name} | {lossless} | {sp} | {cost} | {fmt(r['weight_mb'], '.0f')} MB |")
     return "\n".join(lines)
 
@@ -301,8 +379,8 @@ def plot_table(cfg, rows: list[dict], path: Path, device: str = "") -> Path | No
     ax2.set_xlim(min(deltas + [0]) - 0.1, max(deltas + [0.1]) * 3)
     ax2.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:+g}" if v else "0"))
     ax2.set_xlabel(
-        f"Δ perplexity vs fp32, teacher-forced on {cfg.evals.fidelity_sequences} x {cfg.evals.fidelity_seqlen} "
-        "wiki tokens\n(symlog; right of 0 = worse)",
+        f"Δ perplexity vs {cfg.model.dtype}, teacher-forced on {cfg.evals.fidelity_sequences} x "
+        f"{cfg.evals.fidelity_seqlen} wiki tokens\n(symlog; right of 0 = worse)",
         fontsize=9,
     )
     ax2.set_title("what it costs: quality", fontsize=10)

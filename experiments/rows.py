@@ -9,6 +9,7 @@ its speculator cannot be built) raises RowUnavailable; the runner records it as 
 from __future__ import annotations
 
 import copy
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,6 +58,24 @@ def is_timed(row) -> bool:
     return row.run_bench or row.kind in SELF_TIMED_KINDS
 
 
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a row's model (Variant.model) comes from, for evaluations cached per checkpoint (evals.humaneval): the
+    checkpoint directory, the dtype it was loaded in, and what the row did to it in memory after loading ("": nothing,
+    it is the model ``load_model(path, dtype)`` gives, so the cache is shared with ``evals.humaneval --model``)."""
+
+    path: Path
+    dtype: str
+    recipe: str = ""
+
+
+def model_source(ctx, path: Path | str | None = None, recipe: str = "", dtype: str | None = None) -> ModelSource | None:
+    """The source of a model loaded from `path` (default: the reference's checkpoint); None for a model without
+    files (tiny-random)."""
+    path = path or ctx.path
+    return None if path is None else ModelSource(Path(path), dtype or ctx.cfg.model.dtype, recipe)
+
+
 @dataclass
 class Variant:
     greedy: Callable[[list[list[int]], int], list[list[int]]]  # (prompts, max_tokens) -> outputs
@@ -69,6 +88,9 @@ class Variant:
     model: object = None  # the model the variant runs (for weight memory)
     extra: dict = field(default_factory=dict)
     bench_batch: int = 1  # prompts per timed call (both sides)
+    # set where the row's model is one checkpoint-backed model that plain decoding runs (its own HumanEval pass@1);
+    # None: the row changes how the reference decodes (engine, cache, speculation), not the model
+    source: ModelSource | None = None
 
 
 def weight_bytes(model) -> int:
@@ -120,22 +142,33 @@ def qspec_lm(ctx, model, score_mode: str = "cache", batch_size: int = 8):
 # ---- rows on the runtime that exists ----------------------------------------------------------------
 
 
-def model_variant(ctx, m, **extra) -> Variant:
+def model_variant(ctx, m, source: ModelSource | None = None, **extra) -> Variant:
     """A model run through plain decoding: the variant of every row that changes only the model."""
     return Variant(
         greedy=plain_generate(m),
         timed=plain_generate(m),
         baseline_timed=None,
+        baseline_name=f"plain decode (contiguous cache, batch 1, {ctx.cfg.model.dtype})",
         scorer=model_scorer(m),
         lm_factory=qspec_lm(ctx, m, "cache"),
         model=m,
         extra=extra,
+        source=source,
     )
 
 
 def reference_row(ctx, params: dict) -> Variant:
     m = ctx.model
-    return model_variant(ctx, m)
+    return model_variant(ctx, m, source=model_source(ctx))
+
+
+def bf16_model(ctx):
+    """The unquantized model in bf16 (mixed, bf16 head): the reference itself when it is loaded so, else a copy."""
+    m = ctx.model
+    head = m.lm_head.weight.dtype
+    if m.compute_dtype == torch.bfloat16 and m.residual_dtype == torch.float32 and head == torch.bfloat16:
+        return m
+    return copy.deepcopy(m).set_dtype(torch.bfloat16, mixed=True)
 
 
 def kv_cache_row(ctx, params: dict) -> Variant:
@@ -203,12 +236,20 @@ def attention_row(ctx, params: dict) -> Variant:
 
 
 def dtype_row(ctx, params: dict) -> Variant:
-
+    """The reference model cast to another dtype. A dtype wider than the reference's (fp32 beside a bf16 reference)
+    is loaded from the checkpoint, so it holds the checkpoint's values, not the reference's rounded ones."""
     name = params.get("dtype", "bf16")
     if name not in DTYPES:
         raise ValueError(f"rows.params.dtype: {name!r} not in {sorted(DTYPES)}")
-    m = copy.deepcopy(ctx.model).set_dtype(DTYPES[name], mixed=bool(params.get("mixed", True)))
-    return model_variant(ctx, m, dtype=name, mixed=bool(params.get("mixed", True)))
+    dtype, mixed = DTYPES[name], bool(params.get("mixed", True))
+    if ctx.path is not None and dtype.itemsize > ctx.model.compute_dtype.itemsize:
+        m, _, _ = load_model(str(ctx.path), dtype, ctx.cfg.model.device)
+        m.set_dtype(dtype, mixed=mixed)
+        recipe = "" if dtype == torch.float32 else f"set_dtype({name}, mixed={mixed})"
+    else:
+        m = copy.deepcopy(ctx.model).set_dtype(dtype, mixed=mixed)
+        recipe = f"{ctx.cfg.model.dtype} load, set_dtype({name}, mixed={mixed})"
+    return model_variant(ctx, m, source=model_source(ctx, recipe=recipe, dtype=name), dtype=name, mixed=mixed)
 
 
 # ---- quantized models (issue 3 quantizers, issue 4 formats) -------------------------------------------
@@ -286,9 +327,10 @@ def quantized_row(ctx, params: dict) -> Variant:
     artifact = quantized_artifact(ctx.cfg.model.spec, params)
     out = built(ctx, artifact)
     device = ctx.cfg.model.device
-    # quality columns: the exact fp32 reference math on weights dequantized once (the `dense` path), so they
-    # measure the quantization alone and score tasks at fp32 speed
-    m, _, _ = load_model(str(out), dtype=torch.float32, device=device)
+    # quality columns: the exact fp32 reference math on weights dequantized once (the `dense` path), the rest of the
+    # model (embeddings, norms, head, activations between layers) in the reference's dtype, so they measure the
+    # quantization alone
+    m, _, _ = load_model(str(out), dtype=DTYPES[ctx.cfg.model.dtype], device=device)
     for layer in m.modules():
         if isinstance(layer, (QuantLinear, FPLinear)):
             layer.set_path("dense")
@@ -300,8 +342,9 @@ def quantized_row(ctx, params: dict) -> Variant:
             layer.set_path(layer.auto_path(layer.scales.device), pin=False)
         elif isinstance(layer, FPLinear):
             layer.auto = True  # scaled_mm on an FP8 GPU, else dequantize each forward
-    bf16_base = copy.deepcopy(ctx.model).set_dtype(torch.bfloat16, mixed=True)
-    variant = model_variant(ctx, m, checkpoint=str(out), build_command=" ".join(artifact.command(out)[1:]))
+    bf16_base = bf16_model(ctx)
+    source = model_source(ctx, out, recipe="dense")
+    variant = model_variant(ctx, m, source, checkpoint=str(out), build_command=" ".join(artifact.command(out)[1:]))
     variant.timed = plain_generate(fast)
     variant.baseline_timed = plain_generate(bf16_base)
     variant.baseline_name = "the unquantized model in bf16 (mixed); both sides bf16 activations, batch 1"
@@ -328,8 +371,10 @@ def float_quant_row(ctx, params: dict) -> Variant:
     for layer in fast.modules():
         if isinstance(layer, FPLinear):
             layer.auto = True  # picks scaled_mm / dequant at the first forward on its device
-    bf16_base = copy.deepcopy(ctx.model).set_dtype(torch.bfloat16, mixed=True)
-    variant = model_variant(ctx, m, quant_config=cfg.to_dict(), emulated=fmt != "e4m3")
+    bf16_base = bf16_model(ctx)
+    recipe = f"{ctx.cfg.model.dtype} load, quantize.fp8 {json.dumps(cfg.to_dict(), sort_keys=True)}, dense"
+    source = model_source(ctx, recipe=recipe)
+    variant = model_variant(ctx, m, source, quant_config=cfg.to_dict(), emulated=fmt != "e4m3")
     variant.timed = plain_generate(fast)
     variant.baseline_timed = plain_generate(bf16_base)
     variant.baseline_name = "the unquantized model in bf16 (mixed); both sides bf16 activations, batch 1"
@@ -638,6 +683,20 @@ def row_artifacts(spec: str, row) -> list[Artifact]:
     if row.kind == "specbench" and "head_recipe" in row.params:
         return [head_artifact(spec, row.params)]
     return []
+
+
+def plan_row(spec: str, row) -> list[Artifact]:
+    """A row checked without loading a model (a quantized recipe's checkpoint refusal reads config.json only): its
+    kind, its speculation method, the artifacts it needs built. Raises ValueError naming the row for a bad one, and
+    RowUnavailable / RowSkipped (recorded when the row runs, not errors) for one that cannot run here."""
+    if row.kind not in ROWS:
+        raise ValueError(f"rows[{row.name}].kind: {row.kind!r} not in {sorted(ROWS)}")
+    try:
+        if row.kind == "specbench":
+            parse_method(row.params.get("method", ""))
+        return row_artifacts(spec, row)
+    except ValueError as err:
+        raise ValueError(f"rows[{row.name}]: {err}") from err
 
 
 ROWS: dict[str, Callable] = {

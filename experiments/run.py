@@ -27,7 +27,7 @@ from experiments import report, sweeps
 from experiments.bench import DEFAULT_THREADS, EVAL_THREADS, LOCKING, log
 from experiments.config import ConfigError, ExperimentConfig, Row, load_config
 from experiments.records import append_jsonl
-from experiments.rows import ROWS
+from experiments.rows import ROWS, RowUnavailable, plan_row
 from experiments.table import Context, check_claim, load_context, run_row
 from runtime.cliutil import ArgumentParser, interrupted, run
 from runtime.data import TEXTS
@@ -48,6 +48,32 @@ def run_table(cfg: ExperimentConfig, ctx: Context, rows: list[Row], records_path
         out.append(rec)
         render_table(cfg, out, records_path.parent)  # a long run shows its table as it goes
     return out
+
+
+def check_humaneval(cfg: ExperimentConfig) -> None:
+    """evals.humaneval set: a known subset, a model with a tokenizer, the problems' package installed."""
+    section = cfg.evals.humaneval
+    if section is None:
+        return
+    from evals.humaneval import SUBSETS, data_file
+
+    if section.subset is not None and section.subset not in SUBSETS:
+        raise ConfigError(f"evals.humaneval.subset: {section.subset!r} not in {sorted(SUBSETS)} (or null: all)")
+    if cfg.model.spec == "tiny-random":
+        raise ConfigError("evals.humaneval: completing code needs a model with a tokenizer, not tiny-random")
+    data_file()  # a ModelSpecError naming the package to install
+
+
+def plan(cfg: ExperimentConfig) -> None:
+    """Every row checked before the model loads (experiments.rows.plan_row): a bad method or recipe is a ConfigError
+    now, not a failure after minutes of loading; a row that cannot run here is recorded when it runs."""
+    for r in cfg.rows:
+        try:
+            plan_row(cfg.model.spec, r)
+        except RowUnavailable:
+            pass
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -95,6 +121,7 @@ def main(argv: list[str] | None = None) -> None:
         for r in cfg.rows:
             if r.kind not in ROWS:
                 raise ConfigError(f"rows[{r.name}].kind: {r.kind!r} not in {sorted(ROWS)}")
+        check_humaneval(cfg)
         unknown_texts = sorted(set(cfg.evals.texts) - set(TEXTS))
         if unknown_texts:
             raise ConfigError(f"evals.texts: {unknown_texts} not in {list(TEXTS)}")
@@ -102,6 +129,7 @@ def main(argv: list[str] | None = None) -> None:
             raise ConfigError("evals.texts: scoring texts needs a model with a tokenizer, not tiny-random")
         if cfg.model.spec != "tiny-random":
             check_model_spec(cfg.model.spec)  # before anything loads
+        plan(cfg)
         if args.ray is not None and cfg.kind != "table":
             raise ConfigError(f"--ray runs table configs (rows, grids); a {cfg.kind} sweep runs without it")
         cluster = None

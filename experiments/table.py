@@ -7,6 +7,7 @@ perplexity, tasks and a timed speed ratio against its own baseline). The serial 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -176,6 +177,92 @@ def text_windows(ctx: Context, text: str) -> list[list[int]]:
     return ctx.cache[key]
 
 
+def quality(ctx: Context, row: Row, variant: Variant, res: dict) -> tuple[dict, dict]:
+    """The evaluation columns into res: teacher-forced fidelity (and per-text perplexity), greedy match, tasks.
+    Returns (fidelity, greedy match)."""
+    cfg = ctx.cfg
+    if variant.scorer is not None:
+        ref, test = (on_device(s, cfg.model.device) for s in (model_scorer(ctx.model), variant.scorer))
+        fid = compare_teacher_forced(ref, test, ctx.fidelity_seqs).to_dict()
+        if cfg.evals.texts:
+            res["texts"] = {
+                t: compare_teacher_forced(ref, test, text_windows(ctx, t)).to_dict() for t in cfg.evals.texts
+            }
+        outputs = variant.greedy(ctx.greedy_prompts, cfg.evals.greedy_tokens)
+    else:
+        fid, outputs = engine_fidelity(ctx, variant)
+    fid["sequences"] = "wiki eval windows" if variant.scorer is not None else "engine greedy outputs"
+    greedy = token_match(ctx.ref_greedy(), outputs).to_dict()
+    if ctx.spec_stats:
+        res["speculation"] = ctx.spec_stats
+        ctx.spec_stats = None
+    res["fidelity"], res["greedy"] = fid, greedy
+    if cfg.evals.tasks and variant.lm_factory is not None and ctx.tokenizer is not None:
+        log(f"row {row.name}: tasks {cfg.evals.tasks}")
+        res["tasks"] = run_tasks(
+            variant.lm_factory(),
+            cfg.evals.tasks,
+            limit=cfg.evals.task_limit,
+            n_docs=cfg.evals.task_docs,
+            bootstrap_iters=cfg.evals.bootstrap_iters,
+            seed=cfg.seed,
+        )["results"]
+    return fid, greedy
+
+
+def humaneval(ctx: Context, row: Row, variant: Variant, res: dict) -> dict:
+    """HumanEval pass@1 with its 95% Wilson interval (evals.humaneval) of the row's own model, where it is one
+    checkpoint-backed model run by plain decoding; completions and results are cached per checkpoint, in-memory
+    recipe and settings, so a rerun recomputes nothing. Other rows: why they carry the reference's figure or none."""
+    from evals import humaneval as he
+
+    if variant.source is None:
+        return humaneval_by_claim(row, res)
+    section, src = ctx.cfg.evals.humaneval, variant.source
+    problems = he.select(he.load_problems(), section.subset, section.limit)
+    settings = he.GenSettings(
+        section.max_new_tokens, dtype=src.dtype, device=ctx.cfg.model.device, batch_size=section.batch_size
+    )
+    limits = he.Limits()
+    checkpoint = he.checkpoint_identity(src.path)
+    if src.recipe:  # an in-memory change after loading: its own cache entries
+        checkpoint += "-" + hashlib.sha256(src.recipe.encode()).hexdigest()[:8]
+    cache = he.Cache.for_run(checkpoint, settings, limits)
+    log(f"row {row.name}: HumanEval pass@1 on {len(problems)} problems ({cache.root})")
+    ev = he.evaluate(
+        problems, cache, lambda: (variant.model, ctx.tokenizer), settings, limits, log=lambda m: log(f"  {m}")
+    )
+    log(f"row {row.name}: HumanEval {he.score_line(ev.passed, len(ev.results))}")
+    return {
+        **ev.summary(),
+        "subset": section.subset,
+        "limit": section.limit,
+        "checkpoint": checkpoint,
+        "recipe": src.recipe,
+        "settings": dataclasses.asdict(settings),
+        "limits": dataclasses.asdict(limits),
+        "generated": ev.generated,
+        "executed": ev.executed,
+        "cache": str(cache.root),
+        "results": {r.task_id: r.status for r in ev.results},
+    }
+
+
+def humaneval_by_claim(row: Row, res: dict) -> dict:
+    """A row that changes how the reference decodes, not its model: a lossless one whose greedy output matched the
+    reference's here has the reference's pass@1 (HumanEval is greedy), not recomputed; any other is not measured."""
+    if row.lossless_class == "approximate":
+        why = f"a {row.kind} row changes how the model decodes, not its checkpoint; evals.humaneval decodes plainly"
+        return {"not_measured": why}
+    claim, match = res.get("claim_check", ""), (res.get("greedy") or {}).get("match_rate")
+    if match != 1.0 or claim.startswith("REFUTED") or res.get("suite_not_identical"):
+        seen = "not measured" if match is None else f"{100 * match:.1f}% greedy match"
+        why = f"lossless ({row.lossless_class}) but its greedy output differed from the reference's here ({seen})"
+        return {"not_measured": f"{why}: its pass@1 is not assumed equal to the reference's"}
+    why = f"{row.lossless_class}: greedy output identical to the reference's on every greedy prompt ({claim})"
+    return {"same_as_reference": True, "why": f"{why}; HumanEval is greedy, so its pass@1 is the reference's"}
+
+
 def run_row(ctx: Context, row: Row) -> dict:
     cfg = ctx.cfg
     started = time.time()
@@ -193,32 +280,7 @@ def run_row(ctx: Context, row: Row) -> dict:
     res.update(variant.extra)
     fid = greedy = None
     if row.run_evals:
-        if variant.scorer is not None:
-            ref, test = (on_device(s, cfg.model.device) for s in (model_scorer(ctx.model), variant.scorer))
-            fid = compare_teacher_forced(ref, test, ctx.fidelity_seqs).to_dict()
-            if cfg.evals.texts:
-                res["texts"] = {
-                    t: compare_teacher_forced(ref, test, text_windows(ctx, t)).to_dict() for t in cfg.evals.texts
-                }
-            outputs = variant.greedy(ctx.greedy_prompts, cfg.evals.greedy_tokens)
-        else:
-            fid, outputs = engine_fidelity(ctx, variant)
-        fid["sequences"] = "wiki eval windows" if variant.scorer is not None else "engine greedy outputs"
-        greedy = token_match(ctx.ref_greedy(), outputs).to_dict()
-        if ctx.spec_stats:
-            res["speculation"] = ctx.spec_stats
-            ctx.spec_stats = None
-        res["fidelity"], res["greedy"] = fid, greedy
-        if cfg.evals.tasks and variant.lm_factory is not None and ctx.tokenizer is not None:
-            log(f"row {row.name}: tasks {cfg.evals.tasks}")
-            res["tasks"] = run_tasks(
-                variant.lm_factory(),
-                cfg.evals.tasks,
-                limit=cfg.evals.task_limit,
-                n_docs=cfg.evals.task_docs,
-                bootstrap_iters=cfg.evals.bootstrap_iters,
-                seed=cfg.seed,
-            )["results"]
+        fid, greedy = quality(ctx, row, variant, res)
     if row.run_bench:
         log(f"row {row.name}: timing against {variant.baseline_name}")
         res["speed"] = time_pair(ctx, variant)
@@ -226,5 +288,7 @@ def run_row(ctx: Context, row: Row) -> dict:
             res["speculation_timed"] = ctx.spec_stats
             ctx.spec_stats = None
     res["claim_check"] = check_claim(row.lossless_class, fid, greedy)
+    if row.run_evals and row.run_humaneval and cfg.evals.humaneval is not None:
+        res["humaneval"] = humaneval(ctx, row, variant, res)
     res["row_seconds"] = time.time() - started
     return record
