@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -13,7 +15,17 @@ import torch
 
 from quantize.calibration import LayerStore, ShardedCheckpoint
 from quantize.config import DECODER_LINEARS, QuantConfig, QuantConfigError
-from quantize.formats import CT_LAYOUT, DENSE_DTYPES, FORMATS, CheckpointError, default_format, refusal, save_quantized
+from quantize.formats import (
+    CT_LAYOUT,
+    DENSE_DTYPES,
+    FORMATS,
+    CheckpointError,
+    default_format,
+    holding_format,
+    linear_layout,
+    refusal,
+    save_quantized,
+)
 from quantize.rotation import choose_layers, choose_layers_cost, rotate_model, rotation_record
 from quantize.rtn_weight import quantize_weight
 from runtime.cliutil import ArgumentParser, interrupted, run  # noqa: F401 (run: the quantizers' __main__ entry)
@@ -29,6 +41,7 @@ from runtime.scoring import window_nlls
 AUTO_ROTATE_WINDOWS = 4  # calibration windows of 512 tokens --rotate-layers auto scores each layer on
 
 EXPECTED_ERRORS = (QuantConfigError, CheckpointError, UnsupportedModelError)
+EXIT_OTHER_FORMAT = 3  # --format X was asked for explicitly, the codes did not fit it: saved in another format
 STARTED = time.perf_counter()  # the closing summary says how long the whole command took
 
 
@@ -55,15 +68,27 @@ def parser(
     ap.add_argument(
         "--lm-head", action="store_true", help="quantize the output head too (tied: the embedding reads its rows)"
     )
-    ap.add_argument("--out", default=None, help="output checkpoint directory (loadable with --model DIR)")
+    ap.add_argument(
+        "--out",
+        default=None,
+        help="output checkpoint directory (loadable with --model DIR); checked before the model loads: it must be "
+        "new, empty or a checkpoint (replaced once the new one is complete), not the --model dir, and writable",
+    )
     if checkpoint:
         ap.add_argument(
             "--format",
             choices=FORMATS,
             default=None,
             help="checkpoint format of --out; default: what most loaders read for the method (gptq, rtn, int8: "
-            "gptq v1; awq: awq GEMM; int8 --w8a8: compressed-tensors), and qspec's own for online rotations "
-            "(--rotate), which no other loader re-installs. notes/formats.md lists who reads what",
+            "gptq v1, asymmetric 2/3-bit: gptq_v2; awq: awq GEMM; int8 --w8a8: compressed-tensors), and qspec's "
+            "own for online rotations (--rotate), which no other loader re-installs. notes/formats.md lists who "
+            "reads what. Whatever the arguments decide (bits, groups, widths, act-order, W8A8, rotations) is checked "
+            "against the format before the model loads, and refused there. What only the codes show is not: "
+            "gptq v1 stores zero - 1 and cannot hold a zero point of 0, which an asymmetric grid gives a group "
+            "whose most negative weight is under half a step (e.g. beside a large positive outlier). Then the "
+            "result is still saved, in --out, in the nearest format that holds it (gptq_v2), and one line says "
+            "so: exit status 0 for the default format, 3 when --format was given (the result is not in the "
+            "format asked for). --sym never has zero point 0",
         )
         ap.add_argument(
             "--dense-dtype",
@@ -184,10 +209,34 @@ def check_group_size(ap: argparse.ArgumentParser, cfg: QuantConfig, mc: ModelCon
         log(f"note: {why}; measuring in memory on the reference path")
 
 
-def load(ap: argparse.ArgumentParser, args, cfg: QuantConfig):
-    """(model fp32, tokenizer, checkpoint dir, layer source); a bad model spec or a group that does not fit is
-    an argparse error, found from config.json before any weight is read. With --layer-by-layer the model is a
-    skeleton whose decoder layers the calibration pass reads from the returned ShardedCheckpoint one at a time."""
+def check_out(ap: argparse.ArgumentParser, args, model_path: Path) -> None:
+    """Refuse an --out the save at the end would refuse or fail on, before any work: an existing file or
+    non-empty non-checkpoint directory (runtime.loader.begin_atomic_dir never deletes those), the --model
+    checkpoint itself, and a place that cannot be written (a parent that is a file, no permission, read-only)."""
+    if not getattr(args, "out", None):
+        return
+    out = Path(args.out).absolute()  # as the save will use it
+    if out.exists() and (not out.is_dir() or any(out.iterdir()) and not (out / "config.json").is_file()):
+        ap.error(f"--out {args.out} exists and is not a checkpoint directory: choose a new output directory")
+    if out.exists() and out.resolve() == Path(model_path).resolve():
+        ap.error(f"--out {args.out} is the --model checkpoint being quantized: choose a new output directory")
+    parent = out.parent  # OUT.partial is written beside OUT (missing parents are created), then renamed
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        ap.error(f"--out {args.out} cannot be created: {parent} is not a directory")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".qspec-write-test-", dir=parent))
+    except OSError as err:
+        ap.error(f"--out {args.out} cannot be written: {parent}: {err.strerror or err}")
+
+
+def load(ap: argparse.ArgumentParser, args, cfg: QuantConfig, check=None):
+    """(model fp32, tokenizer, checkpoint dir, layer source); a bad model spec, a group that does not fit, a
+    --format that cannot hold the options' result or an --out that cannot be written is an argparse error, found
+    from config.json before any weight is read. check(meta model) -> why not or None: the caller's own refusal
+    of what --out cannot hold, on the same shapes-only model. With --layer-by-layer the model is a skeleton whose
+    decoder layers the calibration pass reads from the returned ShardedCheckpoint one at a time."""
 
     source = None
     try:
@@ -195,7 +244,12 @@ def load(ap: argparse.ArgumentParser, args, cfg: QuantConfig):
         config = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
         check_group_size(ap, cfg, config, saving=args.out is not None)
         with torch.device("meta"):  # shapes only: every refusal of --format comes before the weights load
-            check_format(ap, args, cfg, Transformer(config))
+            skeleton = Transformer(config)
+            check_format(ap, args, cfg, skeleton)
+            why = check(skeleton) if check is not None and args.out else None
+            if why:
+                ap.error(why)
+        check_out(ap, args, path)
         log(f"loading {args.model}")
         if getattr(args, "layer_by_layer", False):
             source = ShardedCheckpoint(path)
@@ -285,6 +339,7 @@ def check_format(ap: argparse.ArgumentParser, args, cfg: QuantConfig, model) -> 
         return  # a parser without checkpoint options, or a quantizer that fixes its format and checks it itself
     act_quant = cfg.act_quant or getattr(args, "w8a8", False)
     online = online_rotation(args)
+    args.format_given = args.format is not None  # an explicit --format: saving another one exits non-zero
     args.format = args.format or default_format(args.quantizer, act_quant, cfg.bits, cfg.sym, online)
     if args.out is None:
         return
@@ -302,6 +357,7 @@ def check_format(ap: argparse.ArgumentParser, args, cfg: QuantConfig, model) -> 
     act_order = getattr(args, "act_order", False) and not getattr(args, "static_groups", False)
     act_order = act_order and (args.quantizer != "awq" or getattr(args, "gptq", False))
     widths = [model.get_submodule(n).in_features for n in names]
+    parts = {name: [n for _, n in rows] for name, rows in linear_layout(model, quantized_head=cfg.lm_head)}
     for name in names:
         layer = model.get_submodule(name)
         group_size = cfg.group_size_for(layer.in_features, name)
@@ -316,6 +372,7 @@ def check_format(ap: argparse.ArgumentParser, args, cfg: QuantConfig, model) -> 
             act_quant=act_quant,
             sym=cfg.sym or act_quant,
             widths=widths,
+            parts=parts.get(name),
         )
         if why:
             ap.error(why)
@@ -426,8 +483,14 @@ def finish(
     module: str,
     stats: dict | None = None,
     argv: list[str] | None = None,
+    store: LayerStore | None = None,
 ) -> dict:
-    """Evaluate (if asked), save (if asked) and write the result record."""
+    """Evaluate (if asked), save (if asked) and write the result record; then remove the calibration's kept layers
+    (store), which the saved checkpoint replaces.
+
+    The format to save in is settled before the evaluation: when the codes do not fit the chosen one (a GPTQ v1
+    zero point of 0), the nearest format that holds them is written instead and one line says why; if the user
+    asked for the format with --format, the run then ends with exit status EXIT_OTHER_FORMAT, the result saved."""
     if getattr(args, "rotate", False):
         cfg.extra["rotation"] = rotation_record(
             args.seed, not args.no_online_hadamard, args.rotation_mode, getattr(args, "rotate_layers", None)
@@ -442,8 +505,20 @@ def finish(
         **provenance(argv, module),
     }
     fmt = getattr(args, "checkpoint_format", None) or getattr(args, "format", None)  # quantize.fp8 fixes its own
+    asked = fmt
     if args.out:
+        try:
+            fmt, why = holding_format(model, fmt, cfg.to_dict())
+        except CheckpointError as err:  # no format holds it: a refusal missing before the work (a bug)
+            write_record({**record, "format": fmt, "save_error": str(err)}, args.record)
+            raise SystemExit(f"error: {args.out} not written: {err}") from err
         record.update(format=fmt, dense_dtype=args.dense_dtype)
+        if why:
+            record.update(format_requested=asked, format_fallback=why)
+            given = getattr(args, "format_given", False)
+            status = f" (exit status {EXIT_OTHER_FORMAT} at the end)" if given else ""
+            log(f"{'--format' if given else 'the default format'} {asked} cannot hold this result, so {args.out} is "
+                f"written as {fmt}{status}: {why}")  # fmt: skip
     if args.eval:
         record.update(evaluate(model, tokenizer, args.eval, args.eval_windows))
     if args.out:
@@ -453,8 +528,18 @@ def finish(
             write_record({**record, "save_error": str(err)}, args.record)
             raise SystemExit(f"error: {args.out} not written: {err}") from err
         record["out"] = str(args.out)
+        if store is not None:
+            store.remove()  # the checkpoint is complete: the kept layers are no longer needed
     write_record(record, args.record)
     log(summary_line(module, args, cfg, record))
+    if fmt != asked and getattr(args, "format_given", False):
+        sys.stdout.flush()
+        print(
+            f"error: --format {asked} cannot hold this result; it is saved in {args.out} as {fmt} instead (see above)",
+            file=sys.stderr,
+            flush=True,
+        )
+        raise SystemExit(EXIT_OTHER_FORMAT)
     return record
 
 
@@ -469,7 +554,8 @@ def summary_line(module: str, args, cfg: QuantConfig, record: dict) -> str:
     if "perplexity" in record:
         parts.append("perplexity " + ", ".join(f"{k} {v:.3f}" for k, v in record["perplexity"].items()))
     if args.out:
-        parts.append(f"saved {args.out} ({dir_bytes(Path(args.out)) / 1e6:.0f} MB); use it with --model {args.out}")
+        size = dir_bytes(Path(args.out)) / 1e6
+        parts.append(f"saved {args.out} as {record['format']} ({size:.0f} MB); use it with --model {args.out}")
     return "; ".join(parts)
 
 

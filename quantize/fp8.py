@@ -276,11 +276,11 @@ def main(argv: list[str] | None = None) -> None:
         )
     except ValueError as err:
         ap.error(str(err))
-    model, tokenizer, path, source = cli.load(ap, args, cfg)
-    if args.out:  # refused before quantizing: one line naming the layer
-        why = float_refusal(model, cfg.target_names(model), args.format, args.block_size)
-        if why:
-            ap.error(why)
+
+    def refusal(skeleton) -> str | None:  # --out: refused before the model loads, one line naming the layer
+        return float_refusal(skeleton, cfg.target_names(skeleton), args.format, args.block_size)
+
+    model, tokenizer, path, source = cli.load(ap, args, cfg, check=refusal)
     stats = {}
     if args.gptq or cfg.extra["scale_objective"] == "hessian":
         tokens = cli.calibration_tokens(ap, args, tokenizer)

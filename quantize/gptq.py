@@ -381,9 +381,7 @@ def main(argv: list[str] | None = None) -> None:
     seconds = time.perf_counter() - start
     qcfg.extra.update(algo.record(), calib=args.calib, nsamples=args.nsamples, seqlen=args.seqlen, seed=args.seed)
     stats = {"quantize_seconds": round(seconds, 1), "layers": algo.stats}
-    cli.finish(args, model, tokenizer, path, qcfg, "quantize.gptq", stats, argv)
-    if store is not None:
-        store.remove()  # the checkpoint is complete: the kept layers are no longer needed
+    cli.finish(args, model, tokenizer, path, qcfg, "quantize.gptq", stats, argv, store=store)
 
 
 if __name__ == "__main__":

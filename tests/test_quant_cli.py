@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from quantize import awq, gptq, int8, rtn
+from quantize.config import DECODER_LINEARS
 from quantize.qlinear import QuantLinear, quant_linear, set_module
 from quantize.rotation import HadamardMLP, RotatedRMSNorm
 from runtime.loader import load_model
@@ -508,3 +509,157 @@ def test_rotate_layers_auto_rotates_the_layers_the_per_layer_loss_chooses(
         if rotated < plain:
             expected.append(i)
     assert chosen == expected
+
+
+def outlier_checkpoint(path):
+    """TINY with one large positive weight in a group whose other weights are small: its most negative weight
+    is under half a step, so the asymmetric 4-bit grid puts that group's zero point at 0 (what a real 1.5B
+    model's outliers do to a few groups), which GPTQ v1 (zero - 1) cannot store."""
+    from runtime.loader import save_checkpoint
+
+    return save_checkpoint(outlier_model(), path)
+
+
+def outlier_model():
+    model = random_model(TINY, seed=0)
+    with torch.no_grad():
+        w = model.layers[0].mlp.down_proj.weight
+        w[3, 0] = w[3, :32].abs().max() * 40
+    return model
+
+
+@pytest.mark.parametrize(
+    "main,extra,exit_code",
+    [
+        (rtn.main, [], None),  # the default format: written as gptq_v2, exit status 0
+        (rtn.main, ["--format", "gptq"], 3),  # asked for: still written (as gptq_v2), exit status 3
+        (gptq.main, ["--nsamples", "2", "--seqlen", "16", "--batch-size", "2"], None),
+    ],
+)
+def test_zero_point_0_is_saved_in_a_format_that_holds_it(
+    tiny_checkpoint, tmp_path, capsys, monkeypatch, main, extra, exit_code
+):
+    """The bug report: `quantize.rtn --bits 4 --group-size 64 --out DIR` on a real model quantized for 90 s and
+    wrote nothing, because v1 GPTQ (the default) cannot store zero point 0. Now the checkpoint is written as
+    gptq_v2, one line says why, and it reloads to exactly the in-memory quantized weights."""
+    from quantize import cli
+
+    ckpt = outlier_checkpoint(tmp_path / "outlier")
+    saved_models = []
+
+    def save_quantized(model, *args, **kwargs):  # the in-memory quantized model, as the CLI saves it
+        saved_models.append(model)
+        return cli_save_quantized(model, *args, **kwargs)
+
+    cli_save_quantized = cli.save_quantized
+    monkeypatch.setattr(cli, "save_quantized", save_quantized)
+    out, records = tmp_path / "q", tmp_path / "r.jsonl"
+    argv = ["--model", str(ckpt), "--group-size", "32", "--out", str(out), "--record", str(records), *extra]
+    if exit_code is None:
+        main(argv)
+    else:
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        assert exc.value.code == exit_code
+    err = capsys.readouterr().err
+    notes = [line for line in err.splitlines() if "cannot hold this result" in line]
+    assert len(notes) == (1 if exit_code is None else 2), err
+    assert "written as gptq_v2" in notes[0] and "zero point 0" in notes[0], notes[0]
+    if exit_code is not None:
+        assert err.strip().splitlines()[-1].startswith("error: --format gptq cannot hold this result"), err
+    record = json.loads(records.read_text())
+    assert record["format"] == "gptq_v2" and record["format_requested"] == "gptq" and record["out"] == str(out)
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["checkpoint_format"] == "gptq_v2"
+    (in_memory,) = saved_models
+    assert float((in_memory.layers[0].mlp.down_proj.zeros == 0).sum()) >= 1  # the case v1 cannot store
+    assert_same_quantized_weights(load_model(str(out))[0], in_memory)
+    if main is rtn.main:  # and that is RTN's quantization of the float model
+        reference = rtn.quantize_model(outlier_model(), rtn.QuantConfig(bits=4, group_size=32))
+        assert_same_quantized_weights(in_memory, reference)
+
+
+def test_out_that_cannot_be_written_is_refused_before_loading(tiny_checkpoint, tmp_path, capsys, monkeypatch):
+    """runtime.loader.begin_atomic_dir refuses (or mkdir fails on) these only when saving, after the work: the
+    quantizers check --out before the model loads."""
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded before the refusal")
+
+    monkeypatch.setattr("quantize.cli.load_model", no_loading)
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("mine")
+    (tmp_path / "file").write_text("x")
+    cases = [
+        (tmp_path / "notes", "exists and is not a checkpoint directory"),
+        (tmp_path / "file", "exists and is not a checkpoint directory"),
+        (tmp_path / "file" / "sub" / "q", "is not a directory"),
+        (tiny_checkpoint, "is the --model checkpoint being quantized"),
+    ]
+    for out, message in cases:
+        for main in (rtn.main, gptq.main):
+            err = run_error(main, ["--model", str(tiny_checkpoint), "--group-size", "32", "--out", str(out)], capsys)
+            assert message in err, (out, err)
+    assert (tmp_path / "notes" / "todo.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize(
+    "main,argv,message",
+    [
+        # the default format (gptq v1) packs 8 output rows per word; the head has VOCAB = 97
+        (rtn.main, ["--group-size", "32", "--lm-head"], "lm_head: GPTQ packs 4-bit codes 8 at a time"),
+        (rtn.main, ["--bits", "8", "--group-size", "32", "--format", "awq"], "AWQ GEMM stores 4-bit codes"),
+        (int8.main, ["--w8a8", "--format", "awq"], "AWQ GEMM stores 4-bit codes"),
+    ],
+)
+def test_impossible_format_request_is_refused_before_loading(
+    tiny_checkpoint, tmp_path, capsys, monkeypatch, main, argv, message
+):
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded before the refusal")
+
+    monkeypatch.setattr("quantize.cli.load_model", no_loading)
+    err = run_error(main, ["--model", str(tiny_checkpoint), *argv, "--out", str(tmp_path / "q")], capsys)
+    assert message in err, err
+    assert not (tmp_path / "q").exists()
+
+
+def test_fp8_refusal_comes_before_loading(tiny_checkpoint, tmp_path, capsys, monkeypatch):
+    from quantize import fp8
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded before the refusal")
+
+    monkeypatch.setattr("quantize.cli.load_model", no_loading)
+    argv = ["--model", str(tiny_checkpoint), "--block-size", "48", "--out", str(tmp_path / "q")]
+    assert "scale blocks would straddle its parts" in run_error(fp8.main, argv, capsys)
+
+
+@pytest.mark.parametrize(
+    "fields,modules",
+    [
+        ({"intermediate_size": 128}, DECODER_LINEARS),  # qkv/gate_up: one group per row; down_proj: two
+        ({}, ("qkv_proj", "o_proj", "gate_up_proj")),  # every quantized layer is 64 wide
+    ],
+)
+def test_group_as_wide_as_a_layer_saves_and_reloads(tiny_checkpoint, tmp_path, fields, modules):
+    """A group as wide as a layer is per-channel there; the checkpoint's one group_size still describes every
+    layer (loaders take one group per row when it is at least the width). The save used to fail after the work."""
+    from runtime.loader import save_checkpoint
+
+    config = tiny_model_config(vocab_size=VOCAB, eos_token_ids=[], **fields)
+    ckpt = save_checkpoint(random_model(config, seed=0), tmp_path / "c")
+    argv = ["--model", str(ckpt), "--group-size", "64", "--modules", ",".join(modules), "--out", str(tmp_path / "q")]
+    rtn.main(argv)
+    cfg = rtn.QuantConfig(bits=4, group_size=64, modules=modules)
+    assert_same_quantized_weights(load_model(str(tmp_path / "q"))[0], rtn.quantize_model(random_model(config), cfg))
+
+
+def assert_same_quantized_weights(loaded, reference) -> None:
+    """Every QuantLinear of reference (in memory) has the same codes, zeros and dequantized weight in loaded."""
+    layers = [(name, mod) for name, mod in reference.named_modules() if isinstance(mod, QuantLinear)]
+    assert layers
+    for name, mod in layers:
+        saved, ours = loaded.get_submodule(name).qweight(), mod.qweight()
+        assert torch.equal(saved.codes, ours.codes) and torch.equal(saved.zeros, ours.zeros), name
+        assert torch.equal(saved.dequantize(), ours.dequantize()), name

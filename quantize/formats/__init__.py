@@ -9,10 +9,12 @@ quant_method instead of running a rotated model without its rotations; qspec's l
 ``save_quantized`` writes an HF-style directory (config.json with ``quantization_config``, safetensors with
 per-layer packed tensors under the unfused HF names q_proj/k_proj/v_proj, gate_proj/up_proj); layers that are
 not QuantLinear are saved as plain weights, in the dense dtype config.json declares (bf16 unless asked).
-A setting a format cannot express (a ragged last group, act-order g_idx, bits, int8 activations) is refused
-before anything is written (``refusal``), naming the layer and what would work. ``load_quantized_into`` reads
-such a directory, whoever wrote it, into a runtime Transformer, concatenating the parts back into the fused
-qkv_proj / gate_up_proj QuantLinears.
+A setting a format cannot express (a ragged last group, act-order g_idx, bits, int8 activations, widths its
+packing cannot fill) is refused before anything is written (``refusal``), naming the layer and what would work;
+what only the quantized values show (GPTQ v1 cannot store a zero point of 0) is ``zero_point_refusal``, and
+``holding_format`` names the nearest format that holds a model when the asked-for one does not.
+``load_quantized_into`` reads such a directory, whoever wrote it, into a runtime Transformer, concatenating the
+parts back into the fused qkv_proj / gate_up_proj QuantLinears.
 A quantized lm_head of a tied model is written once (``lm_head: true``, no dense embedding table) and loads as
 both the head and the embedding (quantize.qembedding.QuantEmbedding).
 """
@@ -27,8 +29,9 @@ from torch import Tensor, nn
 
 from quantize.formats import awq, gptq
 from quantize.formats import compressed_tensors as ct
-from quantize.formats.errors import CheckpointError, check_safetensors_file
+from quantize.formats.errors import CheckpointError, check_safetensors_file, group_layout
 from quantize.fplinear import FloatWeight, FPLinear
+from quantize.packing import block_shape
 from quantize.qembedding import shares_quantized_head, tie_quantized_embedding
 from quantize.qlinear import QuantizedWeight, QuantLinear, set_module
 from quantize.rotation import HadamardMLP, RotatedRMSNorm, install_online_hadamard
@@ -44,6 +47,8 @@ __all__ = [
     "CheckpointError",
     "default_format",
     "refusal",
+    "zero_point_refusal",
+    "holding_format",
     "save_quantized",
     "load_quantized_into",
     "linear_layout",
@@ -59,7 +64,10 @@ def default_format(method: str, act_quant: bool = False, bits: int = 4, sym: boo
     TGI, SGLang and ExLlama all read it; RTN is GPTQ's grid without the Hessian update, and 8-bit is in v1.
     Asymmetric 2/3-bit grids -> "gptq_v2": v1 stores zero - 1 and so cannot hold zero point 0, which those grids
     do produce (a few groups with no negative weight: 4 of 1.66M on SmolLM2 at 3-bit g64); gptqmodel and
-    transformers read v2. AWQ -> "awq" (GEMM): what AutoAWQ, transformers and vLLM's awq / awq_marlin read.
+    transformers read v2. 4- and 8-bit asymmetric grids produce zero point 0 only where a group's most negative
+    weight is under half a step (e.g. next to a large positive outlier), which a model may or may not have: they
+    default to v1, and the quantizer CLIs write gptq_v2 instead when the codes show one (``holding_format``).
+    AWQ -> "awq" (GEMM): what AutoAWQ, transformers and vLLM's awq / awq_marlin read.
     W8A8 -> compressed-tensors (int-quantized): the only one of these formats that can say activations are int8.
     """
     if online:
@@ -93,12 +101,16 @@ def refusal(
     act_quant: bool = False,
     sym: bool = False,
     widths: list[int] | None = None,
+    parts: list[int] | None = None,
 ) -> str | None:
     """Why `fmt` cannot hold this layer's setting (one line naming the layer and what would work), or None.
 
     group_size is the layer's (>= in_features: per-channel); widths: every quantized layer's input width, for
-    the list of group sizes that would work.
+    the list of group sizes that would work; parts: the output rows of the tensors the layer is saved as (a
+    fused qkv_proj is saved as q/k/v_proj; default: one tensor of out_features rows). Shapes and settings only:
+    the values' own limit (GPTQ v1 zero points) is zero_point_refusal.
     """
+    parts = parts or [out_features]
     grouped = group_size < in_features
     if fmt not in FORMATS:
         return f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}"
@@ -114,6 +126,15 @@ def refusal(
                 f"{name}: W8A8 (int8 activations) cannot be expressed in a GPTQ checkpoint (other loaders would "
                 "run it weight-only): use --format compressed-tensors"
             )
+        per_block = block_shape(bits)[0]
+        ragged = [f"in_features {in_features}"] if in_features % per_block else []
+        ragged += [f"{n} output rows" for n in parts if n % per_block]
+        if ragged:
+            return (
+                f"{name}: GPTQ packs {bits}-bit codes {per_block} at a time along both dimensions, and "
+                f"{', '.join(ragged)} are not a multiple of {per_block}: use --format compressed-tensors (which pads "
+                f"a short tail){', or drop --lm-head' if name == 'lm_head' else ''}"
+            )
         return None
     if fmt == "awq":
         if bits != 4:
@@ -128,8 +149,11 @@ def refusal(
             )
         if act_quant:
             return f"{name}: W8A8 (int8 activations) cannot be expressed in AWQ: use --format compressed-tensors"
-        if out_features % 8:
-            return f"{name}: AWQ GEMM packs 8 output columns per word; out_features={out_features}: use --format gptq"
+        if any(n % 8 for n in parts):
+            return (
+                f"{name}: AWQ GEMM packs 8 output columns per word; output rows {parts} are not all multiples of 8: "
+                "use --format compressed-tensors"
+            )
         return None
     # compressed-tensors' layout (also qspec's)
     if g_idx:
@@ -286,6 +310,7 @@ def check_expressible(model, fmt: str, quant_config: dict | None = None) -> None
             raise CheckpointError("the model applies online Hadamard rotations but its metadata has no rotation record")
     layers = quantized_layers(model)
     widths = [m.in_features for _, m in layers]
+    parts = {name: [n for _, n in rows] for name, rows in linear_layout(model)}
     for name, m in layers:
         why = refusal(
             fmt,
@@ -298,14 +323,100 @@ def check_expressible(model, fmt: str, quant_config: dict | None = None) -> None
             act_quant=m.act_quant,
             sym=is_symmetric(m),
             widths=widths,
+            parts=parts.get(name),
         )
         if why:
             raise CheckpointError(why)
+    why = zero_point_refusal(model, fmt)
+    if why:
+        raise CheckpointError(why)
     if fmt in CT_LAYOUT and shares_quantized_head(model):
         raise CheckpointError(
             "lm_head: a quantized head shared with the tied embedding cannot be expressed in compressed-tensors "
             "(the embedding needs its own dense table there): drop --lm-head or use --format gptq"
         )
+
+
+def zero_range(fmt: str, bits: int) -> tuple[int, int]:
+    """The zero points a format's integer layout stores: GPTQ v1 writes zero - 1 into `bits` bits (AutoGPTQ's
+    kernels add the one back), so its range is [1, 2**bits]; the others store the zero point as is."""
+    return (1, 2**bits) if fmt == "gptq" else (0, 2**bits - 1)
+
+
+def zero_point_refusal(model, fmt: str) -> str | None:
+    """Why `fmt` cannot store the zero points the model's QuantLinears actually have (one line), or None.
+
+    Only the quantized values show this: an asymmetric grid puts a group's zero point at round(-min / step),
+    which is 0 when the group's most negative weight is under half a step, i.e. it has no negative weight or
+    one large positive outlier dwarfs them; GPTQ v1 (zero - 1 in `bits` bits) cannot store that 0."""
+    bad, first, total = 0, None, 0
+    for name, m in quantized_layers(model):
+        z = m.zeros.double()
+        if not torch.equal(z, z.round()):
+            return f"{name}: zero points are not integers; integer checkpoint formats store integer zero points"
+        low, high = zero_range(fmt, m.bits)
+        outside = int(((z < low) | (z > high)).sum())
+        total += z.numel()
+        if outside:
+            bad += outside
+            first = first or (name, int(z.min()), int(z.max()), low, high, m.bits)
+    if not bad:
+        return None
+    name, zmin, zmax, low, high, bits = first
+    what = f"{name}: zero points span [{zmin}, {zmax}] ({bad} of {total} groups of the model outside [{low}, {high}])"
+    if fmt == "gptq" and zmin == 0:
+        return (
+            f"{what}: GPTQ v1 stores zero - 1, so zero point 0, which an asymmetric grid gives a group whose most "
+            "negative weight is under half a step (none, or a large positive outlier beside it), needs --format "
+            "gptq_v2 or compressed-tensors, or --sym"
+        )
+    return f"{what}: {fmt} with {bits} bits stores [{low}, {high}]"
+
+
+FALLBACK_ORDER = ("gptq_v2", "compressed-tensors", "qspec")  # nearest to a GPTQ / AWQ request first
+
+
+def holding_format(model, fmt: str, quant_config: dict | None = None) -> tuple[str, str | None]:
+    """(fmt, None) when `fmt` holds the model's quantized layers; otherwise (the nearest format that does, why
+    `fmt` cannot): gptq_v2 (the same layout and loaders' config keys, zero points as is), then compressed-tensors,
+    then qspec's own. Raises CheckpointError when none does. For what is known only after quantizing (a GPTQ v1
+    zero point of 0); the quantizer CLIs refuse what the arguments already decide before the model loads."""
+    if float_layers(model):
+        return fmt, None  # FP8: one format, checked before quantizing (check_float_expressible when saving)
+    try:
+        check_expressible(model, fmt, quant_config)
+        return fmt, None
+    except CheckpointError as err:
+        why = str(err)
+    for alt in FALLBACK_ORDER:
+        if alt == fmt:
+            continue
+        try:
+            check_expressible(model, alt, quant_config)
+        except CheckpointError:
+            continue
+        return alt, why
+    raise CheckpointError(why)
+
+
+def config_group_size(layers: list[tuple[str, QuantLinear]]) -> int:
+    """The one ``group_size`` a quantization_config gives these layers (-1: per-channel). A layer whose group is
+    its whole width is per-channel and agrees with any group at least that wide (loaders then use one group per
+    row), so group 64 on widths 64 and 128 is one config; a per-channel layer wider than the others' group is not."""
+    grouped = {m.group_size for _, m in layers if m.group_size < m.in_features}
+    group = grouped.pop() if len(grouped) == 1 else -1
+    if grouped or any(group != -1 and m.group_size >= m.in_features > group for _, m in layers):
+        sizes = sorted({min(m.group_size, m.in_features) for _, m in layers})
+        raise ValueError(f"save_quantized: layers mix group sizes {sizes}; one quantization_config needs one")
+    return group
+
+
+def agrees_with_layers(key: str, value, derived, layers: list[tuple[str, QuantLinear]]) -> bool:
+    """Whether the caller's quant_config[key] describes the layers as the derived value does (group_size: the
+    same group per layer, e.g. 64 and -1 on layers 64 wide)."""
+    if key != "group_size" or not isinstance(value, int) or value == 0:
+        return value == derived
+    return all(group_layout(value, m.in_features)[0] == group_layout(derived, m.in_features)[0] for _, m in layers)
 
 
 def quantization_config_for(model, quant_config: dict, fmt: str) -> dict:
@@ -317,16 +428,13 @@ def quantization_config_for(model, quant_config: dict, fmt: str) -> dict:
     bits = {m.bits for _, m in layers}
     if len(bits) > 1:
         raise ValueError(f"save_quantized: layers mix bit widths {sorted(bits)}; one quantization_config needs one")
-    per_channel = all(m.group_size >= m.in_features for _, m in layers)
-    group_sizes = {m.group_size for _, m in layers if m.group_size < m.in_features}
-    if len(group_sizes) > 1 or (group_sizes and any(m.group_size >= m.in_features for _, m in layers)):
-        raise ValueError(f"save_quantized: layers mix group sizes {sorted({m.group_size for _, m in layers})}")
+    group_size = config_group_size(layers)
     act_quant = {m.act_quant for _, m in layers}
     if len(act_quant) > 1:
         raise ValueError("save_quantized: some layers quantize activations (W8A8) and some do not")
     derived = {
         "bits": bits.pop(),
-        "group_size": -1 if per_channel else group_sizes.pop(),
+        "group_size": group_size,
     }
     sym = all(is_symmetric(m) for _, m in layers)
     if fmt in CT_LAYOUT:
@@ -358,6 +466,8 @@ def quantization_config_for(model, quant_config: dict, fmt: str) -> dict:
     out = {**quant_config, **derived}
     for key, value in quant_config.items():
         if key in derived and value != derived[key]:
+            if key == "group_size" and agrees_with_layers(key, value, derived[key], layers):
+                continue  # the same grouping: the derived value is written
             if key in ("bits", "group_size", "desc_act"):
                 raise ValueError(
                     f"save_quantized: quant_config[{key!r}] = {value!r} but the layers say {derived[key]!r}"
