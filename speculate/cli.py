@@ -56,7 +56,7 @@ def build_speculator(
         return NgramSpeculator(k=k, scaled=not ngram_fixed)
     if name == "draft":
         check_k(k)
-        draft, label = parse_draft_spec(draft_model, model)
+        draft, label = parse_draft_spec(draft_model, model, model_path)
         return DraftModelSpeculator(model, draft, k=k, name=f"draft({label})")
     if name == "quant-draft":
         check_k(k)

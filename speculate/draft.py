@@ -25,7 +25,7 @@ from quantize.qlinear import QuantLinear
 from quantize.rtn import quantize_model
 from runtime.grammar import row_masks
 from runtime.layout import device_of
-from runtime.loader import load_model
+from runtime.loader import ModelSpecError, check_model_spec, load_model
 from runtime.model import Transformer
 from runtime.paged_cache import BlockManager, PagedKVCache, paged_metadata
 from runtime.paths import qspec_home
@@ -254,10 +254,18 @@ def measured_default_draft(target: Transformer) -> str | None:
     return json.loads(path.read_text())["draft"]
 
 
-def parse_draft_spec(spec: str | None, target: Transformer) -> tuple[Transformer, str]:
+SEPARATE_DRAFT_GROUP = 64  # int4+SPEC: the 0.5B's int4 g64 copy measured 1.66x for the 1.5B (issue 37)
+
+
+def parse_draft_spec(
+    spec: str | None, target: Transformer, target_path: Path | str | None = None
+) -> tuple[Transformer, str]:
     """--draft-model: 'layers:N' (layer-skip draft of the target), 'int4' / 'int8' (its RTN copy), 'int4+layers:N'
-    (both), or a model spec. None: the draft chosen by measurement for this model when there is one
-    (evals.spec_cost choose-draft), else FALLBACK_DRAFT."""
+    (both), a model spec (a checkpoint with the target's tokenizer, e.g. qwen2.5-coder-0.5b for the 1.5B, run in
+    the target's dtype), or 'int4+SPEC' / 'int8+SPEC' (that model's RTN copy: int4 in groups of 64, int8 per
+    channel). None: the draft chosen by measurement for this model when there is one (evals.spec_cost
+    choose-draft), else FALLBACK_DRAFT. target_path: the target's checkpoint, whose tokenizer a separate draft's
+    must equal."""
     if spec is None:
         spec = measured_default_draft(target) or FALLBACK_DRAFT
     bits, _, rest = spec.partition("+") if spec.startswith("int") else ("", "", spec)
@@ -272,8 +280,38 @@ def parse_draft_spec(spec: str | None, target: Transformer) -> tuple[Transformer
             raise SpeculatorError(f"--draft-model {spec!r}: expected layers:N with an integer N") from None
         draft = layer_skip_draft(target, n)
         return (quantized_draft(draft, int(bits[3:])) if bits else draft), spec
-    if bits:
-        raise SpeculatorError(f"--draft-model {spec!r}: expected int4, int8 or intB+layers:N")
+    try:
+        check_model_spec(rest)
+    except ModelSpecError as err:
+        raise SpeculatorError(f"--draft-model {spec!r}: {err}") from None
+    draft, _, draft_path = load_model(rest, dtype=target.compute_dtype, device=device_of(target))
+    if target_path:
+        check_same_tokenizer(Path(target_path), draft_path)
+    if not bits:
+        return draft, spec
+    return quantized_draft(draft, int(bits[3:]), group_size=SEPARATE_DRAFT_GROUP if bits == "int4" else None), spec
 
-    draft, _, _ = load_model(spec, dtype=target.compute_dtype, device=device_of(target))
-    return draft, spec
+
+def tokenizer_identity(path: Path) -> dict | None:
+    """What decides how text becomes ids in a checkpoint's tokenizer.json (vocabulary, merges, added tokens), or
+    None when the checkpoint has no tokenizer.json."""
+    file = path / "tokenizer.json"
+    if not file.is_file():
+        return None
+    tok = json.loads(file.read_text())
+    model = tok.get("model", {})
+    added = sorted((t["id"], t["content"]) for t in tok.get("added_tokens", []))
+    return {"vocabulary": model.get("vocab"), "merges": model.get("merges"), "added tokens": added}
+
+
+def check_same_tokenizer(target_path: Path, draft_path: Path) -> None:
+    """A separate draft model must turn text into the target's ids: its proposals are target token ids."""
+    target, draft = tokenizer_identity(target_path), tokenizer_identity(draft_path)
+    if target is None or draft is None:
+        return  # nothing to compare (the vocabulary sizes were checked)
+    for part in target:
+        if target[part] != draft[part]:
+            raise SpeculatorError(
+                f"draft model {draft_path} has another tokenizer than the target {target_path} (its {part} "
+                "differ): a draft proposes target token ids, so it must share the target's tokenizer"
+            )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 
 import pytest
 import torch
@@ -25,6 +26,7 @@ from evals.spec_cost import (
 from evals.specbench import SMOKE_CONFIG, build_method
 from quantize.qlinear import QuantLinear
 from runtime.decoding import generate
+from runtime.loader import load_model
 from runtime.model import random_model
 from runtime.sampling import SamplingParams
 from speculate.base import SpecState, SpeculatorError
@@ -243,3 +245,24 @@ def test_tree_steps_are_timed_through_the_tree_verifier():
     )
     prof = measure(model, {}, context=16, Ts=[1], repeats=1, tree_Ts=[3, 5])
     assert set(prof.tree_verify_s) == {3, 5} and all(v > 0 for v in prof.tree_verify_s.values())
+
+
+def test_a_separate_draft_checkpoint_quantized_and_tokenizer_checked(tiny_checkpoint, tmp_path):
+    """--draft-model SPEC / int4+SPEC load a separate checkpoint (the 0.5B for the 1.5B); a draft whose
+    tokenizer.json maps text to other ids is refused by name, before any drafting."""
+    target, _, path = load_model(str(tiny_checkpoint))
+    draft, label = parse_draft_spec(str(tiny_checkpoint), target, path)
+    assert label == str(tiny_checkpoint) and not any(isinstance(m, QuantLinear) for m in draft.modules())
+    draft, label = parse_draft_spec(f"int4+{tiny_checkpoint}", target, path)
+    assert {m.bits for m in draft.modules() if isinstance(m, QuantLinear)} == {4}
+    other = tmp_path / "other-tokenizer"
+    shutil.copytree(tiny_checkpoint, other)
+    tok = json.loads((other / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    first, second = list(vocab)[300:302]
+    vocab[first], vocab[second] = vocab[second], vocab[first]  # same size, two ids swapped
+    (other / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(SpeculatorError, match=r"another tokenizer than the target .*vocabulary differ"):
+        parse_draft_spec(str(other), target, path)
+    with pytest.raises(SpeculatorError, match="no such directory"):
+        parse_draft_spec("int8+./missing-draft/", target, path)
