@@ -670,7 +670,7 @@ def render(r: Report) -> str:
     return "\n".join(lines)
 
 
-# Measured device profiles (DESIGN.md "Numbers of these machines"): the defaults of --bandwidth / --flops.
+# Measured device profiles (docs/methodology.md, machine numbers): the defaults of --bandwidth / --flops.
 # cpu: this project's 2-core Zen 4 machine, streaming read and matmul rate by weight dtype.
 # h200: one H200, copy bandwidth and bf16 matmul as measured with qspec's runtime.
 DEVICE_PROFILES = {

@@ -427,7 +427,7 @@ class GenSettings:
     prompting: str = "raw"  # the prompt as code, no chat template
     dtype: str = "auto"  # the --dtype asked for (auto is decided by the checkpoint, itself in the key)
     device: str = "cpu"
-    batch_size: int = 1  # batched rows are the same math as batch 1, not bit-identical (DESIGN.md)
+    batch_size: int = 1  # batched rows are the same math as batch 1, not bit-identical (docs/methodology.md)
 
     def key(self) -> str:
         return _digest(asdict(self))

@@ -15,8 +15,8 @@ the T histogram are hardware-independent (measured on the suite); c and draft_co
   ``--timing forward`` times bare forwards and the overheads apart;
 - ``roofline``: a named GPU (``h200``: 4.2 TB/s measured copy bandwidth of the 4.8 nominal, 990 TFLOP/s bf16
   dense, a per-forward + per-layer launch overhead) and the model's shapes: c(T) = max(bytes / BW,
-  FLOPs / peak) + overhead; ``h200-eager`` uses the launch overhead measured with eager PyTorch (DESIGN.md:
-  ~13 ms per SmolLM2 step, ~0.43 ms per layer);
+  FLOPs / peak) + overhead; ``h200-eager`` uses the launch overhead measured with eager PyTorch
+  (docs/methodology.md, machine numbers: ~13 ms per SmolLM2 step, ~0.43 ms per layer);
 - ``gpu_check``: a measured GPU curve, the JSON record of ``evals.gpu_check`` (issue 13). Read fields (to be
   agreed with that record): ``verify_curve_s`` {T: seconds} or ``verify_curve_ms`` {T: ms} (T = new tokens
   per row, batch 1, the record's context), optional ``draft_s`` {method label: seconds per propose()} and
@@ -141,7 +141,7 @@ class GPU:
 GPUS = {
     # CUDA graphs / compiled step: a few launches per layer
     "h200": GPU("h200", bandwidth=4.2e12, flops=990e12, per_forward_s=30e-6, per_layer_s=8e-6),
-    # eager PyTorch: launch-bound (13 ms per SmolLM2 step measured, DESIGN.md) ~ 0.43 ms per layer
+    # eager PyTorch: launch-bound (13 ms per SmolLM2 step measured, docs/methodology.md) ~ 0.43 ms per layer
     "h200-eager": GPU("h200-eager", bandwidth=4.2e12, flops=990e12, per_forward_s=0.1e-3, per_layer_s=0.43e-3),
 }
 

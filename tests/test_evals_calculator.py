@@ -116,7 +116,7 @@ def test_default_model_params_match_module_on_meta_device():
     r = calculate(cfg.to_hf(), dtype="fp32", bandwidth=31e9)
     assert r.params_total == n_module == 134_515_008
     assert r.weight_bytes_stored == 4 * n_module
-    # DESIGN.md: fp32 decode roofline at 31 GB/s is about 58 tok/s (538 MB of weights)
+    # docs/methodology.md (machine numbers): fp32 decode roofline at 31 GB/s is about 58 tok/s (538 MB of weights)
     # (tied: the lm_head read is the embedding matrix, so a step reads exactly the stored bytes)
     assert r.decode_tokens_per_s_batch1_empty == pytest.approx(31e9 / (4 * n_module))
     assert 57 < r.decode_tokens_per_s_batch1_empty < 59

@@ -11,7 +11,7 @@ Loss: KL(target || head), averaged over heads. The base model is frozen; only th
 the vocabulary projections when not shared) are trained.
 
 At the end the heads' top-i accuracy against the target's argmax is measured on held-out rows of the same
-data and stored in the checkpoint; ``speculate.medusa.tree`` builds the candidate tree from it.
+data and stored in the checkpoint; ``speculate.medusa.speculator.build_tree`` builds the candidate tree from it.
 
     python -m speculate.medusa.train --model smollm2-135m --num-heads 3 --minutes 25
 """
