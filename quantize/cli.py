@@ -24,6 +24,7 @@ from quantize.formats import (
     holding_format,
     linear_layout,
     refusal,
+    round_dense_tensors,
     save_quantized,
 )
 from quantize.rotation import choose_layers, choose_layers_cost, rotate_model, rotation_record
@@ -94,7 +95,9 @@ def parser(
             "--dense-dtype",
             choices=("bf16", "fp32"),
             default="bf16",
-            help="dtype of the unquantized tensors (embeddings, norms, biases) in --out; config.json declares it",
+            help="dtype of the unquantized tensors (embeddings, norms, biases) in --out; config.json declares it. "
+            "With --out, --eval measures the model as saved (those tensors rounded to this dtype): the checkpoint "
+            "reloads to the recorded perplexity",
         )
     ap.add_argument(
         "--rotate",
@@ -490,7 +493,10 @@ def finish(
 
     The format to save in is settled before the evaluation: when the codes do not fit the chosen one (a GPTQ v1
     zero point of 0), the nearest format that holds them is written instead and one line says why; if the user
-    asked for the format with --format, the run then ends with exit status EXIT_OTHER_FORMAT, the result saved."""
+    asked for the format with --format, the run then ends with exit status EXIT_OTHER_FORMAT, the result saved.
+    With --out the evaluation measures what is saved (the unquantized tensors rounded to --dense-dtype; quantized
+    layers are stored exactly): the checkpoint reloads to the recorded figures bit for bit on the reference path
+    the quantizers measure on (and, for W8A8, on cpu_w8a8 too, which sums the same integers)."""
     if getattr(args, "rotate", False):
         cfg.extra["rotation"] = rotation_record(
             args.seed, not args.no_online_hadamard, args.rotation_mode, getattr(args, "rotate_layers", None)
@@ -519,6 +525,8 @@ def finish(
             status = f" (exit status {EXIT_OTHER_FORMAT} at the end)" if given else ""
             log(f"{'--format' if given else 'the default format'} {asked} cannot hold this result, so {args.out} is "
                 f"written as {fmt}{status}: {why}")  # fmt: skip
+    if args.out:  # measure the checkpoint: its unquantized tensors as --dense-dtype stores them
+        round_dense_tensors(model, DENSE_DTYPES[args.dense_dtype])
     if args.eval:
         record.update(evaluate(model, tokenizer, args.eval, args.eval_windows))
     if args.out:

@@ -1,6 +1,7 @@
 """int8 per-channel weight-only quantization (symmetric RTN), and W8A8: the same int8 weights with dynamic
 per-token symmetric int8 activations. The integer matmul (``torch._int_mm``, int32 accumulation) is
-QuantLinear's ``cpu_w8a8`` path; quality is measured on the reference path (same math, float summation).
+QuantLinear's ``cpu_w8a8`` path; quality is measured on the reference path, which sums the same integers
+exactly: a saved W8A8 checkpoint reloaded on cpu_w8a8 gives the measured figures bit for bit.
 
 W8A8 with ``--smooth ALPHA`` (SmoothQuant, Xiao et al. 2022): a few input channels carry activations far
 larger than the rest, which sets every token's int8 step. Per input channel j of a linear,

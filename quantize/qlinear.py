@@ -5,6 +5,12 @@ per-group scales and zero points. Every packed format saves and loads one. ``Qua
 is a drop-in for ``nn.Linear`` (same ``forward(x)`` contract); its ``reference`` path is plain
 dequantize-then-matmul, which faster paths (CPU packed ops, Triton) are tested against.
 
+W8A8 (int8 activations): the reference sums the integer products q * (code - zero) exactly, as the integer
+matmul (``torch._int_mm``, int32 sums) does, and applies the scales after, per group, in the same order as the
+``cpu_w8a8`` path: the two give the same outputs bit for bit. (A float sum of q * dequantized weight rounds
+differently; the next layer's activation rounding then turns those last-bit differences into whole int8 steps,
+so a model measured on one path and run on the other differed by ~1e-4 in perplexity.)
+
 Dequantization: ``W[o, i] = (codes[o, i] - zeros[o, g]) * scales[o, g]`` with ``g = g_idx[i]``.
 Symmetric quantization is the case ``zeros == 2**(bits-1)``.
 """
@@ -25,6 +31,9 @@ from runtime.kernels import cpu_step
 
 SUPPORTED_BITS = (2, 3, 4, 8)  # every path: the reference and Triton
 FAST_CPU_BITS = (4, 8)  # bit widths with a packed torch CPU kernel (quantize.kernels.cpu)
+# W8A8 reference: a float32 matmul of integers is exact, whatever its summation order, while every partial sum
+# stays below 2**24 (and in bf16/TF32 matmul modes too: both factors are integers of at most 8 bits)
+EXACT_SUM = 2**24
 
 
 @dataclass
@@ -82,12 +91,14 @@ class QuantLinear(nn.Module):
     """nn.Linear stand-in holding a QuantizedWeight, with one forward contract and several paths.
 
     act_quant=True is W8A8: activations are quantized per token to int8 before the matmul (the reference
-    path dequantizes both; fast paths use an integer matmul and give the same result up to summation order).
+    path sums the integer products exactly, then scales: the same outputs as cpu_w8a8's integer matmul, bit for
+    bit; Triton dots in float: the same result up to summation order).
 
     Paths (``path="auto"`` picks one at the first forward from the input's device and compute_dtype; on CPU
     int4 is picked only for a 16-bit compute_dtype, since it rounds activations to bf16):
       reference  dequantize-then-matmul in fp32 (what every other path is tested against)
-      dense      the reference math on a weight dequantized once and kept (fp32): bit-identical to reference
+      dense      the reference math on a weight dequantized once and kept (fp32; W8A8: code - zero, the scales
+                 applied after the integer sums): bit-identical to reference
                  and as fast as an unquantized fp32 model, for evaluating a quantized model's quality at
                  scale; resident bytes are the dense size plus the packed codes
       cpu        qspec's CPU step kernels (runtime.kernels.cpu_step: 2/3/4- and 8-bit codes, fp32 or bf16
@@ -169,7 +180,8 @@ class QuantLinear(nn.Module):
             # [k_pad * bits / 32, out] int32, GPTQ's layout (low bits first, 3-bit codes straddle words)
             self.register_buffer("packed_codes", pack_codes(padded, self.bits).to(codes.device))
             if path == "dense":  # not persistent: checkpoints hold the codes, never the dense copy
-                weight = self.qweight().dequantize(torch.float32)
+                # W8A8 keeps the integer weights (code - zero), which the exact integer sums read
+                weight = self.centered_codes() if self.act_quant else self.qweight().dequantize(torch.float32)
                 self.register_buffer("dense_weight", weight, persistent=False)
             return
         perm = cpu.contiguous_group_order(self.g_idx, self.group_size, self.in_features)
@@ -440,15 +452,37 @@ class QuantLinear(nn.Module):
         return kw
 
     def reference_forward(self, x: Tensor) -> Tensor:
-        w = self.dense_weight if self.path == "dense" else self.qweight().dequantize(torch.float32)
         if self.act_quant:
-            q, s = quantize_activations_per_token(x)
-            y = F.linear(q.float(), w) * s
+            y = self.w8a8_reference(x, self.dense_weight if self.path == "dense" else self.centered_codes())
         else:
+            w = self.dense_weight if self.path == "dense" else self.qweight().dequantize(torch.float32)
             y = F.linear(x.float(), w)
         if self.bias is not None:
             y = y + self.bias.float()
         return y.to(x.dtype)
+
+    def centered_codes(self) -> Tensor:
+        """codes - zeros [out, in] in float32 (integer-valued for integer zero points): the weight before its
+        scales."""
+        return self.codes_now().to(self.scales.device).float() - self.zeros.float()[:, self.group_index()]
+
+    def w8a8_reference(self, x: Tensor, centered: Tensor) -> Tensor:
+        """W8A8 without the bias, in float32: per token int8 activations q, scale s; per group g the exact sum
+        of q * (code - zero) (exact_dots), times the group's scales, added group after group, times s. The
+        cpu_w8a8 path's arithmetic (quantize.kernels.cpu.w8a8_mm) with float matmuls: equal bit for bit."""
+        q, s = quantize_activations_per_token(x)
+        q = q.float()
+        acc = None
+        for group in range(self.scales.shape[1]):
+            if self.g_idx is None:  # consecutive columns (the last group may be short)
+                cols = slice(group * self.group_size, (group + 1) * self.group_size)
+                qg, wg = q[..., cols], centered[:, cols]
+            else:
+                cols = (self.g_idx == group).nonzero().squeeze(1)
+                qg, wg = q.index_select(-1, cols), centered.index_select(1, cols)
+            part = exact_dots(qg, wg).float() * self.scales[:, group].float()
+            acc = part if acc is None else acc + part
+        return acc * s
 
     def extra_repr(self) -> str:
         return (
@@ -473,6 +507,24 @@ def say_slow_path(layer: QuantLinear) -> None:
     if why not in _SAID:
         _SAID.add(why)
         print(f"[qspec] {why}", file=sys.stderr)
+
+
+def exact_dots(q: Tensor, w: Tensor) -> Tensor:
+    """q [..., K] @ w [N, K]^T for integer-valued float32 operands as in W8A8 (|q| <= 127, |w| <= 255): the
+    exact integer sums an int32 matmul gives, in float32 when they fit below 2**24 in one matmul (symmetric
+    int8, |w| <= 128: up to 1032 columns), else from float32 matmuls over column blocks that each stay below
+    2**24, added in float64 (exact for integers; still the right sums, rounded, for a non-integer zero point).
+    .float() of the result rounds as the int32 sums' .float() does."""
+    k = q.shape[-1]
+    w_max = float(w.abs().amax()) if w.numel() else 0.0
+    cols = max(1, int((EXACT_SUM - 1) // (127 * w_max))) if w_max else max(k, 1)
+    if k <= cols:
+        return F.linear(q, w)
+    out = None
+    for a in range(0, k, cols):
+        part = F.linear(q[..., a : a + cols], w[:, a : a + cols]).double()
+        out = part if out is None else out + part
+    return out
 
 
 def set_module(model: nn.Module, name: str, module: nn.Module) -> None:

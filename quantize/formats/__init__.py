@@ -53,6 +53,7 @@ __all__ = [
     "load_quantized_into",
     "linear_layout",
     "float_refusal",
+    "round_dense_tensors",
 ]
 
 
@@ -485,6 +486,23 @@ def qspec_document(document: dict, quant_config: dict) -> dict:
     if quant_config.get("rotation"):
         out["rotation"] = quant_config["rotation"]
     return out
+
+
+@torch.no_grad()
+def round_dense_tensors(model, dense_dtype: torch.dtype) -> None:
+    """Round, in place, what ``save_quantized`` stores in dense_dtype to that dtype's values (the tensors keep
+    their own dtype): every parameter (embeddings, norms, unquantized linears and their biases; quantized layers
+    have none) and the quantized layers' biases. A model measured after this gives the figure its checkpoint
+    reloads to; quantized codes and scales are stored as they are. Buffers that are not saved (rotary
+    frequencies, Hadamard matrices) are rebuilt at load and left alone. The rounded values are new tensors, so
+    kernels' views keyed by the old ones (runtime.model's dense linears) are rebuilt."""
+    for p in model.parameters():  # tied parameters are listed once and stay tied (one Parameter)
+        if p.is_floating_point() and p.dtype != dense_dtype:
+            p.data = p.data.to(dense_dtype).to(p.dtype)
+    for m in model.modules():
+        if isinstance(m, QuantLinear | FPLinear) and m.bias is not None and m.bias.dtype != dense_dtype:
+            m.bias = m.bias.to(dense_dtype).to(m.bias.dtype)
+            m.__dict__.pop("_kernel_weight", None)  # a CPU kernel's view holding the old bias
 
 
 def save_quantized(
