@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from evals.humaneval import SUBSETS, data_file
 from experiments import report, sweeps
 from experiments.bench import DEFAULT_THREADS, EVAL_THREADS, LOCKING, log
 from experiments.config import ConfigError, ExperimentConfig, Row, load_config
@@ -55,8 +56,6 @@ def check_humaneval(cfg: ExperimentConfig) -> None:
     section = cfg.evals.humaneval
     if section is None:
         return
-    from evals.humaneval import SUBSETS, data_file
-
     if section.subset is not None and section.subset not in SUBSETS:
         raise ConfigError(f"evals.humaneval.subset: {section.subset!r} not in {sorted(SUBSETS)} (or null: all)")
     if cfg.model.spec == "tiny-random":

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from evals import humaneval as he
 from evals.fidelity import FidelityAccumulator, compare_teacher_forced, model_scorer, token_match
 from evals.tasks import run_tasks
 from experiments.bench import bench_section, log
@@ -214,8 +215,6 @@ def humaneval(ctx: Context, row: Row, variant: Variant, res: dict) -> dict:
     """HumanEval pass@1 with its 95% Wilson interval (evals.humaneval) of the row's own model, where it is one
     checkpoint-backed model run by plain decoding; completions and results are cached per checkpoint, in-memory
     recipe and settings, so a rerun recomputes nothing. Other rows: why they carry the reference's figure or none."""
-    from evals import humaneval as he
-
     if variant.source is None:
         return humaneval_by_claim(row, res)
     section, src = ctx.cfg.evals.humaneval, variant.source
