@@ -138,9 +138,11 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            long_cpu = x.is_cpu and x.numel() > cpu_step.MAX_TOKENS * x.shape[-1]
-            if long_cpu and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
-                fused = cpu_step.rms_norm(x, self.weight, self.eps)  # prefill: one pass instead of ~10 ops
+            if x.is_cpu and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
+                # one compiled pass per row instead of ~10 ops, the compiled step's own norm, at ANY row count: a
+                # row's result must not depend on how many rows share the call (F.rms_norm sums in another order,
+                # so switching by size would give a verification's rows other bits than a decode step's)
+                fused = cpu_step.rms_norm(x, self.weight, self.eps)
                 if fused is not None:
                     return fused
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
@@ -354,7 +356,8 @@ class Transformer(nn.Module):
         if meta is None:
             meta = AttentionMetadata.contiguous(tokens.shape[0], 0, tokens.shape[1], tokens.device, cache is not None)
         x = self.embed_tokens(tokens).to(self.residual_dtype or self.compute_dtype)
-        short = tokens.shape[1] <= cpu_step.MAX_TOKENS
+        # short chunks, and candidate trees of any size (verifications: the step's outputs are shape-invariant)
+        short = tokens.shape[1] <= cpu_step.MAX_TOKENS or meta.local_mask is not None
         # (a compiled step, runtime.compiled, traces the Python layers: the C++ step is its own compiled path)
         eligible = short and x.is_cpu and cache is not None and not torch.compiler.is_compiling()
         fast = cpu_step.decode(self, x, meta, cache) if eligible else None
@@ -378,8 +381,23 @@ class Transformer(nn.Module):
         return getattr(self.lm_head, "compute_dtype", None) or self.lm_head.weight.dtype
 
     def logits(self, hidden: Tensor) -> Tensor:
-        """Final-norm hidden states [..., H] -> fp32 logits [..., V] (a 16-bit head's outputs, widened)."""
-        return self.lm_head(hidden.to(self.head_dtype)).float()
+        """Final-norm hidden states [..., H] -> fp32 logits [..., V] (a 16-bit head's outputs, widened).
+
+        On CPU (no autograd) the head runs cpu_step.MAX_ROWS rows at a time, so every row takes the kernels'
+        row-invariant path (Linear.forward): a position's logits are the same bits in a decode step, a verification
+        or any batch, however many rows the call has (F.linear, which larger calls would run, sums in another order)."""
+        h = hidden.to(self.head_dtype)
+        rows = h.numel() // max(h.shape[-1], 1)
+        if rows <= cpu_step.MAX_ROWS or not h.is_cpu or torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return self.lm_head(h).float()
+        flat = h.reshape(rows, h.shape[-1])
+        out = None
+        for i in range(0, rows, cpu_step.MAX_ROWS):
+            part = self.lm_head(flat[i : i + cpu_step.MAX_ROWS])
+            if out is None:
+                out = torch.empty(rows, part.shape[-1], dtype=torch.float32)
+            out[i : i + part.shape[0]] = part
+        return out.view(*h.shape[:-1], -1)
 
     def set_dtype(self, dtype: torch.dtype, mixed: bool = True, head_dtype: torch.dtype | None = None) -> Transformer:
         """Cast to a compute dtype. With mixed=True and a 16-bit dtype the final norm stays fp32 and the residual

@@ -14,11 +14,20 @@
 // (code - z) * s times x, in fp32, in a fixed order: each output's sum runs over k in order whatever M, the
 // batch or the thread split, so a row's result never depends on which other rows share the call.
 //
+// Shape invariance (the contract speculative decoding needs: greedy speculation equals plain greedy decoding token
+// for token). A position's results are the same bits whether the step computes it alone (a 1-token decode step),
+// as row j of a (k+1)-token chain, as a node of a tree, or beside other sequences of a batch, in every family and
+// weight format: linear kernels never choose their kernel or sum order by row count (AMX only by explicit request,
+// below); norms, rope and SiLU are per row; attention sums each query's softmax over its visible keys only, packed
+// in key order (softmax_packed8/16), so neither the chunk length nor masked keys between a tree node's ancestors
+// move a term. tests/test_shape_invariance.py checks it bit for bit.
+//
 // Kernel families, chosen at run time (set_isa caps them for tests): AVX2 + FMA + F16C (the baseline this file is
 // compiled for); AVX-512; AVX512-BF16 (vdpbf16ps for bf16 x bf16, and int4 codes as bf16 128 + code, exactly);
-// AMX (Sapphire Rapids and later): tile matmuls for every bf16-activation layer at any M, dense weights loaded
-// as the A operand straight from [N, K], quantized tiles expanded to bf16 (exactly) as the B operand. fp32
-// activations widen weights to fp32 and use FMA in every family.
+// AMX (Sapphire Rapids and later): tile matmuls for bf16-activation layers, dense weights loaded as the A operand
+// straight from [N, K], quantized tiles expanded to bf16 (exactly) as the B operand; off unless asked for (the row
+// policy below: AMX sums in another order, so mixing it with the vector kernels by row count is not row-invariant).
+// fp32 activations widen weights to fp32 and use FMA in every family.
 #include <ATen/Parallel.h>
 #include <cpuid.h>
 #include <immintrin.h>
@@ -82,18 +91,32 @@ struct Weight {
   int64_t pair_bytes() const { return kind == I4 ? NR : 2 * NR; }  // bytes of one column pair of a tile
 };
 
-// AMX runs a layer of AMX_MIN_ROWS or more activation rows when its activations are bf16 and its shapes fit whole
-// tiles: dense weights with K a multiple of 32 and N of 16 (the A operand is loaded from the weight in place),
-// quantized ones with groups of whole k-blocks (or one group per row). Fewer rows (a decode step) run vdpbf16ps,
-// which reads memory faster here than the tile path when one row is all the work. A row's result is then the
-// same bits for any call of 1..AMX_MIN_ROWS-1 rows, and for any call of more; between the two it can differ in
-// the last bits of fp32 (another summation order).
+// AMX (tile matmuls) sums each output in another order than the vector kernels (per 32-column k-block, then across
+// blocks), so a layer whose kernel depended on the row count would give a row other bits in a 1-row decode step
+// than in a (k+1)-row verification: speculative greedy decoding would then drift from plain greedy decoding at
+// near-ties. The row policy (set_amx, QSPEC_CPU_AMX) therefore never mixes the two by default:
+//   off          (default) no AMX: every family's vector kernels, row-invariant (tested on every family here)
+//   exact        AMX for every bf16-activation layer it fits at ANY row count (decode steps too): row-invariant
+//                by construction, one kernel for all M (unverified: no AMX CPU was at hand)
+//   approximate  AMX from AMX_MIN_ROWS rows, vdpbf16ps below (the fastest mix: vdpbf16ps reads memory faster
+//                than the tile path when one row is all the work); a row's result is the same bits for any call
+//                of 1..AMX_MIN_ROWS-1 rows and for any call of more, but between the two it can differ in the
+//                last bits of fp32: APPROXIMATE for speculative decoding (greedy outputs can differ from plain)
+// AMX takes a layer whose activations are bf16 and whose shapes fit whole tiles: dense weights with K a multiple
+// of 32 and N of 16 (the A operand is loaded from the weight in place), quantized ones with groups of whole
+// k-blocks (or one group per row).
 constexpr int64_t AMX_MIN_ROWS = 3;
+enum AmxMode : int { AMX_OFF = 0, AMX_EXACT = 1, AMX_APPROXIMATE = 2 };
+int g_amx_mode = AMX_OFF;
+inline bool amx_rows(int level, int64_t M) {
+  if (level < ISA_AMX || g_amx_mode == AMX_OFF) return false;
+  return g_amx_mode == AMX_EXACT || M >= AMX_MIN_ROWS;
+}
 inline bool amx_dense(const Weight& w, int level, int64_t M) {
-  return level >= ISA_AMX && M >= AMX_MIN_ROWS && w.kind == BF16 && w.K % KB == 0 && w.N % NR == 0;
+  return amx_rows(level, M) && w.kind == BF16 && w.K % KB == 0 && w.N % NR == 0;
 }
 inline bool amx_quant(const Weight& w, int level, int64_t M) {
-  return level >= ISA_AMX && M >= AMX_MIN_ROWS && w.quantized() && w.bf16_act && (w.ngroups == 1 || w.group % KB == 0);
+  return amx_rows(level, M) && w.quantized() && w.bf16_act && (w.ngroups == 1 || w.group % KB == 0);
 }
 
 inline uint16_t bf16_bits(float v) {  // round to nearest even, as torch's float -> bfloat16 cast
@@ -941,13 +964,64 @@ void silu_mul(const T* gate_up, T* out, int64_t n) {
   }
 }
 
+// Softmax in place of the scores of one query's visible keys, p[0, nv) packed in key order. The max, the
+// exponentials and their sum run over exactly these: lane l of the sum takes keys l, l + 8, ..., every exponential
+// goes through exp8 (a partial last block is masked, never a scalar tail), and each probability is e * (1 / sum).
+// The result therefore depends only on the sequence of visible scores: not on the chunk's length, nor on where
+// masked keys sit, so a position's attention is the same bits in a 1-token decode step, as row t of a chain, as a
+// tree node (its ancestors interleaved with masked siblings) or beside other rows of a batch.
+inline void softmax_packed8(float* p, int64_t nv) {
+  float mx = -INFINITY;
+  for (int64_t i = 0; i < nv; ++i) mx = std::max(mx, p[i]);  // the max is exact in any order
+  const __m256 vmx = _mm256_set1_ps(mx);
+  __m256 sum = _mm256_setzero_ps();
+  for (int64_t i = 0; i < nv; i += 8) {
+    const int64_t left = nv - i;
+    if (left >= 8) {
+      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + i), vmx));
+      _mm256_storeu_ps(p + i, e);
+      sum = _mm256_add_ps(sum, e);
+    } else {
+      const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+      const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(left)), lane);
+      const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(_mm256_maskload_ps(p + i, live), vmx)), _mm256_castsi256_ps(live));
+      _mm256_maskstore_ps(p + i, live, e);
+      sum = _mm256_add_ps(sum, e);
+    }
+  }
+  const float inv = 1.0f / avx2::hsum(sum);
+  for (int64_t i = 0; i < nv; ++i) p[i] *= inv;
+}
+
+// One query's scores sc[0, n), masked keys -inf, to probabilities (masked: 0) through softmax_packed8. prefix >= 0:
+// the visible keys are [0, prefix) (causal rows: no packing); else they are packed, in key order, into `packed`.
+inline void softmax_visible8(float* sc, int64_t n, int64_t prefix, std::vector<float>& packed,
+                             std::vector<int64_t>& where) {
+  if (prefix >= 0) {
+    softmax_packed8(sc, prefix);
+    std::fill(sc + prefix, sc + n, 0.0f);
+    return;
+  }
+  packed.clear();
+  where.clear();
+  for (int64_t i = 0; i < n; ++i)
+    if (sc[i] != -INFINITY) {
+      packed.push_back(sc[i]);
+      where.push_back(i);
+    }
+  softmax_packed8(packed.data(), static_cast<int64_t>(packed.size()));
+  std::fill(sc, sc + n, 0.0f);
+  for (size_t j = 0; j < packed.size(); ++j) sc[where[j]] = packed[j];
+}
+
 // Attention of token t of row b for g query heads of kv head h (their roped queries q [g, D]): keys at indices
 // [0, start) and the chunk's indices start + j that the row's local mask allows (causal: j <= t). Each key and
 // value row is read once for the g heads. scores: scratch [g, start + count]; acc: scratch [g, D].
 template <typename T>
 void attend(const KVView<T>& kv, int64_t l, int64_t b, int64_t h, int64_t t, int64_t start, int64_t count,
             const bool* local, int64_t Tn, const float* q, int64_t g, float scale, T* out, int64_t out_stride,
-            std::vector<float>& scores, std::vector<float>& acc) {
+            std::vector<float>& scores, std::vector<float>& acc, std::vector<float>& packed,
+            std::vector<int64_t>& where) {
   const int64_t D = kv.D, n = start + count;
   const T* kbase = kv.k + l * kv.layer_stride;
   const T* vbase = kv.v + l * kv.layer_stride;
@@ -959,27 +1033,8 @@ void attend(const KVView<T>& kv, int64_t l, int64_t b, int64_t h, int64_t t, int
     for (int64_t head = 0; head < g; ++head) scores[head * n + i] = dot_row(q + head * D, k, D) * scale;
   }
   acc.assign(g * D, 0.0f);
-  for (int64_t head = 0; head < g; ++head) {
-    float* sc = scores.data() + head * n;
-    float mx = -INFINITY;
-    for (int64_t i = 0; i < n; ++i) mx = std::max(mx, sc[i]);
-    __m256 sum = _mm256_setzero_ps();
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + i), _mm256_set1_ps(mx)));
-      const __m256 live = _mm256_cmp_ps(_mm256_loadu_ps(sc + i), _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ);
-      const __m256 p = _mm256_and_ps(e, live);
-      _mm256_storeu_ps(sc + i, p);
-      sum = _mm256_add_ps(sum, p);
-    }
-    float denom = avx2::hsum(sum);
-    for (; i < n; ++i) {
-      sc[i] = sc[i] == -INFINITY ? 0.0f : std::exp(sc[i] - mx);
-      denom += sc[i];
-    }
-    const float inv = 1.0f / denom;
-    for (int64_t j = 0; j < n; ++j) sc[j] *= inv;
-  }
+  const int64_t prefix = local ? -1 : start + t + 1;  // causal: the visible keys are a prefix
+  for (int64_t head = 0; head < g; ++head) softmax_visible8(scores.data() + head * n, n, prefix, packed, where);
   for (int64_t i = 0; i < n; ++i) {
     if (!visible(i)) continue;
     const T* v = vbase + kv.at(b, h, i);
@@ -1018,6 +1073,42 @@ inline __m512 exp16(__m512 x) {  // exp8's Cephes expf on 16 lanes
   return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
 }
 
+// softmax_packed8 with 16 lanes (exp16, masked tail): the same contract, for the AVX-512 attention.
+inline void softmax_packed16(float* p, int64_t nv) {
+  float mx = -INFINITY;
+  for (int64_t i = 0; i < nv; ++i) mx = std::max(mx, p[i]);
+  const __m512 vmx = _mm512_set1_ps(mx);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t i = 0; i < nv; i += 16) {
+    const int64_t left = nv - i;
+    const __mmask16 live = left >= 16 ? 0xffff : static_cast<__mmask16>((1u << left) - 1);
+    const __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, p + i), vmx)));
+    _mm512_mask_storeu_ps(p + i, live, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  const float inv = 1.0f / _mm512_reduce_add_ps(sum);
+  for (int64_t i = 0; i < nv; ++i) p[i] *= inv;
+}
+
+inline void softmax_visible16(float* sc, int64_t n, int64_t prefix, std::vector<float>& packed,
+                              std::vector<int64_t>& where) {
+  if (prefix >= 0) {
+    softmax_packed16(sc, prefix);
+    std::fill(sc + prefix, sc + n, 0.0f);
+    return;
+  }
+  packed.clear();
+  where.clear();
+  for (int64_t i = 0; i < n; ++i)
+    if (sc[i] != -INFINITY) {
+      packed.push_back(sc[i]);
+      where.push_back(i);
+    }
+  softmax_packed16(packed.data(), static_cast<int64_t>(packed.size()));
+  std::fill(sc, sc + n, 0.0f);
+  for (size_t j = 0; j < packed.size(); ++j) sc[where[j]] = packed[j];
+}
+
 constexpr int QB = 8;  // queries sharing each key row
 
 // Attention for up to QB queries of one row b and kv head h: query u is q[u] (roped, fp32, D floats) of token
@@ -1026,7 +1117,7 @@ constexpr int QB = 8;  // queries sharing each key row
 template <typename T>
 void attend(const KVView<T>& kv, int64_t l, int64_t b, int64_t h, int nq, const int64_t* tok, int64_t start,
             int64_t count, const bool* local, int64_t Tn, const float* q, float scale, T* const* out,
-            std::vector<float>& scores) {
+            std::vector<float>& scores, std::vector<float>& packed, std::vector<int64_t>& where) {
   const int64_t D = kv.D, C = D / 16, n = start + count;
   const T* kbase = kv.k + l * kv.layer_stride;
   const T* vbase = kv.v + l * kv.layer_stride;
@@ -1045,30 +1136,8 @@ void attend(const KVView<T>& kv, int64_t l, int64_t b, int64_t h, int nq, const 
       scores[u * n + i] = _mm512_reduce_add_ps(acc) * scale;
     }
   }
-  for (int u = 0; u < nq; ++u) {  // softmax: the row's max, e^(s - max), their sum
-    float* sc = scores.data() + u * n;
-    __m512 mx = _mm512_set1_ps(-INFINITY);
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sc + i));
-    float m = _mm512_reduce_max_ps(mx);
-    for (; i < n; ++i) m = std::max(m, sc[i]);
-    __m512 sum = _mm512_setzero_ps();
-    for (i = 0; i + 16 <= n; i += 16) {
-      const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sc + i), _mm512_set1_ps(m)));
-      const __mmask16 live = _mm512_cmp_ps_mask(_mm512_loadu_ps(sc + i), _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
-      const __m512 p = _mm512_maskz_mov_ps(live, e);
-      _mm512_storeu_ps(sc + i, p);
-      sum = _mm512_add_ps(sum, p);
-    }
-    float denom = _mm512_reduce_add_ps(sum);
-    for (; i < n; ++i) {
-      sc[i] = sc[i] == -INFINITY ? 0.0f : std::exp(sc[i] - m);
-      denom += sc[i];
-    }
-    const __m512 inv = _mm512_set1_ps(1.0f / denom);
-    for (i = 0; i + 16 <= n; i += 16) _mm512_storeu_ps(sc + i, _mm512_mul_ps(_mm512_loadu_ps(sc + i), inv));
-    for (; i < n; ++i) sc[i] /= denom;
-  }
+  for (int u = 0; u < nq; ++u)  // causal queries see a prefix of the keys: no packing
+    softmax_visible16(scores.data() + u * n, n, local ? -1 : start + tok[u] + 1, packed, where);
   const int QP = C <= 4 ? 4 : C <= 8 ? 2 : 1;  // queries whose value sums stay in registers
   for (int u0 = 0; u0 < nq; u0 += QP) {
     const int nu = std::min(QP, nq - u0);
@@ -1179,7 +1248,8 @@ void step_impl(const StepModel& m, at::Tensor& x, int64_t Tn, const at::Tensor& 
             item_first.push_back(f);
           }
       auto attend_items = [&](int64_t begin, int64_t end) {
-        std::vector<float> scores, q(attn512::QB * D);
+        std::vector<float> scores, packed, q(attn512::QB * D);
+        std::vector<int64_t> where;
         for (int64_t i = begin; i < end; ++i) {
           const int64_t b = item_row[i] / Hkv, h = item_row[i] % Hkv;
           const int nq = static_cast<int>(std::min<int64_t>(attn512::QB, cn[b] * group - item_first[i]));
@@ -1193,7 +1263,7 @@ void step_impl(const StepModel& m, at::Tensor& x, int64_t Tn, const at::Tensor& 
             outs[u] = attn.data() + r * q_size + head * D;
           }
           attn512::attend(kv, l, b, h, nq, tok, st[b], cn[b], lm ? lm + b * local_stride : nullptr, Tn, q.data(),
-                          scale, outs, scores);
+                          scale, outs, scores, packed, where);
         }
       };
       const int64_t items = static_cast<int64_t>(item_row.size());
@@ -1206,14 +1276,15 @@ void step_impl(const StepModel& m, at::Tensor& x, int64_t Tn, const at::Tensor& 
     // tokens to keep both cores busy (decode steps)
     const int64_t per = R * Hkv >= 4 ? group : 1, items = R * Hq / per;
     auto attend_range = [&](int64_t begin, int64_t end) {
-      std::vector<float> scores, acc, q(per * D);
+      std::vector<float> scores, acc, packed, q(per * D);
+      std::vector<int64_t> where;
       for (int64_t i = begin; i < end; ++i) {
         const int64_t r = i / (Hq / per), head0 = (i % (Hq / per)) * per, b = live[r] / Tn, t = live[r] % Tn;
         const int64_t row = live[r];
         for (int64_t u = 0; u < per; ++u)
           rope(qkv.data() + r * qkv_size + (head0 + u) * D, cos_p + row * D, sin_p + row * (D / 2), q.data() + u * D, D);
         attend(kv, l, b, head0 / group, t, st[b], cn[b], lm ? lm + b * local_stride : nullptr, Tn, q.data(), per,
-               scale, attn.data() + r * q_size + head0 * D, D, scores, acc);
+               scale, attn.data() + r * q_size + head0 * D, D, scores, acc, packed, where);
       }
     };
     if (work * Hq * D >= 32768)
@@ -1364,6 +1435,17 @@ void set_isa(const std::string& name) {
   g_isa_cap = name == "avx2" ? ISA_AVX2 : name == "avx512" ? ISA_AVX512 : name == "avx512bf16" ? ISA_AVX512BF16 : ISA_AMX;
 }
 
+void set_amx(const std::string& mode) {
+  TORCH_CHECK(mode == "off" || mode == "exact" || mode == "approximate", "AMX row policy: off | exact | approximate, got ",
+              mode);
+  g_amx_mode = mode == "exact" ? AMX_EXACT : mode == "approximate" ? AMX_APPROXIMATE : AMX_OFF;
+}
+
+std::string amx_mode() {
+  static const char* names[] = {"off", "exact", "approximate"};
+  return names[g_amx_mode];
+}
+
 // Seconds per phase since the last call (norm+residual, qkv, rope+kv write, attention, o, gate_up, act, down),
 // and whether to keep counting.
 std::vector<double> profile(bool enable) {
@@ -1398,6 +1480,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("k_cache"), py::arg("v_cache"), py::arg("tables"), py::arg("cos"), py::arg("sin"));
   m.def("rms_norm_rows", &qspec::rms_norm_rows, "RMSNorm of fp32 rows (CPU)");
   m.def("set_isa", &qspec::set_isa, "cap the kernel family: avx2 | avx512 | avx512bf16 (tests)");
+  m.def("set_amx", &qspec::set_amx, "AMX row policy: off (default) | exact | approximate (see cpu_step.cpp)");
+  m.def("amx_mode", &qspec::amx_mode, "the AMX row policy in use");
   m.attr("AMX_MIN_ROWS") = qspec::AMX_MIN_ROWS;
   m.def("profile", &qspec::profile, "seconds per step phase since the last call; enable: keep counting");
   m.def("isa", &qspec::isa_name, "the kernel family in use");

@@ -18,6 +18,12 @@ AVX-512 and AVX512-BF16 kernels chosen at run time) under ``$QSPEC_HOME/extensio
 or the CPU lacks AVX2, one warning says why and the Python layers run. ``QSPEC_CPU_STEP=0`` turns it off,
 ``QSPEC_CPU_ISA=avx2|avx512|avx512bf16`` caps the kernel family (tests run every family on one machine; AMX,
 where the CPU and the OS offer it, is the top one).
+
+Shape invariance: a position's outputs are the same bits whatever the step's row count, batch or tree shape
+(cpu_step.cpp's header), so greedy speculative decoding equals plain greedy decoding token for token.
+``QSPEC_CPU_AMX`` is AMX's row policy: ``off`` (default: the vector kernels, row-invariant), ``exact`` (AMX at every
+row count: row-invariant, unverified without an AMX CPU) or ``approximate`` (AMX from AMX_MIN_ROWS rows only:
+fastest, but a row's last bits then depend on the row count, so speculative greedy output can differ from plain).
 """
 
 from __future__ import annotations
@@ -47,7 +53,7 @@ KINDS = {"f32": 0, "bf16": 1, "i8": 2, "i4": 3, "fp8": 4}
 TILE = 16
 K_ALIGN = 32
 MAX_ROWS = 64  # activation rows (tokens x sequences) one kernel call takes
-MAX_TOKENS = 64  # new tokens per row a step takes: longer chunks (prefills) run the Python layers
+MAX_TOKENS = 64  # new tokens per row a step takes: longer chunks (prefills) run the Python layers; trees any size
 _STATE: dict = {}
 
 
@@ -106,6 +112,7 @@ def extension():
             cap = os.environ.get("QSPEC_CPU_ISA")
             if cap:
                 module.set_isa(cap)
+            module.set_amx(os.environ.get("QSPEC_CPU_AMX", "off"))
             _STATE["module"] = module
         except Exception as err:  # no compiler, no ninja, a read-only cache: the Python path still works
             warnings.warn(f"qspec: CPU step unavailable, using the Python layers ({err})", stacklevel=2)
@@ -307,9 +314,10 @@ def step_model(model):
 
 def decode(model, x: Tensor, meta, cache) -> Tensor | None:
     """Run every decoder layer on x [B, T, hidden] (the fp32 residual stream) in one call: T <= MAX_TOKENS new
-    tokens per row at the cache indices the metadata gives (``meta.starts``, ``meta.counts``, optional
-    ``meta.local_mask``: chains, trees, ragged rows), over a contiguous KVCache or a paged pool. Returns the
-    residual stream after the last layer, or None when this step does not qualify (the Python layers run)."""
+    tokens per row (a candidate tree: any number) at the cache indices the metadata gives (``meta.starts``,
+    ``meta.counts``, optional ``meta.local_mask``: chains, trees, ragged rows), over a contiguous KVCache or a paged
+    pool. Returns the residual stream after the last layer, or None when this step does not qualify (the Python
+    layers run)."""
     T = x.shape[1]
     starts = getattr(meta, "starts", None)
     if not (
@@ -317,7 +325,8 @@ def decode(model, x: Tensor, meta, cache) -> Tensor | None:
         and model.fast_decode
         and starts is not None
         and getattr(cache, "decode_kernel", None) != "triton"  # a paged pool asked to run its Triton kernel
-        and 1 <= T <= MAX_TOKENS
+        and 1 <= T
+        and (T <= MAX_TOKENS or getattr(meta, "local_mask", None) is not None)  # trees: any size (verification)
         and x.dtype == torch.float32  # the residual stream: fp32 models and bf16 (mixed) ones
         and x.device.type == "cpu"
         and not torch.is_grad_enabled()
