@@ -268,6 +268,9 @@ def start(tmp_path, mode: str, argv: list[str]) -> subprocess.Popen:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # a terminal's Ctrl-C reaches the CLI with SIGINT's default disposition; a suite started in the background
+        # of a non-interactive shell inherits it ignored, and Python then installs no KeyboardInterrupt handler
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
 
 
