@@ -126,8 +126,9 @@ def parse_method(spec: str) -> tuple[str, dict]:
     if "model" in kwargs:
         if name != "draft" or "layers" in kwargs:
             raise SuiteError(f"method {spec!r}: model= names a separate draft: draft:model=SPEC[,k=K], without layers=")
-        try:
-            check_model_spec(kwargs["model"])
+        bits, plus, spec_only = kwargs["model"].partition("+")
+        try:  # int4+SPEC / int8+SPEC: that checkpoint's RTN copy (speculate.draft.parse_draft_spec)
+            check_model_spec(spec_only if plus and bits in ("int4", "int8") else kwargs["model"])
         except ModelSpecError as err:
             raise SuiteError(f"method {spec!r}: {err}") from None
     return name, kwargs

@@ -90,7 +90,9 @@ def test_humaneval_section_is_validated(tmp_path):
 def test_draft_model_method_names_a_separate_checkpoint(tiny_checkpoint):
     assert parse_method(f"draft:model={tiny_checkpoint},k=3") == ("draft", {"model": str(tiny_checkpoint), "k": 3})
     assert parse_method("draft:model=qwen2.5-coder-0.5b")[1] == {"model": "qwen2.5-coder-0.5b"}
-    for bad in ("ngram:model=qwen2.5-coder-0.5b", "draft:model=qwen2.5-coder-0.5b,layers=2", "draft:model=./nope"):
+    assert parse_method("draft:model=int4+qwen2.5-coder-0.5b,k=5")[1] == {"model": "int4+qwen2.5-coder-0.5b", "k": 5}
+    bads = ("ngram:model=qwen2.5-coder-0.5b", "draft:model=qwen2.5-coder-0.5b,layers=2", "draft:model=./nope")
+    for bad in (*bads, "draft:model=int4+./nope/", "draft:model=int3+qwen2.5-coder-0.5b"):
         with pytest.raises(SuiteError):
             parse_method(bad)
     target, _, _ = load_model(str(tiny_checkpoint))
