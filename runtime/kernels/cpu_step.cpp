@@ -993,12 +993,13 @@ inline void softmax_packed8(float* p, int64_t nv) {
   for (int64_t i = 0; i < nv; ++i) p[i] *= inv;
 }
 
-// One query's scores sc[0, n), masked keys -inf, to probabilities (masked: 0) through softmax_packed8. prefix >= 0:
-// the visible keys are [0, prefix) (causal rows: no packing); else they are packed, in key order, into `packed`.
-inline void softmax_visible8(float* sc, int64_t n, int64_t prefix, std::vector<float>& packed,
-                             std::vector<int64_t>& where) {
+// One query's scores sc[0, n), masked keys -inf, to probabilities (masked: 0) through `softmax` (this ISA's
+// softmax_packed8 / softmax_packed16). prefix >= 0: the visible keys are [0, prefix) (causal rows: no packing); else
+// they are packed, in key order, into `packed`.
+inline void softmax_visible(float* sc, int64_t n, int64_t prefix, std::vector<float>& packed,
+                            std::vector<int64_t>& where, void (*softmax)(float*, int64_t)) {
   if (prefix >= 0) {
-    softmax_packed8(sc, prefix);
+    softmax(sc, prefix);
     std::fill(sc + prefix, sc + n, 0.0f);
     return;
   }
@@ -1009,7 +1010,7 @@ inline void softmax_visible8(float* sc, int64_t n, int64_t prefix, std::vector<f
       packed.push_back(sc[i]);
       where.push_back(i);
     }
-  softmax_packed8(packed.data(), static_cast<int64_t>(packed.size()));
+  softmax(packed.data(), static_cast<int64_t>(packed.size()));
   std::fill(sc, sc + n, 0.0f);
   for (size_t j = 0; j < packed.size(); ++j) sc[where[j]] = packed[j];
 }
@@ -1034,7 +1035,8 @@ void attend(const KVView<T>& kv, int64_t l, int64_t b, int64_t h, int64_t t, int
   }
   acc.assign(g * D, 0.0f);
   const int64_t prefix = local ? -1 : start + t + 1;  // causal: the visible keys are a prefix
-  for (int64_t head = 0; head < g; ++head) softmax_visible8(scores.data() + head * n, n, prefix, packed, where);
+  for (int64_t head = 0; head < g; ++head)
+    softmax_visible(scores.data() + head * n, n, prefix, packed, where, softmax_packed8);
   for (int64_t i = 0; i < n; ++i) {
     if (!visible(i)) continue;
     const T* v = vbase + kv.at(b, h, i);
@@ -1090,24 +1092,6 @@ inline void softmax_packed16(float* p, int64_t nv) {
   for (int64_t i = 0; i < nv; ++i) p[i] *= inv;
 }
 
-inline void softmax_visible16(float* sc, int64_t n, int64_t prefix, std::vector<float>& packed,
-                              std::vector<int64_t>& where) {
-  if (prefix >= 0) {
-    softmax_packed16(sc, prefix);
-    std::fill(sc + prefix, sc + n, 0.0f);
-    return;
-  }
-  packed.clear();
-  where.clear();
-  for (int64_t i = 0; i < n; ++i)
-    if (sc[i] != -INFINITY) {
-      packed.push_back(sc[i]);
-      where.push_back(i);
-    }
-  softmax_packed16(packed.data(), static_cast<int64_t>(packed.size()));
-  std::fill(sc, sc + n, 0.0f);
-  for (size_t j = 0; j < packed.size(); ++j) sc[where[j]] = packed[j];
-}
 
 constexpr int QB = 8;  // queries sharing each key row
 
@@ -1137,7 +1121,7 @@ void attend(const KVView<T>& kv, int64_t l, int64_t b, int64_t h, int nq, const 
     }
   }
   for (int u = 0; u < nq; ++u)  // causal queries see a prefix of the keys: no packing
-    softmax_visible16(scores.data() + u * n, n, local ? -1 : start + tok[u] + 1, packed, where);
+    softmax_visible(scores.data() + u * n, n, local ? -1 : start + tok[u] + 1, packed, where, softmax_packed16);
   const int QP = C <= 4 ? 4 : C <= 8 ? 2 : 1;  // queries whose value sums stay in registers
   for (int u0 = 0; u0 < nq; u0 += QP) {
     const int nu = std::min(QP, nq - u0);
