@@ -327,9 +327,9 @@ def parse_draft_spec(
     """--draft-model: 'layers:N' (layer-skip draft of the target), 'int4' / 'int8' (its RTN copy), 'int4+layers:N'
     (both), a model spec (a checkpoint with the target's tokenizer, e.g. qwen2.5-coder-0.5b for the 1.5B, run in
     the target's dtype), or 'int4+SPEC' / 'int8+SPEC' (that model's RTN copy: int4 in groups of 64, int8 per
-    channel; its head int8 per channel). None: the draft chosen by measurement for this model when there is one (evals.spec_cost
-    choose-draft), else FALLBACK_DRAFT. target_path: the target's checkpoint, whose tokenizer a separate draft's
-    must equal."""
+    channel; its head int8 per channel). None: the draft chosen by measurement for this model when there is one
+    (evals.spec_cost choose-draft), else FALLBACK_DRAFT. target_path: the target's checkpoint, whose tokenizer a
+    separate draft's must equal."""
     if spec is None:
         spec = measured_default_draft(target) or FALLBACK_DRAFT
     bits, _, rest = spec.partition("+") if spec.startswith("int") else ("", "", spec)
