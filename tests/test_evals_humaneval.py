@@ -383,8 +383,10 @@ def test_completion_cache_keys_are_unchanged_and_chat_keys_are_their_own(monkeyp
     assert completion == GenSettings(384, dtype="bf16", device="cuda", batch_size=8)
     assert completion.key() == "4c9a3693f572" and completion.style == "completion"
     assert [f.name for f in fields(GenSettings)] == [
-        "max_new_tokens", "stop", "prompting", "dtype", "device", "batch_size",
+        "max_new_tokens", "stop", "prompting", "dtype", "device", "batch_size", "draft",
     ]  # fmt: skip
+    speculative = GenSettings(draft="int4,k=3")
+    assert speculative.key() not in (GenSettings().key(), GenSettings(draft="int4,k=4").key())
     chat = GenSettings.for_style("chat")
     assert (chat.max_new_tokens, chat.stop, chat.prompting, chat.style) == (
         CHAT_MAX_NEW_TOKENS, CHAT_STOP, "chat", "chat",
@@ -460,6 +462,24 @@ def test_cli_generates_through_the_real_loop_then_reuses_the_cache(tiny_checkpoi
     assert [(p["status"], p["completion"]) for p in again["problems"]] == [
         (p["status"], p["completion"]) for p in rec["problems"]
     ]
+
+
+@needs_data
+def test_cli_with_a_draft_caches_apart_and_completes_as_plain_decoding(tiny_checkpoint_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("QSPEC_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("QSPEC_CPU_STEP", "0")
+    argv = ["--model", str(tiny_checkpoint_dir), "--limit", "3", "--max-new-tokens", "12", "--device", "cpu"]
+    plain = humaneval.main(argv)
+    calls = []
+    real = humaneval.speculative_generate
+    monkeypatch.setattr(humaneval, "speculative_generate", lambda *a, **k: calls.append(1) or real(*a, **k))
+    spec = humaneval.main([*argv, "--draft", "int8,k=3,conf=0.01"])
+    assert calls == [1, 1, 1] and not any(p["cached"] for p in spec["problems"])  # its own cache entries
+    assert spec["settings"]["draft"] == "int8,k=3,conf=0.01"
+    assert [p["completion"] for p in spec["problems"]] == [p["completion"] for p in plain["problems"]]
+    for bad in ("k=3", "int8,k=x", "int8,depth=2"):
+        with pytest.raises(SystemExit):
+            humaneval.main([*argv, "--draft", bad])
 
 
 @needs_data
