@@ -169,15 +169,16 @@ def chi_square_pvalue(counts: Tensor, probs: Tensor) -> float:
     return float(chisquare(obs.numpy(), (exp * obs.sum() / exp.sum()).numpy()).pvalue)
 
 
-def entropy_cut(target, ids: list[int], params: SamplingParams) -> int:
+def entropy_cut(target, draft, ids: list[int], params: SamplingParams) -> int:
     """The context length (among the last CUT_WINDOW positions of ids) where the target's sampling distribution
-    has the most entropy with a support of at most MAX_SUPPORT tokens."""
+    has the most entropy while the first tokens either model gives mass number at most MAX_SUPPORT."""
     with torch.no_grad():
         probs = logits_to_probs(target(torch.tensor([ids]))[0], params)  # [T, V]
+        draft_probs = logits_to_probs(draft(torch.tensor([ids]))[0], params)
     best, best_h = len(ids), -1.0
     for pos in range(max(0, len(ids) - CUT_WINDOW), len(ids)):
         p = probs[pos]
-        support = int((p > 0).sum())
+        support = int(((p > 0) | (draft_probs[pos] > 0)).sum())
         h = float(-(p[p > 0] * p[p > 0].log()).sum())
         if support <= MAX_SUPPORT and h > best_h:
             best, best_h = pos + 1, h
@@ -250,7 +251,7 @@ def load_pair(args):
     tokenizer = load_tokenizer(str(path))
     params = sampling(args)
     prompts = [prompt_ids(tokenizer, p) for p in select(load_problems(), limit=args.prompts)]
-    return target, draft, [ids[: entropy_cut(target, ids, params)] for ids in prompts]
+    return target, draft, [ids[: entropy_cut(target, draft, ids, params)] for ids in prompts]
 
 
 def sampling(args) -> SamplingParams:

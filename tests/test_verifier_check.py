@@ -67,3 +67,14 @@ def test_cli_smoke_passes_the_verifier_and_rejects_both_controls(capsys):
     assert "LOSSLESS" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         vc.main(["--smoke", "--temperature", "0"])
+
+
+def test_the_cut_keeps_both_models_supports_within_the_limit(monkeypatch):
+    monkeypatch.setattr(vc, "MAX_SUPPORT", 40)
+    args = vc.parse_args(["--smoke", "--prompts", "2", "--samples", "1000"])
+    target, draft, contexts = vc.load_pair(args)
+    params = SamplingParams(temperature=0.7, top_p=0.6)
+    ids = contexts[0] * 3
+    cut = vc.entropy_cut(target, draft, ids, params)
+    case = vc.chain_case(target, draft, ids[:cut], params)  # raises when the union is over MAX_SUPPORT
+    assert 1 <= cut <= len(ids) and int(((case.p1 > 0) | (case.q1 > 0)).sum()) <= 40
