@@ -10,9 +10,9 @@ Greedy outputs are compared token by token with plain decoding (lossless methods
 HF transformers' ``generate`` runs on the same prompts as the peer: plain greedy and prompt lookup
 (``prompt_lookup_num_tokens``), with its ratio against HF plain.
 
-Methods: plain, ngram:k=K (draft length scaled by the match length, capped at K; ngram:k=K,fixed=1 always
-drafts K as plain prompt lookup does), medusa:k=K (top-1 chain) or medusa:tree=N, draft:layers=L,k=K,
-quant-draft:bits=B,k=K, hf-plain, hf-pld:k=K.
+Methods: plain, hf-plain, hf-pld:k=K, and any speculate.registry method: ngram:k=K (draft length scaled by the
+match length, capped at K; ngram:k=K,fixed=1 always drafts K as plain prompt lookup does), medusa:k=K (top-1
+chain) or medusa:tree=N, draft:layers=L,k=K, quant-draft:bits=B,k=K, eagle:tree=N, a plug-in module:attr.
 
     python -m evals.bench_spec --task rewrite --methods plain ngram:k=2 ngram:k=4 hf-plain hf-pld:k=10
 """
@@ -35,8 +35,9 @@ from runtime.decoding import encode_prompt, generate
 from runtime.loader import DEFAULT_MODEL, check_model_arg, load_model, load_tokenizer
 from runtime.provenance import module_command, provenance
 from runtime.sampling import SamplingParams
-from speculate.cli import build_speculator
+from speculate.base import SpeculatorError
 from speculate.generate import speculative_generate
+from speculate.registry import BuildContext, Method, build, check_method
 
 DEFAULT_METHODS = {
     "rewrite": ["plain", "ngram:k=8", "ngram:k=16", "ngram:k=8,fixed=1", "hf-plain", "hf-pld:k=4", "hf-pld:k=10"],
@@ -76,21 +77,24 @@ class HFStats:
     proposed_at: list[int] = field(default_factory=list)
 
 
+HF_METHODS = ("hf-plain", "hf-pld")  # HF transformers' generate, the peer: plain greedy and prompt lookup (k=)
+
+
 def parse_method(spec: str) -> tuple[str, dict]:
+    """(name, options) of a method: plain, hf-plain, hf-pld[:k=K], or a speculate.registry method."""
+    if spec in ("plain", "hf-plain"):
+        return spec, {}
     name, _, opts = spec.partition(":")
-    known = {"plain", "ngram", "medusa", "draft", "quant-draft", "hf-plain", "hf-pld"}
-    if name not in known:
-        raise BenchError(f"unknown method {spec!r}; methods: {', '.join(sorted(known))} (with :key=value options)")
-    kwargs = {}
-    for item in filter(None, opts.split(",")):
-        key, eq, value = item.partition("=")
-        if not eq or key not in {"k", "tree", "layers", "bits", "fixed"}:
-            raise BenchError(f"bad option {item!r} in method {spec!r}; options are k=, tree=, layers=, bits=, fixed=")
-        try:
-            kwargs[key] = int(value)
-        except ValueError:
-            raise BenchError(f"option {key} of method {spec!r} must be an integer, got {value!r}") from None
-    return name, kwargs
+    if name == "hf-pld":
+        key, _, value = opts.partition("=")
+        if opts and (key != "k" or not value.isdigit() or int(value) < 1):
+            raise BenchError(f"bad option {opts!r} in method {spec!r}; hf-pld takes k= (an integer >= 1)")
+        return name, {"k": int(value)} if opts else {}
+    try:
+        method = check_method(spec)
+    except SpeculatorError as err:
+        raise BenchError(str(err)) from None
+    return method.name, method.options
 
 
 def rewrite_prompts(tokenizer, n: int, min_tokens: int) -> list[list[int]]:
@@ -166,7 +170,7 @@ def main(argv: list[str] | None = None) -> dict:
     for spec, (name, kw) in zip(methods, parsed):
         if name == "plain":
             runners[spec] = lambda p, n: (generate(model, [p], params(n), tokenizer=tokenizer).tokens[0], None)
-        elif name in ("hf-plain", "hf-pld"):
+        elif name in HF_METHODS:
 
             def run_hf(p, n, kw=kw, name=name):
                 extra = {"prompt_lookup_num_tokens": kw.get("k", 10)} if name == "hf-pld" else {}
@@ -187,17 +191,8 @@ def main(argv: list[str] | None = None) -> dict:
 
             runners[spec] = run_hf
         else:
-            speculator = build_speculator(
-                name,
-                model,
-                path,
-                k=kw.get("k", 4),
-                draft_model=f"layers:{kw['layers']}" if "layers" in kw else None,
-                medusa_heads=args.medusa_heads,
-                tree_size=kw.get("tree"),
-                quant_bits=kw.get("bits", 8),
-                ngram_fixed=bool(kw.get("fixed", 0)),
-            )
+            context = BuildContext(target_path=path, heads={"medusa": args.medusa_heads})
+            speculator = build(Method(name, kw), model, context)
 
             def run_spec(p, n, speculator=speculator):
                 out = speculative_generate(model, [p], params(n), speculator, tokenizer=tokenizer)

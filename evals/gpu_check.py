@@ -39,9 +39,10 @@ from runtime.model import AttentionMetadata, Transformer
 from runtime.paged_cache import triton_decode_wins
 from runtime.provenance import provenance
 from runtime.sampling import SamplingParams
-from speculate.draft import DraftModelSpeculator, layer_skip_draft, quantized_draft
+from speculate.draft import quantized_draft
 from speculate.generate import speculative_generate
 from speculate.ngram import NgramSpeculator
+from speculate.registry import build
 
 
 def llama(vocab, hidden, mlp, layers, heads, kv_heads, tied=True, theta=500000.0) -> ModelConfig:
@@ -427,11 +428,11 @@ def sec_speculation_more(c: Check) -> dict:
     out: dict = {}
     setup = spec_setup(c, c.compile_more)
     model = setup[0]
-    layers = max(1, model.config.num_layers // 4)
-    spec_case(c, out, "draft", DraftModelSpeculator(model, layer_skip_draft(model, layers), 4), setup)
+    methods = [f"draft:layers={max(1, model.config.num_layers // 4)},k=4"]
     if c.left() > 60 or c.smoke:
-        quant = DraftModelSpeculator(model, quantized_draft(model, bits=4), 4, name="quant-draft")
-        spec_case(c, out, "quant-draft", quant, setup)
+        methods.append("quant-draft:bits=4,k=4")
+    for method in methods:  # recorded under the speculator's name: draft, quant-draft
+        spec_case(c, out, method.partition(":")[0], build(method, model), setup)
     out["verify_cost"] = verify_cost_curve(c, model, c.compile_more)
     return out
 

@@ -55,8 +55,6 @@ from evals.specbench import (
     SMOKE_CONFIG,
     SMOKE_METHODS,
     TimedSpeculator,
-    build_method,
-    parse_method,
     plain_decode,
 )
 from runtime.config import DTYPES
@@ -69,7 +67,7 @@ from runtime.speculation import CandidateTree
 from speculate.base import Proposal, SpecState, Speculator, SpeculatorError, check_k
 from speculate.draft import default_draft_file
 from speculate.generate import chain_metadata, speculative_generate
-from speculate.training import head_dir
+from speculate.registry import BuildContext, build, check_method
 
 
 class CostError(ValueError):
@@ -203,7 +201,7 @@ def draft_time(gpu: GPU, s: Shapes, method: dict, context: int) -> float | None:
     name = method.get("name", "")
     if name.startswith("ngram"):
         return None  # host-side lookup: the same host work on any device, so the suite's measured seconds
-    if name.startswith("draft") or name.startswith("quant-draft"):
+    if "draft" in name.partition("(")[0]:  # draft(...) and quant-draft(...): a draft model's forwards
         k = int(method.get("k", 1))
         layers = int(method.get("draft_layers", s.layers))
         bits = 4.0 if "int4" in name else 8.0 if "int8" in name else 16.0
@@ -562,17 +560,22 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
 
     if args.cmd == "measure":
+        methods = args.methods if args.methods is not None else (SMOKE_METHODS if args.smoke else DEFAULT_METHODS)
+        try:  # before the model loads: a bad method is one line
+            [check_method(spec) for spec in methods if spec != "plain"]
+        except SpeculatorError as err:
+            ap.error(str(err))
         if args.threads:
             torch.set_num_threads(args.threads)
         if args.smoke:
-            model, heads = random_model(SMOKE_CONFIG), {"medusa": None, "eagle": None}
+            model, context = random_model(SMOKE_CONFIG), BuildContext(smoke=True)
         else:
             quantized = args.dtype in ("int8", "int4")
             dtype = torch.float32 if quantized else DTYPES[args.dtype]  # codes come from the fp32 weights
             model, _, path = load_model(args.model or DEFAULT_MODEL, dtype=dtype)
             if quantized:
                 model = qspec_model(model, args.dtype)
-            heads = {kind: head_dir(kind, path) for kind in ("medusa", "eagle")}
+            context = BuildContext(target_path=path)  # heads from $QSPEC_HOME/<kind>/MODEL
         try:
             Ts = sorted({int(t) for t in args.Ts.split(",")}) if args.Ts else list(range(1, args.max_T + 1))
         except ValueError:
@@ -586,11 +589,11 @@ def main(argv: list[str] | None = None) -> None:
         if tree_Ts and (tree_Ts[0] < 2 or args.timing != "loop"):
             ap.error("--tree-Ts: tree sizes >= 2, timed in the real loop (--timing loop)")
         sps = {}
-        for spec in args.methods if args.methods is not None else (SMOKE_METHODS if args.smoke else DEFAULT_METHODS):
+        for spec in methods:
             if spec == "plain":
                 continue
             try:
-                sps[spec] = build_method(*parse_method(spec), model, heads, args.smoke)
+                sps[spec] = build(spec, model, context)
             except SpeculatorError as err:
                 print(f"[spec_cost] skipping {spec}: {err}", file=sys.stderr)
         prof = measure(

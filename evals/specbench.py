@@ -20,12 +20,13 @@ draft (propose) and verify time, tok/s and speedup against plain decoding measur
 whether every row's greedy output equals plain decoding (a lossless method that differs is flagged and,
 with ``--strict``, an error).
 
-Methods: plain, ngram:k=K (fixed=1: always K), draft:layers=L,k=K (the target's first L layers),
-draft:model=SPEC,k=K (a separate draft checkpoint sharing the target's tokenizer: a registry name, a checkpoint
-dir or a .gguf, loaded in the target's dtype), quant-draft:bits=B,k=K[,layers=L] (int4/int8 RTN copy of the
-target, of its first L layers with layers=), medusa:tree=N, eagle:tree=N,depth=D,topk=K,frontier=F. Medusa
-and EAGLE need trained heads ($QSPEC_HOME/medusa|eagle/MODEL); a method whose heads are missing is skipped and
-recorded as such.
+Methods: plain, and any speculate.registry method NAME[:key=value,...]: ngram:k=K (fixed=1: always K),
+draft:layers=L,k=K (the target's first L layers), draft:model=SPEC,k=K (a separate draft checkpoint sharing the
+target's tokenizer: a registry name, a checkpoint dir or a .gguf, loaded in the target's dtype; or any
+--draft-model spec), quant-draft:bits=B,k=K[,layers=L] (int4/int8 RTN copy of the target, of its first L layers
+with layers=), medusa:tree=N, eagle:tree=N,depth=D,topk=K,frontier=F, or a plug-in (my_pkg.mod:Cls:k=4, or an
+installed entry point's name). Medusa and EAGLE need trained heads ($QSPEC_HOME/medusa|eagle/MODEL); a method
+whose heads are missing is skipped and recorded as such.
 
     python -m evals.specbench --smoke                      # seconds, tiny random model (tested)
     python -m evals.specbench --per-category 4 --batch-sizes 1 4 --out results/specbench.json
@@ -47,19 +48,14 @@ import torch
 from evals.humaneval import load_problems, prompt_ids, select
 from runtime.config import DTYPES, ModelConfig
 from runtime.decoding import generate
-from runtime.loader import DEFAULT_MODEL, ModelSpecError, check_model_spec, load_model, load_tokenizer
+from runtime.loader import DEFAULT_MODEL, load_model, load_tokenizer
 from runtime.model import random_model
 from runtime.prompts import CATEGORIES, SuiteError, build_suite, encode_messages
 from runtime.provenance import module_command, provenance
 from runtime.sampling import SamplingParams
 from speculate.base import Proposal, SpecState, Speculator, SpeculatorError
-from speculate.draft import DraftModelSpeculator, layer_skip_draft, parse_draft_spec, quantized_draft
-from speculate.eagle.head import EagleConfig, EagleHead, load_eagle
-from speculate.eagle.speculator import EagleSpeculator
 from speculate.generate import speculative_generate
-from speculate.medusa.heads import MedusaConfig, MedusaHeads, load_medusa
-from speculate.medusa.speculator import MedusaSpeculator, build_tree
-from speculate.ngram import NgramSpeculator
+from speculate.registry import BuildContext, Method, build, check_method
 from speculate.training import head_dir
 
 WORKLOADS = (*CATEGORIES, "humaneval")  # the six Spec-Bench categories, and HumanEval's code prompts
@@ -82,9 +78,6 @@ SMOKE_METHODS = [
     "medusa:tree=4",
     "eagle:tree=4,depth=2",
 ]
-METHOD_OPTIONS = {"k", "fixed", "layers", "bits", "tree", "depth", "topk", "frontier", "model", "conf"}
-STRING_OPTIONS = {"model"}  # draft:model=SPEC: a model spec, not an integer
-FLOAT_OPTIONS = {"conf"}  # draft:...,conf=0.4: dynamic k, a row stops drafting below this draft confidence
 SMOKE_CONFIG = ModelConfig(
     vocab_size=96,
     hidden_size=128,
@@ -113,33 +106,14 @@ def smoke_suite(per_category: int, seed: int, vocab: int) -> list[tuple[str, lis
 
 
 def parse_method(spec: str) -> tuple[str, dict]:
-    name, _, opts = spec.partition(":")
-    known = {"plain", "ngram", "draft", "quant-draft", "medusa", "eagle"}
-    if name not in known:
-        raise SuiteError(f"unknown method {spec!r}; methods: {', '.join(sorted(known))} (with :key=value options)")
-    kwargs = {}
-    for item in filter(None, opts.split(",")):
-        key, eq, value = item.partition("=")
-        if not eq or key not in METHOD_OPTIONS:
-            raise SuiteError(f"bad option {item!r} in method {spec!r}; options are {', '.join(sorted(METHOD_OPTIONS))}")
-        if key in STRING_OPTIONS:
-            kwargs[key] = value
-            continue
-        try:
-            kwargs[key] = float(value) if key in FLOAT_OPTIONS else int(value)
-        except ValueError:
-            raise SuiteError(f"option {key} of method {spec!r} must be an integer, got {value!r}") from None
-    if "conf" in kwargs and name not in ("draft", "quant-draft"):
-        raise SuiteError(f"method {spec!r}: conf= (dynamic k) is an option of draft models")
-    if "model" in kwargs:
-        if name != "draft" or "layers" in kwargs:
-            raise SuiteError(f"method {spec!r}: model= names a separate draft: draft:model=SPEC[,k=K], without layers=")
-        bits, plus, spec_only = kwargs["model"].partition("+")
-        try:  # int4+SPEC / int8+SPEC: that checkpoint's RTN copy (speculate.draft.parse_draft_spec)
-            check_model_spec(spec_only if plus and bits in ("int4", "int8") else kwargs["model"])
-        except ModelSpecError as err:
-            raise SuiteError(f"method {spec!r}: {err}") from None
-    return name, kwargs
+    """(name, given options) of a method: "plain" (the baseline) or a speculate.registry method."""
+    if spec == "plain":
+        return "plain", {}
+    try:
+        method = check_method(spec)
+    except SpeculatorError as err:
+        raise SuiteError(str(err)) from None
+    return method.name, method.options
 
 
 def humaneval_prompts(tokenizer, n: int) -> list[tuple[str, list[int]]]:
@@ -184,61 +158,9 @@ class TimedSpeculator(Speculator):
 
 
 def build_method(name: str, kw: dict, model, heads_dir: dict[str, Path | None], smoke: bool) -> Speculator:
-    """A speculator for a parsed method; SpeculatorError (skipped, recorded) when its heads are missing."""
-    k = kw.get("k", 4)
-    if name == "ngram":
-        return NgramSpeculator(k=k, scaled=not kw.get("fixed", 0))
-    if name == "draft" and "model" in kw:  # a separate checkpoint, in the target's dtype and device
-        draft, label = parse_draft_spec(kw["model"], model)
-        return DraftModelSpeculator(model, draft, k=k, name=f"draft({label})", min_confidence=kw.get("conf"))
-    if name == "draft":
-        layers = kw.get("layers", max(1, model.config.num_layers // 4))
-        skip = layer_skip_draft(model, layers)
-        return DraftModelSpeculator(model, skip, k=k, name=f"draft(layers:{layers})", min_confidence=kw.get("conf"))
-    if name == "quant-draft":
-        bits = kw.get("bits", 4)
-        base = layer_skip_draft(model, kw["layers"]) if "layers" in kw else model
-        group = 32 if smoke else None  # the tiny model's rows are shorter than the standard group of 128
-        label = f"int{bits}" + (f"+layers:{kw['layers']}" if "layers" in kw else "")
-        draft = quantized_draft(base, bits, group)
-        return DraftModelSpeculator(model, draft, k=k, name=f"quant-draft({label})", min_confidence=kw.get("conf"))
-    if name == "medusa":
-        if smoke:
-            cfg = MedusaConfig(num_heads=3, hidden_size=model.config.hidden_size, vocab_size=model.config.vocab_size)
-            heads = _randomize(MedusaHeads(cfg))
-            acc = [[0.5, 0.2, 0.1], [0.4, 0.2, 0.1], [0.3, 0.1, 0.05]]
-        else:
-            heads = load_medusa(_need(heads_dir["medusa"], "medusa"), model)
-            acc = heads.config.accuracy
-        return MedusaSpeculator(model, heads, build_tree(acc, size=kw.get("tree", 8), paths=heads.config.paths))
-    if name == "eagle":
-        if smoke:
-            head = _randomize(EagleHead(EagleConfig.for_model(model)))
-        else:
-            head = load_eagle(_need(heads_dir["eagle"], "eagle"), model)
-        return EagleSpeculator(
-            model,
-            head,
-            depth=kw.get("depth", 4),
-            topk=kw.get("topk", 4),
-            frontier=kw.get("frontier", 4),
-            tree_size=kw.get("tree", 8),
-        )
-    raise SuiteError(f"no speculator for {name!r}")
-
-
-def _need(path: Path | None, kind: str) -> Path:
-    if path is None or not path.is_dir():
-        raise SpeculatorError(f"no {kind} heads at {path} (train them with `python -m speculate.{kind}.train`)")
-    return path
-
-
-def _randomize(module):
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in module.parameters():
-            p.copy_(0.1 * torch.randn(p.shape, generator=gen))
-    return module.eval()
+    """A speculator for a parsed method (speculate.registry); SpeculatorError (skipped, recorded) when its heads
+    are missing."""
+    return build(Method(name, kw), model, BuildContext(heads=heads_dir, smoke=smoke))
 
 
 # ---- running -------------------------------------------------------------------------------------------
@@ -354,19 +276,22 @@ def run_suite(
     log=print,
     on_progress=None,
     stop_at_eos: bool = False,
+    target_path: Path | str | None = None,
 ) -> dict:
     """Every method on every prompt. stop_at_eos: an answer ends at the model's end of turn (Spec-Bench's
     protocol; answers differ in length); otherwise every answer is max_tokens long, EOS ignored, and whatever the
-    model writes after its end of turn is measured too."""
+    model writes after its end of turn is measured too. target_path: the target's checkpoint (a separate draft's
+    tokenizer must equal its own)."""
     parsed = [parse_method(m) for m in methods]
     if "plain" not in methods:
         raise SuiteError("methods must include 'plain' (the baseline every ratio is against)")
+    context = BuildContext(target_path=target_path, heads=heads_dir, smoke=smoke)
     speculators, skipped = {}, {}
     for spec, (name, kw) in zip(methods, parsed):
         if name == "plain":
             continue
         try:
-            speculators[spec] = build_method(name, kw, model, heads_dir, smoke)
+            speculators[spec] = build(Method(name, kw), model, context)
         except SpeculatorError as err:
             skipped[spec] = str(err)
             log(f"[specbench] skipping {spec}: {err}")
@@ -564,6 +489,7 @@ def main(argv: list[str] | None = None) -> dict:
             log=log,
             on_progress=lambda r: save(r, complete=False),  # a run killed midway keeps what it measured
             stop_at_eos=args.stop_at_eos,
+            target_path=None if args.smoke else path,
         )
     except SuiteError as err:
         ap.error(str(err))

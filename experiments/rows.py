@@ -19,7 +19,7 @@ import torch
 from evals.fidelity import Scorer, batched_scorer, cached_scorer, greedy_outputs, model_scorer
 from evals.long_context import capacity, long_context_summary
 from evals.naive_attention import naive_attention
-from evals.specbench import build_method, parse_method, run_suite
+from evals.specbench import run_suite
 from experiments.artifacts import Artifact, BuildError, ensure_built
 from quantize.config import QuantConfig
 from quantize.formats import default_format, refusal
@@ -39,6 +39,7 @@ from runtime.sampling import SamplingParams
 from speculate.base import SpeculatorError
 from speculate.cli import build_speculator
 from speculate.generate import speculative_generate
+from speculate.registry import BuildContext, build, check_method
 from speculate.training import head_dir
 
 
@@ -621,7 +622,7 @@ def specbench_row(ctx, params: dict) -> Variant:
         artifact = head_artifact(ctx.cfg.model.spec, params)
         heads[artifact.kind] = built(ctx, artifact)
     try:
-        spec = build_method(*parse_method(method), m, heads, smoke=False)
+        spec = build(method, m, BuildContext(target_path=ctx.path, heads=heads))
     except (SpeculatorError, ValueError) as err:
         raise RowUnavailable(f"{method}: {err}") from err
     max_tokens = int(params.get("max_tokens", 128))
@@ -639,6 +640,7 @@ def specbench_row(ctx, params: dict) -> Variant:
         tokenizer=ctx.tokenizer,
         seed=ctx.cfg.seed,
         temperature=temperature,
+        target_path=ctx.path,
     )
 
     def greedy(prompts, max_tokens):
@@ -665,7 +667,7 @@ def head_artifact(spec: str, params: dict) -> Artifact:
     """Draft heads trained by ``speculate.<medusa|eagle>.train`` with the row's ``head_recipe`` (its CLI
     arguments), once per recipe and input model."""
     try:
-        kind = parse_method(params.get("method", ""))[0]
+        kind = check_method(params.get("method", "")).name
     except ValueError as err:
         raise ValueError(f"rows.params.method: {err}") from err
     if kind not in ("medusa", "eagle"):
@@ -693,7 +695,7 @@ def plan_row(spec: str, row) -> list[Artifact]:
         raise ValueError(f"rows[{row.name}].kind: {row.kind!r} not in {sorted(ROWS)}")
     try:
         if row.kind == "specbench":
-            parse_method(row.params.get("method", ""))
+            check_method(row.params.get("method", ""))
         return row_artifacts(spec, row)
     except ValueError as err:
         raise ValueError(f"rows[{row.name}]: {err}") from err

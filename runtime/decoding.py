@@ -33,6 +33,92 @@ class GenerationOutput:
     grammar_incomplete: list[bool] = field(default_factory=list)
 
 
+@dataclass
+class RowSampling:
+    """How each row of a batch draws and stops: its SamplingParams, generator, stop checker and grammar."""
+
+    params: list[SamplingParams]
+    generators: list
+    stops: list[StopChecker]
+    constraints: list  # per row: a grammar's constraint or None
+    stop_ids: list[list[int]]  # per row: the stop ids min_tokens holds back
+    adjusted: bool  # some row adjusts its logits (penalties, logit_bias, min_tokens, a grammar)
+    all_greedy: bool
+
+    @staticmethod
+    def build(params: list[SamplingParams], cfg, tokenizer, grammar, device) -> RowSampling:
+        stops = [StopChecker(p, cfg.eos_token_ids, tokenizer) for p in params]
+        constraints = row_constraints(grammar, params, cfg.vocab_size)
+        return RowSampling(
+            params=params,
+            generators=[make_generator(p.seed, device) for p in params],
+            stops=stops,
+            constraints=constraints,
+            stop_ids=[sorted(s.stop_ids) if p.min_tokens else [] for s, p in zip(stops, params)],
+            adjusted=any(c is not None for c in constraints) or any(p.adjusts_logits for p in params),
+            all_greedy=all(p.greedy for p in params),
+        )
+
+    def next_tokens(self, logits: torch.Tensor, prompts: list[list[int]], generated: list[list[int]]) -> torch.Tensor:
+        """[B, V] raw logits -> [B] next tokens under each row's SamplingParams, penalties and grammar."""
+        B = logits.shape[0]
+        if self.adjusted:  # per-row sequence-dependent adjustments (penalties, logit_bias, min_tokens), then grammars
+            logits = torch.stack(
+                [
+                    mask_logits(
+                        process_logits(logits[b], p, prompts[b], generated[b], self.stop_ids[b]),
+                        None if c is None else c.mask(),
+                    )
+                    for b, (p, c) in enumerate(zip(self.params, self.constraints))
+                ]
+            )
+        if self.all_greedy:  # the argmax sample_rows takes of one-hot rows, without B small ops per step
+            return logits.argmax(-1)
+        probs = torch.stack([logits_to_probs(logits[b], self.params[b]) for b in range(B)])
+        return sample_rows(probs, self.params, self.generators)
+
+    def emit(self, next_list: list[int], out: GenerationOutput, done: list[bool], on_token) -> list[int]:
+        """Append each live row's new token, stream it, stop rows that are finished; -> the rows that emitted."""
+        emitted = []
+        for b, tok in enumerate(next_list):
+            if done[b]:
+                continue
+            out.tokens[b].append(tok)
+            emitted.append(b)
+            if self.constraints[b] is not None and not self.constraints[b].accept(tok):
+                raise RuntimeError(f"row {b}: sampled token {tok} that its grammar does not allow")
+            if on_token is not None:
+                on_token(b, tok)
+            reason = self.stops[b].check(out.tokens[b])
+            if reason is not None:
+                done[b], out.finish_reasons[b] = True, reason
+        return emitted
+
+
+def decode_cache(model: Transformer, B: int, total: int, compile: str, use_cache: bool, kv: KVCacheSpec):
+    """-> (what runs the decode steps: off | inductor | cudagraphs, the compiled decoder or None, the cache or None)."""
+    backend = resolve_compile(compile, device_of(model)) if use_cache and kv.compilable else "off"
+    decoder = compiled_decoder(model, B, total, backend, kv) if backend != "off" else None
+    if decoder is not None:
+        return backend, decoder, decoder.cache  # the same storage the compiled step reads; the prefill writes it
+    return backend, None, kv.build(model, B, total) if use_cache else None
+
+
+def decode_forward(model, tokens, next_tokens, positions, decoder, cache, use_cache: bool) -> torch.Tensor:
+    """Write next_tokens [B] at positions [B] and run one decode step -> the last hidden states [B, H]."""
+    B, device = tokens.shape[0], tokens.device
+    tokens[torch.arange(B, device=device), positions] = next_tokens
+    if decoder is not None:
+        return decoder(next_tokens[:, None], positions[:, None])[:, 0]
+    if use_cache:
+        return model(next_tokens[:, None], decode_meta(positions), cache, hidden_only=True)[:, 0]
+    # full recompute: the reference the cache is tested against
+    L = int(positions.max()) + 1
+    pos = torch.arange(L, device=device).expand(B, -1)
+    hidden = model(tokens[:, :L], AttentionMetadata.causal(pos), hidden_only=True)
+    return hidden[torch.arange(B, device=device), positions]
+
+
 @torch.inference_mode()
 def generate(
     model: Transformer,
@@ -62,27 +148,15 @@ def generate(
     device = device_of(model)
     cfg = model.config
     lengths = torch.tensor([len(p) for p in prompts], device=device)
-    max_new = max(p.max_tokens for p in row_params)
-    total = int(lengths.max()) + max_new
+    total = int(lengths.max()) + max(p.max_tokens for p in row_params)
     if total > cfg.max_position_embeddings:
         raise ValueError(f"prompt + max_tokens = {total} exceeds the model's {cfg.max_position_embeddings} positions")
-    generators = [make_generator(p.seed, device) for p in row_params]
-    stops = [StopChecker(p, cfg.eos_token_ids, tokenizer) for p in row_params]
-    constraints = row_constraints(grammar, row_params, cfg.vocab_size)
-    adjusted = any(c is not None for c in constraints) or any(p.adjusts_logits for p in row_params)
-    stop_ids = [sorted(s.stop_ids) if p.min_tokens else [] for s, p in zip(stops, row_params)]
+    rows = RowSampling.build(row_params, cfg, tokenizer, grammar, device)
 
     tokens = torch.zeros(B, total, dtype=torch.long, device=device)
     for b, p in enumerate(prompts):
         tokens[b, : len(p)] = torch.tensor(p, device=device)
-    kv = kv_cache or KVCacheSpec()
-    backend = resolve_compile(compile, device) if use_cache and kv.compilable else "off"
-    decoder = compiled_decoder(model, B, total, backend, kv) if backend != "off" else None
-    if decoder is not None:
-        cache = decoder.cache  # the same storage the compiled step reads; the prefill writes it eagerly
-    else:
-        cache = kv.build(model, B, total) if use_cache else None
-    all_greedy = all(p.greedy for p in row_params)
+    backend, decoder, cache = decode_cache(model, B, total, compile, use_cache, kv_cache or KVCacheSpec())
 
     out = GenerationOutput(tokens=[[] for _ in range(B)], finish_reasons=[""] * B, compile=backend)
     token_times: list[list[float]] = [[] for _ in range(B)]
@@ -100,65 +174,21 @@ def generate(
         with phase("lm_head"):
             logits = model.logits(last)
         with phase("sampling"):
-            next_tokens = _next_tokens(
-                logits, adjusted, all_greedy, row_params, generators, prompts, out.tokens, stop_ids, constraints
-            )
+            next_tokens = rows.next_tokens(logits, prompts, out.tokens)
             next_list = next_tokens.tolist()  # one device sync per step, not one per row
-        emitted = []
-        for b in range(B):
-            if done[b]:
-                continue
-            tok = next_list[b]
-            out.tokens[b].append(tok)
-            emitted.append(b)
-            if constraints[b] is not None and not constraints[b].accept(tok):
-                raise RuntimeError(f"row {b}: sampled token {tok} that its grammar does not allow")
-            if on_token is not None:
-                on_token(b, tok)
-            reason = stops[b].check(out.tokens[b])
-            if reason is not None:
-                done[b], out.finish_reasons[b] = True, reason
+        emitted = rows.emit(next_list, out, done, on_token)
         now = clock.mark()  # the step's tokens are out: everything before this belongs to it
         for b in emitted:
             token_times[b].append(now)
         if all(done):
             break
         with phase("forward"):
-            tokens[torch.arange(B, device=device), positions] = next_tokens
-            if decoder is not None:
-                last = decoder(next_tokens[:, None], positions[:, None])[:, 0]
-            elif use_cache:
-                hidden = model(next_tokens[:, None], decode_meta(positions), cache, hidden_only=True)
-                last = hidden[:, 0]
-            else:  # full recompute: the reference the cache is tested against
-                L = int(positions.max()) + 1
-                pos = torch.arange(L, device=device).expand(B, -1)
-                hidden = model(tokens[:, :L], AttentionMetadata.causal(pos), hidden_only=True)
-                last = hidden[torch.arange(B, device=device), positions]
+            last = decode_forward(model, tokens, next_tokens, positions, decoder, cache, use_cache)
         positions += 1
-    out.grammar_incomplete = [c is not None and not c.complete for c in constraints]
+    out.grammar_incomplete = [c is not None and not c.complete for c in rows.constraints]
     out.timing = LoopTiming.from_clock(clock, token_times)
     out.timing.phase_s = dict(phase.seconds)
     return out
-
-
-def _next_tokens(logits, adjusted, all_greedy, row_params, generators, prompts, generated, stop_ids, constraints):
-    """[B, V] raw logits -> [B] next tokens under each row's SamplingParams, penalties and grammar."""
-    B = logits.shape[0]
-    if adjusted:  # per-row sequence-dependent adjustments (penalties, logit_bias, min_tokens), then grammars
-        logits = torch.stack(
-            [
-                mask_logits(
-                    process_logits(logits[b], p, prompts[b], generated[b], stop_ids[b]),
-                    None if c is None else c.mask(),
-                )
-                for b, (p, c) in enumerate(zip(row_params, constraints))
-            ]
-        )
-    if all_greedy:  # the argmax sample_rows takes of one-hot rows, without B small ops per step
-        return logits.argmax(-1)
-    probs = torch.stack([logits_to_probs(logits[b], row_params[b]) for b in range(B)])
-    return sample_rows(probs, row_params, generators)
 
 
 def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:

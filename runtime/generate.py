@@ -23,7 +23,7 @@ from runtime.layout import device_of
 from runtime.loader import DEFAULT_MODEL, check_model_spec, load_model, load_tokenizer, resolve
 from runtime.sampling import SamplingParams
 from runtime.timing import timing_line
-from speculate.cli import add_speculator_args, generate_speculative
+from speculate.cli import add_speculator_args, check_speculator_args, generate_speculative
 
 
 def stream_printer(tokenizer, n_prompts: int) -> Callable[[int, int], None]:
@@ -44,7 +44,7 @@ def stream_printer(tokenizer, n_prompts: int) -> Callable[[int, int], None]:
     return on_token
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> ArgumentParser:
     ap = ArgumentParser(prog="python -m runtime.generate", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=DEFAULT_MODEL, help="registry name, checkpoint dir, .gguf or hub id")
     ap.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for a batch)")
@@ -65,9 +65,12 @@ def main(argv: list[str] | None = None) -> None:
     add_speculator_args(ap)
     add_grammar_args(ap)
     add_kv_cache_args(ap)
-    args = ap.parse_args(argv)
+    return ap
+
+
+def check_args(ap: ArgumentParser, args) -> SamplingParams:
+    """Every check that needs no model, before the tokenizer and the weights are loaded; -> the sampling params."""
     args.kv_cache = kv_spec_from_args(ap, args)
-    # every check that needs no model runs here, before the tokenizer and the weights are loaded
     for i, p in enumerate(args.prompt):
         if not p.strip():
             ap.error("--prompt is empty" if len(args.prompt) == 1 else f"--prompt number {i + 1} is empty")
@@ -75,10 +78,11 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"--max-tokens must be >= 1, got {args.max_tokens}")
     if args.speculator and args.num_speculative_tokens < 1:
         ap.error(f"--num-speculative-tokens/-k must be >= 1, got {args.num_speculative_tokens}")
+    check_speculator_args(ap, args)  # an unknown speculator, a broken plug-in or a bad option
     if args.device not in (None, "cpu") and not args.device.startswith("cuda"):
         ap.error(f"--device {args.device!r}: choose cpu or cuda[:N]")
     try:
-        params = SamplingParams(
+        return SamplingParams(
             temperature=args.temperature,
             top_k=args.top_k,
             top_p=args.top_p,
@@ -88,11 +92,10 @@ def main(argv: list[str] | None = None) -> None:
         )
     except ValueError as err:
         ap.error(str(err))
-    check_model_spec(args.model)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    path = resolve(args.model)
-    config = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
-    tokenizer = load_tokenizer(str(path))
+
+
+def encode_prompts(args, tokenizer, config: ModelConfig) -> list[list[int]]:
+    """The prompts' token ids; one that encodes to nothing or does not fit the context is a usage error."""
     prompts = [encode_prompt(tokenizer, p, args.chat) for p in args.prompt]
     for i, p in enumerate(prompts):
         which = "the prompt" if len(prompts) == 1 else f"prompt {i + 1}"
@@ -103,17 +106,11 @@ def main(argv: list[str] | None = None) -> None:
                 f"{which} is {len(p)} tokens; with --max-tokens {args.max_tokens} that is {len(p) + args.max_tokens}, "
                 f"beyond the model's context of {config.max_position_embeddings} positions"
             )
+    return prompts
 
-    model, _, path = load_model(args.model, dtype=cli_dtype(args.dtype), device=device)
-    if device_of(model).type == "cpu":
-        cpu_step.extension()  # built (once per machine) before the clock starts, not inside the first token
-    on_token = stream_printer(tokenizer, len(prompts))
-    grammar = cli_grammar(ap, args, tokenizer, model.config)
 
-    if args.speculator:
-        generate_speculative(model, path, tokenizer, prompts, params, args, on_token=on_token, grammar=grammar)
-        return
-
+def generate_plain(model, tokenizer, prompts, params, args, device: str, on_token, grammar) -> None:
+    """runtime.decoding.generate, then the texts of a batch and one timing line on stderr."""
     result = generate(
         model,
         prompts,
@@ -135,6 +132,28 @@ def main(argv: list[str] | None = None) -> None:
         file=sys.stderr,
     )
     report_incomplete(result.grammar_incomplete, result.finish_reasons)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    params = check_args(ap, args)
+    check_model_spec(args.model)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    path = resolve(args.model)
+    config = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+    tokenizer = load_tokenizer(str(path))
+    prompts = encode_prompts(args, tokenizer, config)
+
+    model, _, path = load_model(args.model, dtype=cli_dtype(args.dtype), device=device)
+    if device_of(model).type == "cpu":
+        cpu_step.extension()  # built (once per machine) before the clock starts, not inside the first token
+    on_token = stream_printer(tokenizer, len(prompts))
+    grammar = cli_grammar(ap, args, tokenizer, model.config)
+    if args.speculator:
+        generate_speculative(model, path, tokenizer, prompts, params, args, on_token=on_token, grammar=grammar)
+    else:
+        generate_plain(model, tokenizer, prompts, params, args, device, on_token, grammar)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,10 @@
 One forward serves prefill, decode, k+1-token verification and tree verification: the AttentionMetadata
 (rope positions, cache slots, the mask) says which. Projections are fused (q/k/v and gate/up) so each
 decoder layer does four matmuls; any module with ``forward(x)`` can stand in for a linear layer.
+
+This module is the plain PyTorch model. A faster path (runtime.backends: the compiled CPU step) is a Backend
+installed from outside with set_backend; its hooks may take over a whole step over the decoder layers, a linear,
+an RMSNorm, or the head's row chunking, and decline (None) wherever they do not apply.
 """
 
 from __future__ import annotations
@@ -16,7 +20,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from runtime.config import ModelConfig, UnsupportedModelError
-from runtime.kernels import cpu_step
 from runtime.layout import fused_layer_state, unfused_layer_state
 
 
@@ -33,7 +36,7 @@ class AttentionMetadata:
     kv_len: number of cache slots attended to (a prefix of each sequence's cache).
     contiguous_start: set when every row writes the same slot range start..start+T-1 (a slice copy into
         the cache instead of a scatter).
-    starts, counts, local_mask: what the compiled CPU step (runtime.kernels.cpu_step) reads, set by the builders
+    starts, counts, local_mask: what a backend's whole-step kernel (runtime.backends) reads, set by the builders
         that know them: row b's new tokens are its first counts[b] (None: all T), written at cache indices
         starts[b].. (slots for a contiguous cache, sequence indices through the block table for a paged one);
         token t sees every index before starts[b] and the new tokens j its local_mask[b or 0, t, j] allows
@@ -94,40 +97,48 @@ def prefill_meta(batch: int, length: int, device) -> AttentionMetadata:
     return AttentionMetadata.contiguous(batch, 0, length, device)
 
 
+class Backend:
+    """The plain PyTorch path: every hook declines. A faster backend (runtime.backends) overrides the hooks it can
+    run; each returns None where it does not apply, and the plain layers run instead."""
+
+    def decoder_layers(self, model: Transformer, x: Tensor, meta: AttentionMetadata, cache) -> Tensor | None:
+        """Every decoder layer over the residual stream x [B, T, hidden] in one call -> the stream after the last."""
+        return None
+
+    def linear(self, layer: Linear, x: Tensor) -> Tensor | None:
+        """layer(x) [..., out_features] in the weight's dtype, as F.linear gives it."""
+        return None
+
+    def rms_norm(self, norm: RMSNorm, x: Tensor) -> Tensor | None:
+        """norm(x) [..., dim]."""
+        return None
+
+    def head_chunk_rows(self, h: Tensor) -> int | None:
+        """At most this many rows per lm_head call over h [..., hidden] (None: one call)."""
+        return None
+
+
+_backend = Backend()
+
+
+def set_backend(backend: Backend) -> Backend:
+    """Install the backend every model in this process runs through; returns the previous one."""
+    global _backend
+    previous, _backend = _backend, backend
+    return previous
+
+
+def current_backend() -> Backend:
+    return _backend
+
+
 class Linear(nn.Linear):
-    """nn.Linear whose short CPU inputs (up to cpu_step.MAX_ROWS rows: decode steps, verifications, heads) run
-    the compiled CPU step's kernels: they read the weight in place at the memory bandwidth, and a row's result
-    does not depend on the other rows of the call. Outputs are rounded to the weight's dtype, as F.linear's."""
+    """nn.Linear whose forward a backend may run (runtime.backends: short CPU inputs through the compiled CPU step's
+    kernels, whose rows do not depend on the other rows of the call)."""
 
     def forward(self, x: Tensor) -> Tensor:
-        rows = x.numel() // max(x.shape[-1], 1)
-        w = self.weight
-        if (
-            x.is_cpu
-            and x.dtype == w.dtype
-            and w.dtype in (torch.float32, torch.bfloat16)
-            and 1 <= rows <= cpu_step.MAX_ROWS
-            and not torch.is_grad_enabled()
-            and not torch.compiler.is_compiling()
-            and cpu_step.available()
-        ):
-            return cpu_step.linear(self.kernel_handle(), x).to(w.dtype)
-        return F.linear(x, self.weight, self.bias)
-
-    def kernel_handle(self):
-        """The kernels' view of this weight (rebuilt when the weight tensor is replaced)."""
-        key = (self.weight.data_ptr(), self.weight.dtype, None if self.bias is None else self.bias.data_ptr())
-        cached = self.__dict__.get("_kernel")
-        if cached is None or cached[0] != key:
-            bias = None if self.bias is None else self.bias.detach().float()
-            cached = self.__dict__["_kernel"] = (key, cpu_step.dense_handle(self.weight.detach(), bias))
-        return cached[1]
-
-    def __getstate__(self):  # copies and pickles rebuild the kernels' view of their own weight
-        state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__.copy()
-        state = dict(state)
-        state.pop("_kernel", None)
-        return state
+        fast = _backend.linear(self, x)
+        return F.linear(x, self.weight, self.bias) if fast is None else fast
 
 
 class RMSNorm(nn.Module):
@@ -137,14 +148,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
+        fast = _backend.rms_norm(self, x)
+        if fast is not None:
+            return fast
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            if x.is_cpu and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
-                # one compiled pass per row instead of ~10 ops, the compiled step's own norm, at ANY row count: a
-                # row's result must not depend on how many rows share the call (F.rms_norm sums in another order,
-                # so switching by size would give a verification's rows other bits than a decode step's)
-                fused = cpu_step.rms_norm(x, self.weight, self.eps)
-                if fused is not None:
-                    return fused
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         # Normalise in fp32 like the reference implementation, then cast to the weight's (compute) dtype:
         # equals the reference when the residual stream has the weights' dtype, and casts down when the
@@ -302,7 +309,7 @@ class Transformer(nn.Module):
         # None: the residual stream has the weights' dtype (the reference behaviour). torch.float32 with
         # bf16 weights keeps the sum of layer outputs in fp32 (mixed precision: fewer bf16 argmax flips).
         self.residual_dtype: torch.dtype | None = None
-        self.fast_decode = True  # short CPU decode steps through the compiled step (runtime.kernels.cpu_step)
+        self.fast_decode = True  # whether a backend may run whole steps (False: the Python layers, e.g. under TP hooks)
         inv_freq, self.rope_attention_scale = rope_inv_freq(config)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
@@ -321,8 +328,8 @@ class Transformer(nn.Module):
         return cos[0, :, 0].contiguous(), signed_sin[0, :, 0, 1].contiguous()
 
     def step_layers(self) -> list[tuple] | None:
-        """Per layer (input norm, post-attention norm, qkv, o, gate_up, down) for the compiled CPU step
-        (runtime.kernels.cpu_step), or None when a layer is not one it implements (q/k norms, a stand-in layer or
+        """Per layer (input norm, post-attention norm, qkv, o, gate_up, down) for a backend's whole-step kernel
+        (runtime.backends), or None when a layer is not one it implements (q/k norms, a stand-in layer or
         norm of another type; stand-in linears say for themselves whether the step can run them)."""
         out = []
         for layer in self.layers._modules.values():  # the modules' own dicts: this runs every decode step
@@ -356,12 +363,8 @@ class Transformer(nn.Module):
         if meta is None:
             meta = AttentionMetadata.contiguous(tokens.shape[0], 0, tokens.shape[1], tokens.device, cache is not None)
         x = self.embed_tokens(tokens).to(self.residual_dtype or self.compute_dtype)
-        # short chunks, and candidate trees of any size (verifications: the step's outputs are shape-invariant)
-        short = tokens.shape[1] <= cpu_step.MAX_TOKENS or meta.local_mask is not None
-        # (a compiled step, runtime.compiled, traces the Python layers: the C++ step is its own compiled path)
-        eligible = short and x.is_cpu and cache is not None and not torch.compiler.is_compiling()
-        fast = cpu_step.decode(self, x, meta, cache) if eligible else None
-        if fast is not None:  # the compiled decode step: the same layers, no per-op dispatch
+        fast = _backend.decoder_layers(self, x, meta, cache)
+        if fast is not None:  # the backend's whole step: the same layers, no per-op dispatch
             x = fast
         else:
             cos, sin = self.rope(meta.positions, self.compute_dtype)
@@ -383,17 +386,18 @@ class Transformer(nn.Module):
     def logits(self, hidden: Tensor) -> Tensor:
         """Final-norm hidden states [..., H] -> fp32 logits [..., V] (a 16-bit head's outputs, widened).
 
-        On CPU (no autograd) the head runs cpu_step.MAX_ROWS rows at a time, so every row takes the kernels'
+        A backend may cap the rows per head call (the CPU step: its kernels' MAX_ROWS), so every row takes its
         row-invariant path (Linear.forward): a position's logits are the same bits in a decode step, a verification
         or any batch, however many rows the call has (F.linear, which larger calls would run, sums in another order)."""
         h = hidden.to(self.head_dtype)
         rows = h.numel() // max(h.shape[-1], 1)
-        if rows <= cpu_step.MAX_ROWS or not h.is_cpu or torch.is_grad_enabled() or torch.compiler.is_compiling():
+        chunk = _backend.head_chunk_rows(h)
+        if chunk is None or rows <= chunk:
             return self.lm_head(h).float()
         flat = h.reshape(rows, h.shape[-1])
         out = None
-        for i in range(0, rows, cpu_step.MAX_ROWS):
-            part = self.lm_head(flat[i : i + cpu_step.MAX_ROWS])
+        for i in range(0, rows, chunk):
+            part = self.lm_head(flat[i : i + chunk])
             if out is None:
                 out = torch.empty(rows, part.shape[-1], dtype=torch.float32)
             out[i : i + part.shape[0]] = part

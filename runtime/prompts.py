@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import random
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from runtime.data import wiki_docs, wiki_split
 
@@ -58,6 +58,116 @@ def first_sentences(text: str, n: int) -> str:
     return " ".join(parts[:n])
 
 
+@dataclass
+class DocPicker:
+    """Draws documents for the suite's categories in its seeded order, each document at most once."""
+
+    per_category: int
+    categories: tuple[str, ...]
+    strict: bool
+    split: str
+    evaluation: list  # every document of the split
+    docs: list  # passages of min_chars..max_chars characters, shuffled
+    long_docs: list  # passages long enough to copy copy_tokens tokens from, shuffled
+    copy_tokens: int
+    copy_min: int  # characters of a long passage
+    used: set[str] = field(default_factory=set)
+
+    def take(self, category: str, pred, long: bool = False) -> list:
+        """Up to per_category unused documents with pred(d) from the short (or the long) pool; none for a category
+        not asked for. strict: fewer than per_category is a SuiteError."""
+        picked = []
+        if category not in self.categories:
+            return picked
+        for d in self.long_docs if long else self.docs:
+            if d.title not in self.used and pred(d):
+                picked.append(d)
+                self.used.add(d.title)
+                if len(picked) == self.per_category:
+                    return picked
+        if not self.strict:
+            return picked
+        if long:
+            raise SuiteError(
+                f"the {self.split} split has too few passages of >= {self.copy_min} characters (~{self.copy_tokens} "
+                f"tokens) for {self.per_category} rewriting/translation prompts; lower --max-tokens (its longest "
+                f"passage: {max(len(d.extract) for d in self.evaluation)} characters)"
+            )
+        raise SuiteError(f"the {self.split} split has too few documents for {self.per_category} prompts per category")
+
+
+def any_doc(d) -> bool:
+    return True
+
+
+def user(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+def summarization_prompts(picker: DocPicker) -> list[SuitePrompt]:
+    return [
+        SuitePrompt(
+            "summarization",
+            d.title,
+            user(f"Summarize the following passage in one sentence.\n\n{d.extract}"),
+            reference=d.description,
+        )
+        for d in picker.take("summarization", lambda d: bool(d.description))
+    ]
+
+
+def qa_prompts(picker: DocPicker) -> list[SuitePrompt]:
+    def question(d) -> str:
+        return (
+            f"Answer the question using only the passage.\n\nPassage: {d.extract}\n\n"
+            f"Question: What is {d.title}, and what is it known for?"
+        )
+
+    return [SuitePrompt("qa", d.title, user(question(d))) for d in picker.take("qa", any_doc)]
+
+
+def rewriting_prompts(picker: DocPicker) -> list[SuitePrompt]:
+    task = "Rewrite the following passage with its spelling mistakes corrected. Change nothing else.\n\n"
+    return [
+        SuitePrompt("rewriting", d.title, user(task + add_typos(d.extract, d.title)), reference=d.extract)
+        for d in picker.take("rewriting", any_doc, long=True)
+    ]
+
+
+def translation_prompts(picker: DocPicker, parallel: dict[str, dict]) -> list[SuitePrompt]:
+    """Long passages with a French or Spanish twin (alternating where a passage has both)."""
+    out = []
+    docs = picker.take("translation", lambda d: d.title in parallel["fr"] or d.title in parallel["es"], long=True)
+    for i, d in enumerate(docs):
+        lang = "fr" if d.title in parallel["fr"] and (i % 2 == 0 or d.title not in parallel["es"]) else "es"
+        name = {"fr": "French", "es": "Spanish"}[lang]
+        text = f"Translate the following passage into {name}.\n\n{d.extract}"
+        out.append(SuitePrompt("translation", d.title, user(text), parallel[lang][d.title].extract, language=lang))
+    return out
+
+
+def chat_prompts(picker: DocPicker) -> list[SuitePrompt]:
+    follow_up = "Thanks! Can you explain that again in simpler words, for a child?"
+    return [
+        SuitePrompt(
+            "chat",
+            d.title,
+            [
+                {"role": "user", "content": f"Tell me about {d.title}."},
+                {"role": "assistant", "content": d.extract},
+                {"role": "user", "content": follow_up},
+            ],
+        )
+        for d in picker.take("chat", any_doc)
+    ]
+
+
+def continuation_prompts(picker: DocPicker) -> list[SuitePrompt]:
+    docs = picker.take("continuation", lambda d: len(re.split(r"(?<=[.!?])\s+", d.extract)) >= 3)
+    task = "Continue the following text.\n\n"
+    return [SuitePrompt("continuation", d.title, user(task + first_sentences(d.extract, 2))) for d in docs]
+
+
 def build_suite(
     per_category: int,
     seed: int = 0,
@@ -88,97 +198,16 @@ def build_suite(
     rng.shuffle(docs)
     rng.shuffle(long_docs)
     parallel = {lang: {d.title: d for d in wiki_docs(lang)} for lang in ("fr", "es")}
-    out: list[SuitePrompt] = []
-    used: set[str] = set()
-
-    def take(category: str, pred, pool=docs) -> list:
-        picked = []
-        if category not in categories:
-            return picked
-        for d in pool:
-            if d.title not in used and pred(d):
-                picked.append(d)
-                used.add(d.title)
-                if len(picked) == per_category:
-                    return picked
-        if not strict:
-            return picked
-        if pool is long_docs:
-            raise SuiteError(
-                f"the {split} split has too few passages of >= {copy_min} characters (~{copy_tokens} tokens) for "
-                f"{per_category} rewriting/translation prompts; lower --max-tokens (its longest passage: "
-                f"{max(len(d.extract) for d in evaluation)} characters)"
-            )
-        raise SuiteError(f"the {split} split has too few documents for {per_category} prompts per category")
-
-    def user(text: str) -> list[dict]:
-        return [{"role": "user", "content": text}]
-
-    for d in take("summarization", lambda d: bool(d.description)):
-        out.append(
-            SuitePrompt(
-                "summarization",
-                d.title,
-                user(f"Summarize the following passage in one sentence.\n\n{d.extract}"),
-                reference=d.description,
-            )
-        )
-    for d in take("qa", lambda d: True):
-        out.append(
-            SuitePrompt(
-                "qa",
-                d.title,
-                user(
-                    f"Answer the question using only the passage.\n\nPassage: {d.extract}\n\n"
-                    f"Question: What is {d.title}, and what is it known for?"
-                ),
-            )
-        )
-    for d in take("rewriting", lambda d: True, long_docs):
-        out.append(
-            SuitePrompt(
-                "rewriting",
-                d.title,
-                user(
-                    "Rewrite the following passage with its spelling mistakes corrected. Change nothing else.\n\n"
-                    f"{add_typos(d.extract, d.title)}"
-                ),
-                reference=d.extract,
-            )
-        )
-    for i, d in enumerate(
-        take("translation", lambda d: d.title in parallel["fr"] or d.title in parallel["es"], long_docs)
-    ):
-        lang = "fr" if d.title in parallel["fr"] and (i % 2 == 0 or d.title not in parallel["es"]) else "es"
-        name = {"fr": "French", "es": "Spanish"}[lang]
-        out.append(
-            SuitePrompt(
-                "translation",
-                d.title,
-                user(f"Translate the following passage into {name}.\n\n{d.extract}"),
-                reference=parallel[lang][d.title].extract,
-                language=lang,
-            )
-        )
-    for d in take("chat", lambda d: True):
-        out.append(
-            SuitePrompt(
-                "chat",
-                d.title,
-                [
-                    {"role": "user", "content": f"Tell me about {d.title}."},
-                    {"role": "assistant", "content": d.extract},
-                    {"role": "user", "content": "Thanks! Can you explain that again in simpler words, for a child?"},
-                ],
-            )
-        )
-    for d in take("continuation", lambda d: len(re.split(r"(?<=[.!?])\s+", d.extract)) >= 3):
-        out.append(
-            SuitePrompt(
-                "continuation", d.title, user(f"Continue the following text.\n\n{first_sentences(d.extract, 2)}")
-            )
-        )
-    return out
+    picker = DocPicker(per_category, categories, strict, split, evaluation, docs, long_docs, copy_tokens, copy_min)
+    # in this order: each category takes the documents the ones before it left
+    return [
+        *summarization_prompts(picker),
+        *qa_prompts(picker),
+        *rewriting_prompts(picker),
+        *translation_prompts(picker, parallel),
+        *chat_prompts(picker),
+        *continuation_prompts(picker),
+    ]
 
 
 def encode_messages(tokenizer, messages: list[dict]) -> list[int]:

@@ -43,7 +43,11 @@ from runtime.kv_quant import KV_DTYPES
 from runtime.loader import DEFAULT_MODEL, check_model_arg, load_model, load_tokenizer
 from runtime.sampling import SamplingParams, TokenLogprob
 from runtime.scheduler import RequestRejectedError
-from speculate.cli import add_speculator_args, speculator_from_args  # entry point: composes the layers
+from speculate.cli import (  # entry point: composes the layers
+    add_speculator_args,
+    check_speculator_args,
+    speculator_from_args,
+)
 
 log = logging.getLogger("qspec.server")
 
@@ -847,7 +851,7 @@ def parse_metrics(text: str) -> dict[str, float]:
     return out
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> ArgumentParser:
     import torch
 
     ap = ArgumentParser(prog="python -m runtime.server", description=__doc__.splitlines()[0])
@@ -895,7 +899,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     add_speculator_args(ap)  # --speculator {ngram,draft,medusa,quant-draft,eagle}: speculation in the engine step
-    args = ap.parse_args(argv)
+    return ap
+
+
+def check_args(ap: ArgumentParser, args) -> None:
+    """Fill defaults that depend on other flags and reject bad values, before anything loads."""
     if args.block_size is None:
         args.block_size = 64 if args.kv_cache_dtype == "int4" else 16  # int4: one key scale per channel per block
     if args.model:
@@ -913,15 +921,11 @@ def main(argv: list[str] | None = None) -> None:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.kv_cache_gb <= 0:
         ap.error("--kv-cache-gb must be > 0")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if args.api_key is not None and not args.api_key.strip():
-        ap.error("--api-key (or QSPEC_API_KEY) is empty")
-    logging.basicConfig(level=logging.INFO, format="[qspec] %(levelname)s %(name)s: %(message)s")
+    check_speculator_args(ap, args)  # an unknown speculator, a broken plug-in or a bad option
 
-    model, _, path = load_model(args.model, dtype=cli_dtype(args.dtype), device=args.device)
-    tokenizer = load_tokenizer(str(path))
-    config = EngineConfig(
+
+def engine_config(args) -> EngineConfig:
+    return EngineConfig(
         block_size=args.block_size,
         kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)),
         enable_prefix_caching=not args.no_prefix_caching,
@@ -933,23 +937,48 @@ def main(argv: list[str] | None = None) -> None:
         decode_kernel=args.decode_kernel,
         kv_cache_dtype=args.kv_cache_dtype,
     )
+
+
+def build_server(args) -> tuple[Server, LLMEngine]:
+    """Load the model (and speculator), build its engine, and wrap both in a Server."""
+    model, _, path = load_model(args.model, dtype=cli_dtype(args.dtype), device=args.device)
+    tokenizer = load_tokenizer(str(path))
     speculator = speculator_from_args(model, path, args) if args.speculator else None
-    engine = LLMEngine(model, tokenizer, config, speculator=speculator)
+    engine = LLMEngine(model, tokenizer, engine_config(args), speculator=speculator)
     hosts = [h.strip() for h in args.allowed_hosts.split(",") if h.strip()] if args.allowed_hosts else None
     names = args.served_model_name or [args.model]
     server = Server(engine, tokenizer, names[0], names, api_key=args.api_key, allowed_hosts=hosts)
     server.default_max_tokens = args.default_max_tokens
-    bm = engine.block_manager
-    print(
+    return server, engine
+
+
+def banner(args, engine: LLMEngine, names: list[str]) -> str:
+    """One line: what is served where, the KV pool, the context and the decode path."""
+    model, speculator, bm = engine.model, engine.speculator, engine.block_manager
+    return (
         f"[qspec] serving {args.model} as {', '.join(names)} on http://{args.host}:{args.port} "
         f"({dtype_name(model.compute_dtype)}, {args.device}); "
         f"KV pool {bm.num_usable_blocks} blocks x {bm.block_size} tokens = {engine.cache.nbytes() / 2**20:.0f} MiB "
         f"({args.kv_cache_dtype}{', approximate' if args.kv_cache_dtype != 'auto' else ''}), "
         f"max context {engine.scheduler.config.max_model_len}, decode attention {engine.cache.decode_kernel}"
         + (f", speculator {speculator.name} ({speculator.acceptance})" if speculator is not None else "")
-        + (", API key required" if args.api_key else ""),
-        flush=True,
+        + (", API key required" if args.api_key else "")
     )
+
+
+def main(argv: list[str] | None = None) -> None:
+    import torch
+
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    check_args(ap, args)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.api_key is not None and not args.api_key.strip():
+        ap.error("--api-key (or QSPEC_API_KEY) is empty")
+    logging.basicConfig(level=logging.INFO, format="[qspec] %(levelname)s %(name)s: %(message)s")
+    server, engine = build_server(args)
+    print(banner(args, engine, server.served_names), flush=True)
     web.run_app(server.app(), host=args.host, port=args.port, handler_cancellation=True, print=None)
 
 

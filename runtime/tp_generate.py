@@ -36,7 +36,7 @@ def parse_ids(text: str) -> list[int]:
     return ids
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="torchrun --nproc-per-node N -m runtime.tp_generate", description=__doc__)
     ap.add_argument("--model", default=DEFAULT_MODEL, help="registry name or checkpoint dir (unquantized)")
     ap.add_argument("--prompt", action="append", default=[], help="prompt text (repeat for a batch)")
@@ -49,6 +49,58 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
     ap.add_argument("--out", type=Path, default=None, help="rank 0 writes the tokens and timings here (JSON)")
+    return ap
+
+
+def rank_device(kind: str) -> torch.device:
+    """This rank's device: its LOCAL_RANK GPU (made current), or the CPU."""
+    if kind != "cuda":
+        return torch.device("cpu")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    torch.cuda.set_device(device)
+    return device
+
+
+def load_rank(ap, args, world: int, rank: int, device: torch.device):
+    """-> (config, this rank's shard, tokenizer or None, prompts as token ids)."""
+    path = resolve(args.model) if rank == 0 else None  # a first run converts once, not once per rank
+    if world > 1:
+        dist.barrier()
+    path = path or resolve(args.model)
+    hf_config = json.loads((path / "config.json").read_text())
+    if "quantization_config" in hf_config:
+        ap.error("tensor parallelism shards dense checkpoints; quantized ones are not supported")
+    config = ModelConfig.from_hf(hf_config)
+    try:
+        model = build_shard(config, load_state_dict(path), rank, world, DTYPES[args.dtype], device)
+    except TensorParallelError as err:
+        ap.error(str(err))
+    has_tokenizer = (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file()
+    if args.prompt and not has_tokenizer:
+        ap.error(f"{path} has no tokenizer: give --prompt-ids instead of --prompt")
+    tokenizer = load_tokenizer(str(path)) if has_tokenizer else None
+    prompts = [encode_prompt(tokenizer, p, args.chat) for p in args.prompt] + args.prompt_ids
+    return config, model, tokenizer, prompts
+
+
+def generate_on_rank(args, model, prompts: list[list[int]], world: int):
+    """-> (the generation, its wall seconds); every rank must produce the same tokens."""
+    params = SamplingParams(
+        temperature=args.temperature, seed=args.seed, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos
+    )
+    started = time.perf_counter()
+    out = generate(model, prompts, params)
+    call_wall_s = time.perf_counter() - started  # outside the loop's own clock: what the tests compare it with
+    if world > 1:  # every rank must have produced the same tokens (same logits after each all-reduce)
+        gathered = [None] * world
+        dist.all_gather_object(gathered, out.tokens)
+        if any(g != out.tokens for g in gathered):
+            raise RuntimeError("ranks disagree on the generated tokens")
+    return out, call_wall_s
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = build_parser()
     args = ap.parse_args(argv)
     if not args.prompt and not args.prompt_ids:
         ap.error("give at least one --prompt or --prompt-ids")
@@ -57,42 +109,12 @@ def main(argv: list[str] | None = None) -> None:
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
-    if args.device == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
+    device = rank_device(args.device)
     if world > 1:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     try:
-        path = resolve(args.model) if rank == 0 else None  # a first run converts once, not once per rank
-        if world > 1:
-            dist.barrier()
-        path = path or resolve(args.model)
-        hf_config = json.loads((path / "config.json").read_text())
-        if "quantization_config" in hf_config:
-            ap.error("tensor parallelism shards dense checkpoints; quantized ones are not supported")
-        config = ModelConfig.from_hf(hf_config)
-        try:
-            model = build_shard(config, load_state_dict(path), rank, world, DTYPES[args.dtype], device)
-        except TensorParallelError as err:
-            ap.error(str(err))
-        has_tokenizer = (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file()
-        if args.prompt and not has_tokenizer:
-            ap.error(f"{path} has no tokenizer: give --prompt-ids instead of --prompt")
-        tokenizer = load_tokenizer(str(path)) if has_tokenizer else None
-        prompts = [encode_prompt(tokenizer, p, args.chat) for p in args.prompt] + args.prompt_ids
-        params = SamplingParams(
-            temperature=args.temperature, seed=args.seed, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos
-        )
-        started = time.perf_counter()
-        out = generate(model, prompts, params)
-        call_wall_s = time.perf_counter() - started  # outside the loop's own clock: what the tests compare it with
-        if world > 1:  # every rank must have produced the same tokens (same logits after each all-reduce)
-            gathered = [None] * world
-            dist.all_gather_object(gathered, out.tokens)
-            if any(g != out.tokens for g in gathered):
-                raise RuntimeError("ranks disagree on the generated tokens")
+        config, model, tokenizer, prompts = load_rank(ap, args, world, rank, device)
+        out, call_wall_s = generate_on_rank(args, model, prompts, world)
         if rank == 0:
             report(args, out, tokenizer, world, config, model, call_wall_s)
     finally:

@@ -4,6 +4,7 @@ SamplingParams and generator), so the static loop (speculate.generate) and the s
 
 Lossless: n-gram (prompt lookup), draft model (layer-skip, quantized self-draft or any same-vocabulary model),
 Medusa and EAGLE trees under rejection sampling. APPROXIMATE: Medusa's typical acceptance (named as such).
+speculate.registry names them all (and plug-ins: module:attr, or entry points of the group qspec.speculators).
 """
 
 from speculate.base import Speculator, SpeculatorError
@@ -12,22 +13,29 @@ from speculate.draft import DraftModelSpeculator, layer_skip_draft, quantized_dr
 from speculate.generate import SpecOutput, SpecStats, speculative_generate
 from speculate.medusa.speculator import MedusaSpeculator
 from speculate.ngram import NgramSpeculator
+from speculate.registry import BuildContext, Method, build, check_method, register, speculator_names
 from speculate.verify import rejection_sample, verify_chain, verify_tree
 
 __all__ = [
     "SPECULATORS",
+    "BuildContext",
     "DraftModelSpeculator",
     "MedusaSpeculator",
+    "Method",
     "NgramSpeculator",
     "SpecOutput",
     "SpecStats",
     "Speculator",
     "SpeculatorError",
+    "build",
     "build_speculator",
+    "check_method",
     "layer_skip_draft",
     "quantized_draft",
+    "register",
     "rejection_sample",
     "speculative_generate",
+    "speculator_names",
     "verify_chain",
     "verify_tree",
 ]

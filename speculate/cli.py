@@ -7,6 +7,9 @@
     python -m runtime.generate --speculator quant-draft --quant-bits 8 -k 3 --prompt "..."
     python -m runtime.generate --speculator eagle --tree-size 8 --prompt "..."  # after python -m speculate.eagle.train
     python -m runtime.server --speculator draft --draft-model layers:8 -k 3
+    python -m runtime.generate --speculator my_pkg.lookahead:LookaheadSpeculator -k 4 --prompt "..."  # a plug-in
+
+The names and their builders live in speculate.registry; the flags here translate to its options.
 """
 
 from __future__ import annotations
@@ -15,22 +18,39 @@ import argparse
 import sys
 from pathlib import Path
 
-from quantize.qlinear import FAST_CPU_BITS
 from runtime.grammar import report_incomplete
-from runtime.speculation import CandidateTree
 from runtime.timing import timing_line
-from speculate.base import Speculator, SpeculatorError, check_k
-from speculate.draft import DraftModelSpeculator, parse_draft_spec, quantized_draft
-from speculate.eagle.head import load_eagle
-from speculate.eagle.speculator import EagleSpeculator
+from speculate.base import Speculator, SpeculatorError
 from speculate.generate import speculative_generate
-from speculate.medusa.heads import load_medusa
-from speculate.medusa.speculator import MedusaSpeculator, build_tree
-from speculate.ngram import NgramSpeculator
-from speculate.training import head_dir
+from speculate.registry import SPECULATORS, TREE_SIZE, BuildContext, Method, build, check_method, options_of
 
-SPECULATORS = ("ngram", "draft", "medusa", "quant-draft", "eagle")
-EAGLE_TREE_SIZE = 8  # nodes of EAGLE's dynamic tree when --tree-size is not given (evals.specbench's default)
+
+def cli_method(
+    name: str,
+    k: int = 4,
+    draft_model: str | None = None,
+    tree_size: int | None = None,
+    acceptance: str = "rejection",
+    quant_bits: int = 8,
+    quant_group_size: int | None = None,
+    ngram_fixed: bool = False,
+) -> Method:
+    """The registry method the CLI's flags describe: each flag is the option of that name for the speculators
+    that take it, ignored by the others (a plug-in that takes any option gets -k)."""
+    takes = options_of(name)
+    if acceptance != "rejection" and "acceptance" not in (takes or {}):
+        raise SpeculatorError(f"typical acceptance is a Medusa mode; {name} verifies losslessly only")
+    flags = {
+        "k": k,
+        "model": draft_model,
+        "tree": tree_size,
+        "acceptance": acceptance,
+        "bits": quant_bits,
+        "group": quant_group_size,
+        "fixed": ngram_fixed,
+    }
+    wanted = {"k"} if takes is None else takes
+    return check_method(Method(name, {key: v for key, v in flags.items() if key in wanted and v is not None}))
 
 
 def build_speculator(
@@ -47,42 +67,21 @@ def build_speculator(
     quant_group_size: int | None = None,
     ngram_fixed: bool = False,
 ) -> Speculator:
-    """A speculator by name; every argument error is a SpeculatorError naming the problem."""
-    if name not in SPECULATORS:
-        raise SpeculatorError(f"unknown speculator {name!r}; choose from {', '.join(SPECULATORS)}")
-    if name != "medusa" and acceptance != "rejection":
-        raise SpeculatorError(f"typical acceptance is a Medusa mode; {name} verifies losslessly only")
-    if name == "ngram":
-        return NgramSpeculator(k=k, scaled=not ngram_fixed)
-    if name == "draft":
-        check_k(k)
-        draft, label = parse_draft_spec(draft_model, model, model_path)
-        return DraftModelSpeculator(model, draft, k=k, name=f"draft({label})")
-    if name == "quant-draft":
-        check_k(k)
-        if quant_bits not in FAST_CPU_BITS:  # a draft must be cheaper than the target: fast kernels only
-            raise SpeculatorError(f"quant-draft supports {' or '.join(map(str, FAST_CPU_BITS))} bits, got {quant_bits}")
-        return DraftModelSpeculator(
-            model, quantized_draft(model, quant_bits, quant_group_size), k=k, name=f"quant-draft(int{quant_bits})"
-        )
-
-    if name == "eagle":
-        head = load_eagle(eagle_heads or head_dir("eagle", model_path), model)
-        return EagleSpeculator(model, head, tree_size=EAGLE_TREE_SIZE if tree_size is None else tree_size)
-
-    heads = load_medusa(medusa_heads or head_dir("medusa", model_path), model)
-    if tree_size is None:  # a chain of the heads' top-1 candidates, k long
-        tree = CandidateTree.chain(min(check_k(k), heads.config.num_heads))
-    elif not heads.config.accuracy:
-        raise SpeculatorError("the Medusa checkpoint has no accuracy table to build a tree from; retrain it")
-    else:
-        tree = build_tree(heads.config.accuracy, tree_size, paths=heads.config.paths)
-    return MedusaSpeculator(model, heads, tree, acceptance=acceptance)
+    """A speculator by name (speculate.registry) from the CLI's settings; every argument error is a
+    SpeculatorError naming the problem."""
+    method = cli_method(name, k, draft_model, tree_size, acceptance, quant_bits, quant_group_size, ngram_fixed)
+    context = BuildContext(target_path=model_path, heads={"medusa": medusa_heads, "eagle": eagle_heads})
+    return build(method, model, context)
 
 
 def add_speculator_args(ap: argparse.ArgumentParser) -> None:
     """The --speculator options, shared by ``python -m runtime.generate`` and ``python -m runtime.server``."""
-    ap.add_argument("--speculator", default=None, choices=SPECULATORS, help="speculative decoding (see speculate/)")
+    ap.add_argument(
+        "--speculator",
+        default=None,
+        help=f"speculative decoding: {', '.join(SPECULATORS)}, an installed plug-in's name (entry points "
+        "qspec.speculators) or a plug-in module:attr (see docs/extending.md)",
+    )
     ap.add_argument("--num-speculative-tokens", "-k", type=int, default=4, help="k: drafts per sequence and step")
     ap.add_argument(
         "--draft-model",
@@ -96,7 +95,7 @@ def add_speculator_args(ap: argparse.ArgumentParser) -> None:
         "--tree-size",
         type=int,
         default=None,
-        help=f"candidate-tree nodes: Medusa (default: a top-1 chain of -k) and EAGLE (default {EAGLE_TREE_SIZE})",
+        help=f"candidate-tree nodes: Medusa (default: a top-1 chain of -k) and EAGLE (default {TREE_SIZE})",
     )
     ap.add_argument("--typical-acceptance", action="store_true", help="Medusa typical acceptance (APPROXIMATE)")
     ap.add_argument("--quant-bits", type=int, default=8, help="weight bits of the --speculator quant-draft copy")
@@ -105,22 +104,34 @@ def add_speculator_args(ap: argparse.ArgumentParser) -> None:
     )
 
 
+def args_method(args) -> Method:
+    """The method that add_speculator_args' options describe."""
+    return cli_method(
+        args.speculator,
+        k=args.num_speculative_tokens,
+        draft_model=getattr(args, "draft_model", None),
+        tree_size=getattr(args, "tree_size", None),
+        acceptance="typical" if getattr(args, "typical_acceptance", False) else "rejection",
+        quant_bits=getattr(args, "quant_bits", 8),
+        ngram_fixed=getattr(args, "ngram_fixed", False),
+    )
+
+
+def check_speculator_args(ap: argparse.ArgumentParser, args) -> None:
+    """Before any model loads: an unknown speculator, a plug-in that breaks the contract or a bad option is one
+    error line (exit 2)."""
+    if args.speculator:
+        try:
+            args_method(args)
+        except SpeculatorError as err:
+            ap.error(str(err))
+
+
 def speculator_from_args(model, path, args) -> Speculator:
     """The speculator that add_speculator_args' options describe; a bad option exits with one clear line."""
+    heads = {"medusa": getattr(args, "medusa_heads", None), "eagle": getattr(args, "eagle_heads", None)}
     try:
-        return build_speculator(
-            args.speculator,
-            model,
-            path,
-            k=args.num_speculative_tokens,
-            draft_model=getattr(args, "draft_model", None),
-            medusa_heads=getattr(args, "medusa_heads", None),
-            tree_size=getattr(args, "tree_size", None),
-            eagle_heads=getattr(args, "eagle_heads", None),
-            acceptance="typical" if getattr(args, "typical_acceptance", False) else "rejection",
-            quant_bits=getattr(args, "quant_bits", 8),
-            ngram_fixed=getattr(args, "ngram_fixed", False),
-        )
+        return build(args_method(args), model, BuildContext(target_path=path, heads=heads))
     except (SpeculatorError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -332,22 +332,13 @@ def parse_draft_spec(
     separate draft's must equal."""
     if spec is None:
         spec = measured_default_draft(target) or FALLBACK_DRAFT
+    check_draft_spec(spec)
     bits, _, rest = spec.partition("+") if spec.startswith("int") else ("", "", spec)
-    if bits and bits not in ("int4", "int8"):
-        raise SpeculatorError(f"--draft-model {spec!r}: quantized drafts are int4 or int8")
     if bits and not rest:
         return quantized_draft(target, int(bits[3:])), spec
     if rest.startswith("layers:"):
-        try:
-            n = int(rest.removeprefix("layers:"))
-        except ValueError:
-            raise SpeculatorError(f"--draft-model {spec!r}: expected layers:N with an integer N") from None
-        draft = layer_skip_draft(target, n)
+        draft = layer_skip_draft(target, int(rest.removeprefix("layers:")))
         return (quantized_draft(draft, int(bits[3:])) if bits else draft), spec
-    try:
-        check_model_spec(rest)
-    except ModelSpecError as err:
-        raise SpeculatorError(f"--draft-model {spec!r}: {err}") from None
     draft, _, draft_path = load_model(rest, dtype=target.compute_dtype, device=device_of(target))
     if target_path:
         check_same_tokenizer(Path(target_path), draft_path)
@@ -355,6 +346,27 @@ def parse_draft_spec(
         return draft, spec
     group = SEPARATE_DRAFT_GROUP if bits == "int4" else None
     return quantized_draft(draft, int(bits[3:]), group_size=group, head_bits=SEPARATE_DRAFT_HEAD_BITS), spec
+
+
+def check_draft_spec(spec: str | None) -> None:
+    """parse_draft_spec's syntax, checked without loading anything (None: the default draft)."""
+    if spec is None:
+        return
+    bits, _, rest = spec.partition("+") if spec.startswith("int") else ("", "", spec)
+    if bits and bits not in ("int4", "int8"):
+        raise SpeculatorError(f"--draft-model {spec!r}: quantized drafts are int4 or int8")
+    if bits and not rest:
+        return
+    if rest.startswith("layers:"):
+        try:
+            int(rest.removeprefix("layers:"))
+        except ValueError:
+            raise SpeculatorError(f"--draft-model {spec!r}: expected layers:N with an integer N") from None
+        return
+    try:
+        check_model_spec(rest)
+    except ModelSpecError as err:
+        raise SpeculatorError(f"--draft-model {spec!r}: {err}") from None
 
 
 def tokenizer_identity(path: Path) -> dict | None:

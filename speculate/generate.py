@@ -137,6 +137,126 @@ def chain_metadata(lengths: Tensor, T: int) -> AttentionMetadata:
     return meta
 
 
+@dataclass
+class SpecRows:
+    """The per-row state of one speculative_generate call: committed tokens, stop checks, grammars, clocks."""
+
+    params: list[SamplingParams]
+    generators: list[torch.Generator]
+    stops: list[StopChecker]
+    constraints: list  # per row: a grammar's constraint or None
+    seqs: list[list[int]]  # committed tokens per row, the prompt included
+    keys: list[tuple]  # this call's rows, for the speculator
+    lengths: Tensor  # [B] committed tokens per row, on the model's device
+    out: SpecOutput
+    clock: LoopClock
+    on_token: Callable[[int, int], None] | None
+    active: list[bool]
+    token_times: list[list[float]]
+    last_hidden: Tensor | None = None  # [B, H] the target's hidden state at each row's last committed token
+
+    def live(self) -> list[int]:
+        return [b for b, a in enumerate(self.active) if a]
+
+    def commit(self, b: int, new: list[int]) -> None:
+        """Append tokens to row b up to its first stop condition (one device write per row and step)."""
+        out, constraint = self.out, self.constraints[b]
+        kept = 0
+        for tok in new:
+            if constraint is not None and not constraint.accept(tok):
+                raise RuntimeError(f"row {b}: committed token {tok} that its grammar does not allow")
+            out.tokens[b].append(tok)
+            self.seqs[b].append(tok)
+            kept += 1
+            if self.on_token is not None:
+                self.on_token(b, tok)
+            out.stats.generated += 1
+            reason = self.stops[b].check(out.tokens[b])
+            if reason is not None:
+                out.finish_reasons[b] = reason
+                self.active[b] = False
+                break
+        self.lengths[b] += kept
+
+    def state(self, rows: list[int]) -> SpecState:
+        """What the speculator sees of these rows."""
+        constrained = any(c is not None for c in self.constraints)
+        return SpecState(
+            ids=[self.keys[b] for b in rows],
+            token_ids=[self.seqs[b] for b in rows],
+            hidden=self.last_hidden[rows],
+            params=[self.params[b] for b in rows],
+            generators=[self.generators[b] for b in rows],
+            device=self.lengths.device,
+            constraints=[self.constraints[b] for b in rows] if constrained else None,
+        )
+
+    def stamp(self) -> None:
+        """The step's committed tokens are out: they arrive now (tokens of one step arrive together)."""
+        now = self.clock.mark()
+        for b, times in enumerate(self.token_times):
+            times += [now] * (len(self.out.tokens[b]) - len(times))
+
+
+def check_rows(model: Transformer, prompts: list[list[int]], params) -> tuple[list[SamplingParams], int]:
+    """-> (one SamplingParams per row, the longest prompt + max_tokens); what the static loop cannot run raises."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    B = len(prompts)
+    row_params = params if isinstance(params, list) else [params] * B
+    if len(row_params) != B:
+        raise ValueError(f"{len(row_params)} SamplingParams for {B} prompts")
+    if any(sp.adjusts_logits for sp in row_params):
+        raise ValueError(
+            "penalties, logit_bias and min_tokens apply in plain decoding and the serving engine (runtime.engine, "
+            "also with a speculator), not in the static speculative loop"
+        )
+    positions = model.config.max_position_embeddings
+    longest = max(len(p) + sp.max_tokens for p, sp in zip(prompts, row_params))
+    if longest > positions:
+        raise ValueError(f"prompt + max_tokens = {longest} exceeds the model's {positions} positions")
+    return row_params, longest
+
+
+def prefill_rows(model: Transformer, cache, prompts: list[list[int]], rows: SpecRows) -> None:
+    """The target's prefill of every prompt and each row's first token, drawn plainly (as in every loop)."""
+    B, device = len(prompts), rows.lengths.device
+    T = int(rows.lengths.max())
+    tokens = torch.tensor([p + [0] * (T - len(p)) for p in prompts], device=device)
+    hidden = chunked_prefill(model, tokens, cache)
+    rows.last_hidden = hidden[torch.arange(B, device=device), rows.lengths - 1]  # [B, H]
+    logits = model.logits(rows.last_hidden)
+    probs = torch.stack(
+        [
+            logits_to_probs(mask_logits(logits[b], None if c is None else c.mask()), sp)
+            for b, (sp, c) in enumerate(zip(rows.params, rows.constraints))
+        ]
+    )
+    for b, tok in enumerate(sample_rows(probs, rows.params, rows.generators).tolist()):
+        rows.commit(b, [tok])
+
+
+def speculative_step(model: Transformer, cache, speculator: Speculator, rows: SpecRows, decoder) -> None:
+    """propose -> cut to each row's budget -> one target forward -> verify -> commit each row's tokens."""
+    live, stats, out = rows.live(), rows.out.stats, rows.out
+    state = rows.state(live)
+    budgets = [draft_budget(len(out.tokens[b]), rows.params[b].max_tokens) for b in live]
+    proposal = speculator.propose(state).within(budgets)
+    hidden = _verify_forward(model, cache, proposal, live, rows.seqs, rows.lengths, decoder)  # [B, T, H]
+    verdict = speculator.verify(state, proposal, model.logits(hidden[live]))
+    stats.steps += 1
+    depth = max(verdict.offered)
+    for i, b in enumerate(live):
+        path = verdict.paths[i]
+        if path != list(range(len(path))):  # a tree's accepted nodes' k/v to consecutive slots
+            base = int(rows.lengths[b]) - 1
+            cache.move(b, torch.tensor(path[1:], device=rows.lengths.device) + base, base + 1)
+        rows.last_hidden[b] = hidden[b, verdict.last[i]]
+        stats.row_steps += 1
+        _record(stats, depth, verdict.offered[i], len(verdict.tokens[i]) - 1)
+        rows.commit(b, verdict.tokens[i])
+
+
 @torch.inference_mode()
 def speculative_generate(
     model: Transformer,
@@ -163,118 +283,43 @@ def speculative_generate(
     (runtime.timing): the TTFT includes the speculator's prefill, each step its propose, verification forward,
     lm_head and verify."""
     clock = LoopClock()
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("every prompt needs at least one token")
-    B = len(prompts)
-    row_params = params if isinstance(params, list) else [params] * B
-    if len(row_params) != B:
-        raise ValueError(f"{len(row_params)} SamplingParams for {B} prompts")
-    if any(sp.adjusts_logits for sp in row_params):
-        raise ValueError(
-            "penalties, logit_bias and min_tokens apply in plain decoding and the serving engine (runtime.engine, "
-            "also with a speculator), not in the static speculative loop"
-        )
-    device = device_of(model)
-    cfg = model.config
-    lengths = torch.tensor([len(p) for p in prompts], device=device)
-    longest = max(len(p) + sp.max_tokens for p, sp in zip(prompts, row_params))
-    if longest > cfg.max_position_embeddings:
-        raise ValueError(f"prompt + max_tokens = {longest} exceeds the model's {cfg.max_position_embeddings} positions")
+    row_params, longest = check_rows(model, prompts, params)
+    B, device, cfg = len(prompts), device_of(model), model.config
     capacity = longest + speculator.max_tokens_per_step() + 1
-    generators = [make_generator(sp.seed, device) for sp in row_params]
-    stops = [StopChecker(sp, cfg.eos_token_ids, tokenizer) for sp in row_params]
-    constraints = row_constraints(grammar, row_params, cfg.vocab_size)
-    seqs = [list(p) for p in prompts]  # committed tokens per row
-    keys = [("speculative_generate", next(_RUNS), b) for b in range(B)]  # this call's rows, for the speculator
+    rows = SpecRows(
+        params=row_params,
+        generators=[make_generator(sp.seed, device) for sp in row_params],
+        stops=[StopChecker(sp, cfg.eos_token_ids, tokenizer) for sp in row_params],
+        constraints=row_constraints(grammar, row_params, cfg.vocab_size),
+        seqs=[list(p) for p in prompts],
+        keys=[("speculative_generate", next(_RUNS), b) for b in range(B)],
+        lengths=torch.tensor([len(p) for p in prompts], device=device),
+        out=SpecOutput(tokens=[[] for _ in range(B)], finish_reasons=[""] * B, stats=SpecStats(rows=B)),
+        clock=clock,
+        on_token=on_token,
+        active=[True] * B,
+        token_times=[[] for _ in range(B)],
+    )
     kv = kv_cache or KVCacheSpec()
-    backend = resolve_compile(compile, device) if kv.compilable else "off"
-    decoder = compiled_decoder(model, B, capacity, backend, kv) if backend != "off" else None
+    rows.out.compile = resolve_compile(compile, device) if kv.compilable else "off"
+    decoder = compiled_decoder(model, B, capacity, rows.out.compile, kv) if rows.out.compile != "off" else None
     lookahead = speculator.max_tokens_per_step() - 1
     cache = decoder.cache if decoder is not None else kv.build(model, B, capacity, lookahead)
-    out = SpecOutput(tokens=[[] for _ in range(B)], finish_reasons=[""] * B, stats=SpecStats(rows=B), compile=backend)
-    stats = out.stats
-    active = [True] * B
 
-    def commit(b: int, new: list[int]) -> None:
-        """Append tokens to row b up to its first stop condition (one device write per row and step)."""
-        kept = 0
-        for tok in new:
-            if constraints[b] is not None and not constraints[b].accept(tok):
-                raise RuntimeError(f"row {b}: committed token {tok} that its grammar does not allow")
-            out.tokens[b].append(tok)
-            seqs[b].append(tok)
-            kept += 1
-            if on_token is not None:
-                on_token(b, tok)
-            stats.generated += 1
-            reason = stops[b].check(out.tokens[b])
-            if reason is not None:
-                out.finish_reasons[b] = reason
-                active[b] = False
-                break
-        lengths[b] += kept
-
-    def row_state(rows: list[int]) -> SpecState:
-        return SpecState(
-            ids=[keys[b] for b in rows],
-            token_ids=[seqs[b] for b in rows],
-            hidden=last_hidden[rows],
-            params=[row_params[b] for b in rows],
-            generators=[generators[b] for b in rows],
-            device=device,
-            constraints=[constraints[b] for b in rows] if any(c is not None for c in constraints) else None,
-        )
-
-    token_times: list[list[float]] = [[] for _ in range(B)]
-
-    def stamp() -> None:
-        """The step's committed tokens are out: they arrive now (tokens of one step arrive together)."""
-        now = clock.mark()
-        for b in range(B):
-            token_times[b] += [now] * (len(out.tokens[b]) - len(token_times[b]))
-
-    T = int(lengths.max())
-    tokens = torch.tensor([p + [0] * (T - len(p)) for p in prompts], device=device)
-    hidden = chunked_prefill(model, tokens, cache)
-    last_hidden = hidden[torch.arange(B, device=device), lengths - 1]  # [B, H]
-    logits = model.logits(last_hidden)
-    probs = torch.stack(
-        [
-            logits_to_probs(mask_logits(logits[b], None if c is None else c.mask()), sp)
-            for b, (sp, c) in enumerate(zip(row_params, constraints))
-        ]
-    )
-    for b, tok in enumerate(sample_rows(probs, row_params, generators).tolist()):
-        commit(b, [tok])
+    prefill_rows(model, cache, prompts, rows)
     try:
-        rows = [b for b in range(B) if active[b]]
-        if rows:  # the speculator's own prefill (a draft model's KV) belongs to the prefill phase, as in serving
-            speculator.prefill(row_state(rows))
-        stamp()
-        while any(active):
-            rows = [b for b in range(B) if active[b]]
-            state = row_state(rows)
-            budgets = [draft_budget(len(out.tokens[b]), row_params[b].max_tokens) for b in rows]
-            proposal = speculator.propose(state).within(budgets)
-            hidden = _verify_forward(model, cache, proposal, rows, seqs, lengths, decoder)  # [B, T, H]
-            verdict = speculator.verify(state, proposal, model.logits(hidden[rows]))
-            stats.steps += 1
-            depth = max(verdict.offered)
-            for i, b in enumerate(rows):
-                path = verdict.paths[i]
-                if path != list(range(len(path))):  # a tree's accepted nodes' k/v to consecutive slots
-                    base = int(lengths[b]) - 1
-                    cache.move(b, torch.tensor(path[1:], device=device) + base, base + 1)
-                last_hidden[b] = hidden[b, verdict.last[i]]
-                stats.row_steps += 1
-                _record(stats, depth, verdict.offered[i], len(verdict.tokens[i]) - 1)
-                commit(b, verdict.tokens[i])
-            stamp()
+        if any(rows.active):  # the speculator's own prefill (a draft model's KV) belongs to the prefill phase
+            speculator.prefill(rows.state(rows.live()))
+        rows.stamp()
+        while any(rows.active):
+            speculative_step(model, cache, speculator, rows, decoder)
+            rows.stamp()
     finally:
-        speculator.release(keys)
-    out.timing = LoopTiming.from_clock(clock, token_times)
+        speculator.release(rows.keys)
+    out = rows.out
+    out.timing = LoopTiming.from_clock(clock, rows.token_times)
     out.speculator = speculator.describe()
-    out.grammar_incomplete = [c is not None and not c.complete for c in constraints]
+    out.grammar_incomplete = [c is not None and not c.complete for c in rows.constraints]
     return out
 
 

@@ -4,7 +4,9 @@ with a warm-up + cosine learning rate, progress lines, periodic saves, and a Ctr
 trained so far.
 
 A trainer supplies one function, ``step_fn(step) -> StepResult``, that computes the loss of one update; the
-loop here does the rest, so both trainers log, schedule, save and stop the same way.
+loop here does the rest, so both trainers log, schedule, save and stop the same way. Their mains share one
+scaffold too: ``load_trainer_inputs`` (frozen target, tokenizer, output directory, --data) and ``train_head`` (the
+optimizer, the progress line, saves with the final held-out measurement, the closing line).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import shlex
 import sys
 import time
 from collections.abc import Callable
@@ -24,7 +27,7 @@ from tqdm import tqdm
 from runtime.cliutil import interrupted
 from runtime.data import wiki_split
 from runtime.decoding import generate
-from runtime.loader import load_model
+from runtime.loader import load_model, load_tokenizer
 from runtime.paths import qspec_home, write_atomic
 from runtime.prompts import CATEGORIES, build_suite, encode_messages
 from runtime.sampling import SamplingParams
@@ -358,3 +361,94 @@ def train_within_budget(
         save(False)
         interrupted(f"{name} after {progress.step} steps ({progress.tokens_seen} tokens) saved (not final)")
     save(True)
+
+
+# ---- the trainers' main scaffold -------------------------------------------------------------------------------
+
+
+def check_answer_args(ap, args) -> None:
+    """A bad --answers-* value: one line before anything loads."""
+    try:
+        answer_spec(args)
+    except ValueError as err:
+        ap.error(str(err))
+
+
+@dataclass
+class TrainerInputs:
+    model: torch.nn.Module  # the frozen target (fp32, no grad)
+    model_config: object  # its runtime.config.ModelConfig
+    path: Path  # its checkpoint directory
+    tokenizer: object
+    out: Path  # where the head is saved
+    data: TrainingData
+
+
+def load_trainer_inputs(ap, args, kind: str, log, device: torch.device | None = None) -> TrainerInputs:
+    """Seed, load the frozen target (on ``device``; default the loader's), its tokenizer and the --data rows; the
+    head goes to --out or $QSPEC_HOME/<kind>/MODEL. A split too small for its held-out rows is a usage error."""
+    torch.manual_seed(args.seed)
+    model, cfg, path = load_model(args.model, dtype=torch.float32, **({} if device is None else {"device": device}))
+    model.requires_grad_(False)
+    tokenizer = load_tokenizer(str(path))
+    out = Path(args.out) if args.out else head_dir(kind, path)
+    try:
+        data = training_data(model, tokenizer, args, Path(path).name, log=log)
+    except ValueError as err:
+        ap.error(str(err))
+    return TrainerInputs(model, cfg, path, tokenizer, out, data)
+
+
+@dataclass
+class Trainee:
+    """What one trainer fits and how it differs from the others; train_head does the rest."""
+
+    module: torch.nn.Module  # the head(s): .config (with .training), .save(out), train() / eval()
+    params: list[torch.nn.Parameter]  # the trained parameters
+    step_fn: Callable[[int], StepResult]
+    measure: Callable[[], None]  # the final held-out measurement, written into module.config
+    describe: str  # the start line's shape of the head ("3 heads", "window 6")
+    summary: Callable[[], str]  # the closing line's held-out result
+    clip_grad_norm: float | None = None
+
+
+def train_head(kind: str, trainee: Trainee, inputs: TrainerInputs, args, argv: list[str] | None) -> None:
+    """AdamW within the wall-clock budget (train_within_budget), saving to inputs.out every --save-every steps and
+    at the end, the final save with the held-out measurement; a start line and a closing line on stderr."""
+    module, params, out, data = trainee.module, trainee.params, inputs.out, inputs.data
+    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
+    command = f"python -m speculate.{kind}.train " + shlex.join(argv if argv is not None else sys.argv[1:])
+    print(
+        f"[{kind}] {data.n_train} {data.unit}, {trainee.describe}, "
+        f"{sum(p.numel() for p in params) / 1e6:.2f}M trainable params, budget {args.minutes} min -> {out}",
+        file=sys.stderr,
+    )
+    progress = TrainingProgress(command)
+
+    def save(final: bool) -> None:
+        module.eval()
+        module.config.training = progress.record(final)
+        if final:
+            trainee.measure()
+        module.save(out)
+        module.train()
+
+    module.train()
+    train_within_budget(
+        kind,
+        trainee.step_fn,
+        params,
+        opt,
+        progress,
+        save,
+        lr=args.lr,
+        minutes=args.minutes,
+        max_steps=args.max_steps,
+        save_every=args.save_every,
+        clip_grad_norm=trainee.clip_grad_norm,
+    )
+    print(
+        f"[{kind}] done: {progress.step} steps, {progress.tokens_seen} tokens, "
+        f"{(time.perf_counter() - progress.started) / 60:.1f} min; held-out {trainee.summary()} -> {out}",
+        file=sys.stderr,
+    )

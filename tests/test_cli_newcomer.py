@@ -194,6 +194,7 @@ runpy.run_module(module, run_name="__main__", alter_sys=True)
     [
         ("runtime.generate", ["--prompt", ""], "--prompt is empty"),
         ("runtime.generate", ["--model", MISSING, "--prompt", "hi"], "no such directory"),
+        ("runtime.generate", ["--prompt", "hi", "--speculator", "eagel"], "unknown speculator 'eagel'; choose from"),
         ("evals.perplexity", ["--max-windows", "0"], "--max-windows must be >= 1"),
         ("quantize.rtn", ["--model", "./not-here", "--out", "x"], "no such directory: ./not-here"),
     ],

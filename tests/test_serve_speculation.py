@@ -110,7 +110,7 @@ def test_server_rejects_a_bad_speculator_option(tiny_checkpoint, capsys):
             ["--speculator", "eagle", "--eagle-heads", "/nonexistent"],
             "train one with `python -m speculate.eagle.train`",
         ),
-        (["--speculator", "eager"], "invalid choice: 'eager'"),
+        (["--speculator", "eager"], "unknown speculator 'eager'; choose from ngram, draft, medusa"),
         (["--speculator", "medusa", "--medusa-heads", "/nonexistent"], "not a Medusa checkpoint"),
         (["--speculator", "quant-draft", "--quant-bits", "3"], "quant-draft supports 4 or 8 bits, got 3"),
     ]:

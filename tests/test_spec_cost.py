@@ -254,7 +254,8 @@ def test_a_separate_draft_checkpoint_quantized_and_tokenizer_checked(tiny_checkp
     draft, label = parse_draft_spec(str(tiny_checkpoint), target, path)
     assert label == str(tiny_checkpoint) and not any(isinstance(m, QuantLinear) for m in draft.modules())
     draft, label = parse_draft_spec(f"int4+{tiny_checkpoint}", target, path)
-    assert {m.bits for m in draft.modules() if isinstance(m, QuantLinear)} == {4}
+    bits = {name: m.bits for name, m in draft.named_modules() if isinstance(m, QuantLinear)}
+    assert bits.pop("lm_head") == 8 and set(bits.values()) == {4}  # int4 layers, int8 head (SEPARATE_DRAFT_HEAD_BITS)
     other = tmp_path / "other-tokenizer"
     shutil.copytree(tiny_checkpoint, other)
     tok = json.loads((other / "tokenizer.json").read_text())

@@ -429,7 +429,7 @@ def test_cli_bad_input_exits_with_one_clear_error(capsys, tmp_path):
         build_speculator("ngram", model, acceptance="typical")
     with pytest.raises(SpeculatorError, match="expected layers:N"):
         build_speculator("draft", model, draft_model="layers:x")
-    with pytest.raises(BenchError, match="unknown method 'ngrm:k=2'"):
+    with pytest.raises(BenchError, match="unknown speculator 'ngrm' in method 'ngrm:k=2'"):
         parse_method("ngrm:k=2")
     with pytest.raises(BenchError, match="must be an integer"):
         parse_method("ngram:k=two")

@@ -78,8 +78,8 @@ def test_every_speculator_matches_plain_greedy():
             # the decode phase alone: tokens after the first over the decode seconds, against plain's in the same run
             plain = rows[(B, cat, "plain")]
             assert r["decode_speedup_vs_plain"] == pytest.approx(
-                r["decode_tok_per_s"] / plain["decode_tok_per_s"], rel=2e-3
-            )
+                r["decode_tok_per_s"] / plain["decode_tok_per_s"], rel=2e-3, abs=1e-4
+            )  # the record rounds to 4 decimals: a slow method's small ratio is within 5e-5
     over = rows[(1, "overall", "ngram:k=4")]
     cats = [rows[(1, c, "ngram:k=4")] for c in ("rewriting", "chat")]
     assert over["tokens"] == sum(c["tokens"] for c in cats) and over["steps"] == sum(c["steps"] for c in cats)
@@ -110,7 +110,7 @@ def test_cli_smoke(tmp_path):
     )
     rec = json.loads(out.read_text())
     assert rec["complete"] and {r["category"] for r in rec["rows"]} == {"qa", "overall"}
-    with pytest.raises(SuiteError, match="unknown method"):
+    with pytest.raises(SuiteError, match="unknown speculator 'lookahead'"):
         parse_method("lookahead")
     with pytest.raises(SystemExit):
         main(["--smoke", "--methods", "ngram:k=2"])  # no plain baseline

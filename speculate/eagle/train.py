@@ -22,27 +22,24 @@ offsets. Budget: ``--minutes`` of wall clock (default 20, CPU); progress every 1
 
 from __future__ import annotations
 
-import shlex
 import sys
-import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from runtime.cliutil import ArgumentParser, run
-from runtime.loader import DEFAULT_MODEL, check_model_arg, load_model, load_tokenizer
+from runtime.loader import DEFAULT_MODEL, check_model_arg
 from speculate.eagle.head import EagleConfig, EagleHead
 from speculate.training import (
     StepResult,
-    TrainingProgress,
+    Trainee,
+    TrainerInputs,
     add_data_args,
     answer_ends,
-    answer_spec,
-    head_dir,
+    check_answer_args,
+    load_trainer_inputs,
     predicts_answer,
-    train_within_budget,
-    training_data,
+    train_head,
 )
 
 
@@ -138,7 +135,7 @@ def draft_accuracy(head: EagleHead, model, batches, depth: int) -> list[float]:
     return [h / max(c, 1) for h, c in zip(hits, counts)]
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> ArgumentParser:
     ap = ArgumentParser(prog="python -m speculate.eagle.train", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=DEFAULT_MODEL, help="base model spec (frozen)")
     ap.add_argument("--out", default=None, help="checkpoint directory (default $QSPEC_HOME/eagle/MODEL)")
@@ -159,50 +156,24 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-bf16", dest="bf16", action="store_false", help="train in fp32 (default: bf16 autocast)")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def check_args(ap: ArgumentParser, args) -> None:
+    """Every check that needs no model, and the defaults that depend on --data."""
     if args.minutes <= 0 or args.window < 2 or args.batch_size < 1 or args.reuse < 1:
         ap.error("--minutes must be > 0, --window >= 2, --batch-size >= 1, --reuse >= 1")
     check_model_arg(ap, args.model)  # before anything loads: a bad spec is one line, not a traceback
-    answers = args.data == "answers"
-    args.eval_windows = args.eval_windows or (16 if answers else 4)
-    try:
-        answer_spec(args)  # a bad --answers-* value: one line before anything loads
-    except ValueError as err:
-        ap.error(str(err))
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    args.eval_windows = args.eval_windows or (16 if args.data == "answers" else 4)
+    check_answer_args(ap, args)
 
-    torch.manual_seed(args.seed)
-    device = torch.device(args.device)
-    model, _, path = load_model(args.model, dtype=torch.float32, device=device)
-    model.requires_grad_(False)
-    tokenizer = load_tokenizer(str(path))
-    out = Path(args.out) if args.out else head_dir("eagle", path)
-    try:
-        data = training_data(model, tokenizer, args, Path(path).name, log=_log)
-    except ValueError as err:
-        ap.error(str(err))
+
+def eagle_trainee(args, inputs: TrainerInputs, device: torch.device) -> Trainee:
+    """A new head and its step: a new batch of target features every --reuse updates, each update on windows at a
+    random offset."""
+    model, data = inputs.model, inputs.data
     config = EagleConfig.for_model(model, args.model, args.window)
     head = EagleHead(config).to(device)
-    params = list(head.parameters())
-    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
-    command = "python -m speculate.eagle.train " + shlex.join(argv if argv is not None else sys.argv[1:])
-    print(
-        f"[eagle] {data.n_train} {data.unit}, window {args.window}, "
-        f"{sum(p.numel() for p in params) / 1e6:.2f}M trainable params, budget {args.minutes} min -> {out}",
-        file=sys.stderr,
-    )
-    progress = TrainingProgress(command)
-
-    def save(final: bool) -> None:
-        head.eval()
-        config.training = progress.record(final)
-        if final:
-            acc = draft_accuracy(head, model, data.held_out(1), args.window - 1)
-            config.accuracy = {"greedy_draft_at_depth": [round(a, 4) for a in acc]}
-        head.save(out)
-        head.train()
-
     gen = torch.Generator().manual_seed(args.seed)
     features: list = []  # [batch, hidden, teacher_logp, subset] of the current batch, reused for --reuse updates
 
@@ -219,26 +190,26 @@ def main(argv: list[str] | None = None) -> None:
             loss, top1 = eagle_loss(head, model, *features, args.window, offset, args.cls_weight, ends)
         return StepResult(loss, top1, new_tokens)
 
-    head.train()
-    train_within_budget(
-        "eagle",
-        step_fn,
-        params,
-        opt,
-        progress,
-        save,
-        lr=args.lr,
-        minutes=args.minutes,
-        max_steps=args.max_steps,
-        save_every=args.save_every,
-        clip_grad_norm=1.0,
-    )
-    print(
-        f"[eagle] done: {progress.step} steps, {progress.tokens_seen} tokens, "
-        f"{(time.perf_counter() - progress.started) / 60:.1f} min; held-out "
-        f"greedy draft acceptance per depth {config.accuracy['greedy_draft_at_depth']} -> {out}",
-        file=sys.stderr,
-    )
+    def measure() -> None:
+        acc = draft_accuracy(head, model, data.held_out(1), args.window - 1)
+        config.accuracy = {"greedy_draft_at_depth": [round(a, 4) for a in acc]}
+
+    def summary() -> str:
+        return f"greedy draft acceptance per depth {config.accuracy['greedy_draft_at_depth']}"
+
+    params = list(head.parameters())
+    return Trainee(head, params, step_fn, measure, f"window {args.window}", summary, clip_grad_norm=1.0)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    check_args(ap, args)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    inputs = load_trainer_inputs(ap, args, "eagle", log=_log, device=device)
+    train_head("eagle", eagle_trainee(args, inputs, device), inputs, args, argv)
 
 
 def _log(msg: str) -> None:

@@ -18,28 +18,25 @@ data and stored in the checkpoint; ``speculate.medusa.speculator.build_tree`` bu
 
 from __future__ import annotations
 
-import shlex
 import sys
-import time
 from collections import Counter
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from runtime.cliutil import ArgumentParser, run
-from runtime.loader import DEFAULT_MODEL, check_model_arg, load_model, load_tokenizer
+from runtime.loader import DEFAULT_MODEL, check_model_arg
 from speculate.medusa.heads import MedusaCheckpointError, MedusaConfig, MedusaHeads, load_medusa, model_fingerprint
 from speculate.training import (
     StepResult,
-    TrainingProgress,
+    Trainee,
+    TrainerInputs,
     add_data_args,
     answer_ends,
-    answer_spec,
-    head_dir,
+    check_answer_args,
+    load_trainer_inputs,
     predicts_answer,
-    train_within_budget,
-    training_data,
+    train_head,
 )
 
 MAX_TOP = 10  # accuracy table width: candidates per head the tree may use
@@ -130,8 +127,7 @@ def held_out_tables(heads: MedusaHeads, model, batches) -> tuple[list[list[float
     return accuracy, [[list(path), n / max(positions, 1)] for path, n in best]
 
 
-def main(argv: list[str] | None = None) -> None:
-
+def build_parser() -> ArgumentParser:
     ap = ArgumentParser(prog="python -m speculate.medusa.train", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=DEFAULT_MODEL, help="base model spec (frozen)")
     ap.add_argument("--out", default=None, help="checkpoint directory (default $QSPEC_HOME/medusa/MODEL)")
@@ -164,7 +160,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--no-bf16", dest="bf16", action="store_false", help="train in fp32 (default: bf16 autocast, ~2x on CPU)"
     )
-    args = ap.parse_args(argv)
+    return ap
+
+
+def check_args(ap: ArgumentParser, args) -> None:
+    """Every check that needs no model, and the defaults that depend on --data."""
     if args.model:
         check_model_arg(ap, args.model)  # before anything loads: a bad spec is one line, not a traceback
     if args.num_heads < 1:
@@ -172,34 +172,29 @@ def main(argv: list[str] | None = None) -> None:
     if args.minutes <= 0:
         ap.error(f"--minutes must be > 0, got {args.minutes}")
     answers = args.data == "answers"
-    try:
-        answer_spec(args)  # a bad --answers-* value: one line before anything loads
-    except ValueError as err:
-        ap.error(str(err))
+    check_answer_args(ap, args)
     args.batch_size = args.batch_size or (4 if answers else 2)
     args.eval_windows = args.eval_windows or (32 if answers else 8)
     for name in ("seqlen", "batch_size", "max_steps", "save_every", "eval_windows", "train_tokens"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
 
-    torch.manual_seed(args.seed)
-    model, cfg, path = load_model(args.model, dtype=torch.float32)
-    model.requires_grad_(False)
-    tokenizer = load_tokenizer(str(path))
-    out = Path(args.out) if args.out else head_dir("medusa", path)
+
+def calibrate(ap: ArgumentParser, args, inputs: TrainerInputs) -> None:
+    """--calibrate: re-measure the tree tables of the heads at --out, no training."""
     try:
-        data = training_data(model, tokenizer, args, Path(path).name, log=_log)
-    except ValueError as err:
+        heads = load_medusa(inputs.out, inputs.model)
+    except MedusaCheckpointError as err:
         ap.error(str(err))
-    if args.calibrate:
-        try:
-            heads = load_medusa(out, model)
-        except MedusaCheckpointError as err:
-            ap.error(str(err))
-        heads.config.accuracy, heads.config.paths = held_out_tables(heads, model, data.held_out(args.batch_size))
-        heads.save(out)
-        _log(f"re-measured tree tables on {data.n_held_out} held-out {data.unit} -> {out}")
-        return
+    data = inputs.data
+    heads.config.accuracy, heads.config.paths = held_out_tables(heads, inputs.model, data.held_out(args.batch_size))
+    heads.save(inputs.out)
+    _log(f"re-measured tree tables on {data.n_held_out} held-out {data.unit} -> {inputs.out}")
+
+
+def medusa_trainee(args, inputs: TrainerInputs) -> Trainee:
+    """New heads (own projections start as copies of the base lm_head) and their distillation step."""
+    model, cfg, data = inputs.model, inputs.model_config, inputs.data
     config = MedusaConfig(
         num_heads=args.num_heads,
         num_layers=args.num_layers,
@@ -210,27 +205,9 @@ def main(argv: list[str] | None = None) -> None:
         base_fingerprint=model_fingerprint(model),
     )
     heads = MedusaHeads(config)
-    if config.share_lm_head is False:  # own projections start as copies of the base lm_head
+    if config.share_lm_head is False:
         for proj in heads.proj:
             proj.weight.data.copy_(model.lm_head.weight.data)
-    params = [p for p in heads.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
-    command = "python -m speculate.medusa.train " + shlex.join(argv if argv is not None else sys.argv[1:])
-    print(
-        f"[medusa] {data.n_train} {data.unit}, {config.num_heads} heads, "
-        f"{sum(p.numel() for p in params) / 1e6:.2f}M trainable params, budget {args.minutes} min -> {out}",
-        file=sys.stderr,
-    )
-
-    progress = TrainingProgress(command)
-
-    def save(final: bool) -> None:
-        heads.eval()
-        config.training = progress.record(final)
-        if final:
-            config.accuracy, config.paths = held_out_tables(heads, model, data.held_out(args.batch_size))
-        heads.save(out)
-        heads.train()
 
     def step_fn(step: int) -> StepResult:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
@@ -238,26 +215,26 @@ def main(argv: list[str] | None = None) -> None:
             loss, top1 = distill_loss(heads, model, hidden, args.candidates, answer_ends(tokens, cfg.eos_token_ids))
         return StepResult(loss, top1, hidden.shape[0] * hidden.shape[1])
 
-    heads.train()
-    train_within_budget(
-        "medusa",
-        step_fn,
-        params,
-        opt,
-        progress,
-        save,
-        lr=args.lr,
-        minutes=args.minutes,
-        max_steps=args.max_steps,
-        save_every=args.save_every,
-    )
-    acc = config.accuracy
-    print(
-        f"[medusa] done: {progress.step} steps, {progress.tokens_seen} tokens, "
-        f"{(time.perf_counter() - progress.started) / 60:.1f} min; held-out "
-        f"top-1 per head {[round(a[0], 3) for a in acc]}, top-5 {[round(sum(a[:5]), 3) for a in acc]} -> {out}",
-        file=sys.stderr,
-    )
+    def measure() -> None:
+        config.accuracy, config.paths = held_out_tables(heads, model, data.held_out(args.batch_size))
+
+    def summary() -> str:
+        acc = config.accuracy
+        return f"top-1 per head {[round(a[0], 3) for a in acc]}, top-5 {[round(sum(a[:5]), 3) for a in acc]}"
+
+    params = [p for p in heads.parameters() if p.requires_grad]
+    return Trainee(heads, params, step_fn, measure, f"{config.num_heads} heads", summary)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    check_args(ap, args)
+    inputs = load_trainer_inputs(ap, args, "medusa", log=_log)
+    if args.calibrate:
+        calibrate(ap, args, inputs)
+        return
+    train_head("medusa", medusa_trainee(args, inputs), inputs, args, argv)
 
 
 def _log(msg: str) -> None:

@@ -1,0 +1,98 @@
+"""Backends of runtime.model: which path runs a model's steps, chosen outside the model (as gpt-fast keeps model.py
+plain and nano-vllm keeps a runner beside it).
+
+``Backend`` (runtime.model) is the plain PyTorch path. ``CpuStepBackend`` runs what the compiled CPU step
+(runtime.kernels.cpu_step) implements, and declines the rest (CUDA tensors, autograd, torch.compile tracing, layers
+or caches the step does not run), so the plain layers take over there. runtime/__init__ installs it for the whole
+process: every model, however it was built (the loader, random_model, Transformer(config), a draft), runs through
+it. ``use_backend`` swaps the backend for a block (tests compare the two paths with it).
+
+Its kernels are row-invariant: a row's result does not depend on how many rows share the call. The norm therefore
+takes the compiled norm at ANY row count, the head runs MAX_ROWS rows per call, and candidate trees of any size run
+as one step, so a position's logits are the same bits in a decode step, a verification or a batch.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import Tensor
+
+from runtime.kernels import cpu_step
+from runtime.model import AttentionMetadata, Backend, Linear, RMSNorm, Transformer, set_backend
+
+# Linear -> ((weight pointer, dtype, bias pointer), the kernels' handle): rebuilt when a weight tensor is replaced;
+# weak, so copies and pickles of a module never carry a handle over another module's tensors
+_DENSE_HANDLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def dense_handle(layer: Linear):
+    """The kernels' view of a Linear's weight (read in place; cached per module)."""
+    key = (layer.weight.data_ptr(), layer.weight.dtype, None if layer.bias is None else layer.bias.data_ptr())
+    cached = _DENSE_HANDLES.get(layer)
+    if cached is None or cached[0] != key:
+        bias = None if layer.bias is None else layer.bias.detach().float()
+        cached = _DENSE_HANDLES[layer] = (key, cpu_step.dense_handle(layer.weight.detach(), bias))
+    return cached[1]
+
+
+class CpuStepBackend(Backend):
+    """The compiled CPU step's kernels wherever they apply, the plain layers elsewhere."""
+
+    def decoder_layers(self, model: Transformer, x: Tensor, meta: AttentionMetadata, cache) -> Tensor | None:
+        # short chunks, and candidate trees of any size (verifications: the step's outputs are shape-invariant);
+        # a compiled step (runtime.compiled) traces the Python layers: the C++ step is its own compiled path
+        short = x.shape[1] <= cpu_step.MAX_TOKENS or meta.local_mask is not None
+        if not (short and x.is_cpu and cache is not None and not torch.compiler.is_compiling()):
+            return None
+        return cpu_step.decode(model, x, meta, cache)  # None where the step does not qualify (its own checks)
+
+    def linear(self, layer: Linear, x: Tensor) -> Tensor | None:
+        # up to MAX_ROWS rows (decode steps, verifications, head chunks): the kernels read the weight in place at
+        # the memory bandwidth; outputs rounded to the weight's dtype, as F.linear's
+        rows = x.numel() // max(x.shape[-1], 1)
+        w = layer.weight
+        if (
+            x.is_cpu
+            and x.dtype == w.dtype
+            and w.dtype in (torch.float32, torch.bfloat16)
+            and 1 <= rows <= cpu_step.MAX_ROWS
+            and not torch.is_grad_enabled()
+            and not torch.compiler.is_compiling()
+            and cpu_step.available()
+        ):
+            return cpu_step.linear(dense_handle(layer), x).to(w.dtype)
+        return None
+
+    def rms_norm(self, norm: RMSNorm, x: Tensor) -> Tensor | None:
+        # one compiled pass per row instead of ~10 ops, at ANY row count: a row's result must not depend on how many
+        # rows share the call (F.rms_norm sums in another order, so switching by size would give a verification's
+        # rows other bits than a decode step's)
+        if x.dtype != torch.float32 or norm.weight.dtype != torch.float32:
+            return None
+        if not x.is_cpu or torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return None
+        return cpu_step.rms_norm(x, norm.weight, norm.eps)  # None where the extension is off
+
+    def head_chunk_rows(self, h: Tensor) -> int | None:
+        # the head in kernel-sized chunks, so every row takes Linear's row-invariant kernel path
+        if not h.is_cpu or torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return None
+        return cpu_step.MAX_ROWS
+
+
+PLAIN = Backend()
+CPU_STEP = CpuStepBackend()
+
+
+@contextmanager
+def use_backend(backend: Backend) -> Iterator[Backend]:
+    """Run the block through `backend`, then restore the one installed before."""
+    previous = set_backend(backend)
+    try:
+        yield backend
+    finally:
+        set_backend(previous)
