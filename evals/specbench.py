@@ -272,6 +272,7 @@ def run_suite(
     tokenizer=None,
     seed: int = 0,
     temperature: float = 0.0,
+    top_p: float = 1.0,
     warmup: int = 1,
     log=print,
     on_progress=None,
@@ -296,10 +297,13 @@ def run_suite(
             skipped[spec] = str(err)
             log(f"[specbench] skipping {spec}: {err}")
     active = [m for m in methods if m not in skipped]
-    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed, ignore_eos=not stop_at_eos)
+    def sampling(n: int) -> SamplingParams:
+        return SamplingParams(temperature=temperature, top_p=top_p, max_tokens=n, seed=seed, ignore_eos=not stop_at_eos)
+
+    params = sampling(max_tokens)
 
     def run(spec: str, batch: list[list[int]], n: int = max_tokens):
-        p = SamplingParams(temperature=temperature, max_tokens=n, seed=seed, ignore_eos=not stop_at_eos)
+        p = sampling(n)
         if spec == "plain":
             out, decode_s = plain_decode(model, batch, p, tokenizer)
             return out.tokens, decode_s, None
@@ -399,6 +403,7 @@ def main(argv: list[str] | None = None) -> dict:
         "answer is then text after the end of turn)",
     )
     ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (with --temperature > 0)")
     ap.add_argument("--medusa-heads", default=None, help="default $QSPEC_HOME/medusa/MODEL")
     ap.add_argument("--eagle-head", default=None, help="default $QSPEC_HOME/eagle/MODEL")
     ap.add_argument("--warmup", type=int, default=1)
@@ -462,6 +467,7 @@ def main(argv: list[str] | None = None) -> dict:
         max_tokens=args.max_tokens,
         stop_at_eos=args.stop_at_eos,
         temperature=args.temperature,
+        top_p=args.top_p,
         batch_sizes=args.batch_sizes,
         smoke=args.smoke,
         dtype=args.dtype,
@@ -485,6 +491,7 @@ def main(argv: list[str] | None = None) -> dict:
             tokenizer=tokenizer,
             seed=args.seed,
             temperature=args.temperature,
+            top_p=args.top_p,
             warmup=args.warmup,
             log=log,
             on_progress=lambda r: save(r, complete=False),  # a run killed midway keeps what it measured
