@@ -297,6 +297,7 @@ def run_suite(
             skipped[spec] = str(err)
             log(f"[specbench] skipping {spec}: {err}")
     active = [m for m in methods if m not in skipped]
+
     def sampling(n: int) -> SamplingParams:
         return SamplingParams(temperature=temperature, top_p=top_p, max_tokens=n, seed=seed, ignore_eos=not stop_at_eos)
 
