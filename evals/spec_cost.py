@@ -287,15 +287,8 @@ def predict_suite(
         if r["method"] == "plain" or "fed_tokens_hist" not in r or r["batch"] != profile.batch:
             continue
         method = r["method"]
-        if draft_from_suite:
-            draft = r["draft_s_per_step"]
-        elif method in profile.draft_s:
-            draft = profile.draft_s[method]
-        elif profile.kind == "roofline":
-            draft = draft_time(GPUS[profile.name], Shapes.of(cfg), describe.get(method, {"name": method}), context)
-            draft = r["draft_s_per_step"] if draft is None else draft
-        else:
-            draft = r["draft_s_per_step"]
+        draft = None if draft_from_suite else profile_draft_seconds(r, describe, profile, cfg, context)
+        draft = r["draft_s_per_step"] if draft is None else draft
         tree = "tree_size" in describe.get(method, {})  # Medusa / EAGLE: every step verifies a candidate tree
         pred = predict_speedup(r["tokens_per_step"], r["fed_tokens_hist"], draft, profile, tree)
         # the decode phase: what the model predicts (the prefill is no speculation cost); older records: end to end
@@ -315,6 +308,36 @@ def predict_suite(
             }
         )
     return rows
+
+
+def profile_draft_seconds(row: dict, describe: dict, profile: Profile, cfg=None, context: int = 512) -> float | None:
+    """A suite row's propose() seconds per step from the profile: its own entry; else, for a draft model the profile
+    timed under another k or confidence rule, that draft's seconds per drafted token times the drafts this row made
+    per step (mean fed tokens - 1: a dynamic k drafts fewer than k); else the roofline's (a GPU profile); None when
+    the profile does not know the method (the suite's own measurement is used)."""
+    method = row["method"]
+    if method in profile.draft_s:
+        return profile.draft_s[method]
+    if profile.kind == "roofline":
+        return draft_time(GPUS[profile.name], Shapes.of(cfg), describe.get(method, {"name": method}), context)
+    for other, seconds in profile.draft_s.items():
+        k = same_draft(method, other)
+        if k and row.get("mean_fed_tokens"):
+            return seconds / k * (row["mean_fed_tokens"] - 1)
+    return None
+
+
+def same_draft(method: str, other: str) -> int | None:
+    """other's k when both name the same draft (model, layers, bits) and differ only in k or the confidence rule."""
+    try:
+        a, b = check_method(method), check_method(other)
+    except SpeculatorError:
+        return None
+    loose = ("k", "conf")
+    model_a = {x: v for x, v in a.options.items() if x not in loose}  # what names the draft (model, layers, bits)
+    model_b = {x: v for x, v in b.options.items() if x not in loose}
+    same = a.name == b.name and model_a and model_a == model_b
+    return int(b.options.get("k", 0)) or None if same else None
 
 
 def draft_label(describe: dict) -> str | None:
@@ -664,7 +687,8 @@ def main(argv: list[str] | None = None) -> None:
             file=sys.stderr,
         )
     if args.out:
-        Path(args.out).write_text(json.dumps({"profile": profile.name, "kind": profile.kind, "rows": rows}, indent=2))
+        record = {**provenance(), "suite": args.suite, "profile": profile.name, "kind": profile.kind, "rows": rows}
+        Path(args.out).write_text(json.dumps(record, indent=2))
 
 
 if __name__ == "__main__":

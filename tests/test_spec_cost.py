@@ -267,3 +267,17 @@ def test_a_separate_draft_checkpoint_quantized_and_tokenizer_checked(tiny_checkp
         parse_draft_spec(str(other), target, path)
     with pytest.raises(SpeculatorError, match="no such directory"):
         parse_draft_spec("int8+./missing-draft/", target, path)
+
+
+def test_a_dynamic_k_draft_costs_its_drafted_tokens_at_the_profiled_per_token_price():
+    # the profile timed the draft at a fixed k = 5; a confidence-stopped row of the same draft that fed 4.5 tokens
+    # per step drafted 3.5 of them: its propose() costs 3.5 / 5 of the profiled one, not the profile's k = 5 cost
+    fixed, dynamic = "draft:layers=2,k=5", "draft:layers=2,k=8,conf=0.4"
+    profile = Profile("cpu", "measured", {1: 0.01, 9: 0.02}, {fixed: 0.05})
+    row = {"batch": 1, "category": "overall", "tokens_per_step": 3.0, "fed_tokens_hist": {"4": 1, "5": 1},
+           "mean_fed_tokens": 4.5, "draft_s_per_step": 0.9, "decode_speedup_vs_plain": 1.0}  # fmt: skip
+    suite = {"rows": [dict(row, method=dynamic), dict(row, method=fixed), dict(row, method="draft:layers=3,k=5")]}
+    rows = {r["method"]: r["draft_s"] for r in predict_suite(suite, profile)}
+    assert rows[dynamic] == pytest.approx(0.05 / 5 * 3.5)
+    assert rows[fixed] == 0.05  # its own entry
+    assert rows["draft:layers=3,k=5"] == 0.9  # another draft: the suite's own measurement
