@@ -222,3 +222,39 @@ def greedy_outputs(
         chunk = [list(p) for p in prompts[i : i + batch_size]]
         out += generate(model, chunk, params, use_cache=use_cache).tokens
     return out
+
+
+@torch.inference_mode()
+def engine_greedy_logits(engine, prompts: Sequence[Sequence[int]], max_tokens: int, concurrent: bool):
+    """Greedy outputs from a serving engine (runtime.engine.LLMEngine) plus, per request, the logits [steps, V] its
+    sampler saw (captured at the model's logits() call; a step's rows are in the order of the outputs it returns).
+    concurrent: every prompt submitted at once (the engine batches them); else one request at a time."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    model, captured = engine.model, []
+    original = model.logits
+
+    def capture(hidden):
+        out = original(hidden)
+        captured.append(out.detach().float())
+        return out
+
+    model.logits = capture
+    final: dict[str, list[int]] = {}
+    logits_by_id: dict[str, list[Tensor]] = {}
+    ids: list[str] = []
+    try:
+        for batch in [prompts] if concurrent else [[p] for p in prompts]:
+            ids += [engine.add_request(list(p), params) for p in batch]
+            while engine.has_unfinished():
+                captured.clear()
+                outs = engine.step()
+                rows = torch.cat(captured) if captured else torch.empty(0)
+                sampled = [o for o in outs if o.new_token_ids]
+                if len(sampled) != rows.shape[0]:
+                    raise RuntimeError("engine step: sampled rows and outputs do not line up")
+                for o, row in zip(sampled, rows):
+                    logits_by_id.setdefault(o.request_id, []).append(row)
+                final.update({o.request_id: o.output_ids for o in outs if o.finished})
+    finally:
+        del model.logits  # back to the class method
+    return [final[i] for i in ids], [torch.stack(logits_by_id[i]) for i in ids]

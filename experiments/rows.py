@@ -10,13 +10,21 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from evals.fidelity import Scorer, batched_scorer, cached_scorer, greedy_outputs, model_scorer
+from evals.fidelity import (
+    Scorer,
+    batched_scorer,
+    cached_scorer,
+    engine_greedy_logits,
+    greedy_outputs,
+    model_scorer,
+)
 from evals.long_context import capacity, long_context_summary
 from evals.naive_attention import naive_attention
 from evals.specbench import run_suite
@@ -27,6 +35,9 @@ from quantize.fp8 import float_config
 from quantize.fp8 import quantize_model as float_quantize_model
 from quantize.fplinear import FPLinear
 from quantize.qlinear import QuantLinear
+from quantize.registry import QuantizerError, module_of
+from quantize.registry import check_method as check_quantizer
+from quantize.registry import resolve as resolve_quantizer
 from runtime.config import DTYPES, ModelConfig
 from runtime.decoding import generate
 from runtime.engine import EngineConfig, LLMEngine
@@ -255,15 +266,7 @@ def dtype_row(ctx, params: dict) -> Variant:
 
 # ---- quantized models (issue 3 quantizers, issue 4 formats) -------------------------------------------
 
-QUANT_MODULES = {
-    "rtn": "quantize.rtn",
-    "int8": "quantize.int8",
-    "gptq": "quantize.gptq",
-    "awq": "quantize.awq",
-    "fp8": "quantize.fp8",  # calibrated FP8 (--gptq) is built once and cached like the int checkpoints
-}
-INT_GRID_METHODS = ("rtn", "gptq", "awq")  # the methods that take --bits and --group-size
-CALIBRATED_METHODS = ("gptq", "awq", "int8", "fp8")  # the quantizers that take --calib
+# the quantizers (built-ins and plug-ins: module:attr or a qspec.quantizers entry point) are quantize.registry's
 
 
 def option(args: list[str], flag: str, default=None):
@@ -276,24 +279,26 @@ def quantized_artifact(spec: str, params: dict) -> Artifact:
     reused by every row and run with the same recipe and input model. Raises RowSkipped for a recipe the
     checkpoint formats refuse for this model (group 128 on SmolLM2's 576-wide layers)."""
     method = params.get("method")
-    if method not in QUANT_MODULES:
-        raise ValueError(f"rows.params.method: {method!r} not in {sorted(QUANT_MODULES)}")
+    try:
+        module, args = module_of(str(method))
+    except QuantizerError as err:
+        raise ValueError(f"rows.params.method: {err}") from None
+    entry = resolve_quantizer(check_quantizer(method).name)
     if spec == "tiny-random":
         raise RowUnavailable("quantized rows run the quantizer's CLI on a model spec; tiny-random has no files")
-    args = []
-    if method in INT_GRID_METHODS:
+    if entry.grid:
         args += ["--bits", str(params.get("bits", 4)), "--group-size", str(params.get("group_size", 64))]
     if "calib" in params:
-        if method not in CALIBRATED_METHODS:
+        if not entry.calibrated:
             raise ValueError(f"rows.params.calib: {method} takes no calibration data")
         args += ["--calib", str(params["calib"])]
     args += [str(a) for a in params.get("args", [])]
-    if method in INT_GRID_METHODS:
+    if entry.grid:
         why = checkpoint_refusal(spec, method, args)
         if why:
             raise RowSkipped(f"no checkpoint can hold this recipe: {why}")
-    label = f"{Path(spec).name.removesuffix('.gguf')}-{method}"
-    return Artifact("quantized", QUANT_MODULES[method], tuple(args), spec, label)
+    label = f"{Path(spec).name.removesuffix('.gguf')}-{re.sub(r'[^A-Za-z0-9_.-]+', '-', str(method))}"
+    return Artifact("quantized", module, tuple(args), spec, label)
 
 
 def checkpoint_refusal(spec: str, method: str, args: list[str]) -> str | None:
@@ -386,45 +391,10 @@ def float_quant_row(ctx, params: dict) -> Variant:
 
 
 def engine_logits_run(make_engine, ctx, concurrent: bool):
-    """Greedy outputs from the engine plus, per request, the logits its sampler saw (captured at the
-    model's logits() call; a step's rows are in the order of the outputs it returns)."""
+    """Greedy outputs from the engine plus, per request, the logits its sampler saw (evals.fidelity)."""
 
     def run(prompts, max_tokens):
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        engine = make_engine()
-        model = engine.model
-        captured: list[torch.Tensor] = []
-        original = model.logits
-
-        def capture(hidden):
-            out = original(hidden)
-            captured.append(out.detach().float())
-            return out
-
-        model.logits = capture
-        final: dict[str, list[int]] = {}
-        try:
-            logits_by_id: dict[str, list[torch.Tensor]] = {}
-            ids = []
-            batches = [prompts] if concurrent else [[p] for p in prompts]
-            for batch in batches:
-                ids_batch = [engine.add_request(p, params) for p in batch]
-                ids += ids_batch
-                while engine.has_unfinished():
-                    captured.clear()
-                    outs = engine.step()
-                    rows = torch.cat(captured) if captured else torch.empty(0)
-                    sampled = [o for o in outs if o.new_token_ids]
-                    if len(sampled) != rows.shape[0]:
-                        raise RuntimeError("engine step: sampled rows and outputs do not line up")
-                    for o, row in zip(sampled, rows):
-                        logits_by_id.setdefault(o.request_id, []).append(row)
-                    for o in outs:
-                        if o.finished:
-                            final[o.request_id] = o.output_ids
-        finally:
-            del model.logits  # back to the class method
-        return [final[i] for i in ids], [torch.stack(logits_by_id[i]) for i in ids]
+        return engine_greedy_logits(make_engine(), prompts, max_tokens, concurrent)
 
     return run
 

@@ -16,17 +16,14 @@ a model, so a CLI refuses a bad one in one line before it loads anything; ``buil
 
 from __future__ import annotations
 
-import importlib
-import inspect
-import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from importlib import metadata
 from pathlib import Path
 
 import torch
 
 from quantize.qlinear import FAST_CPU_BITS
+from runtime import plugins
 from runtime.speculation import CandidateTree
 from speculate.base import Speculator, SpeculatorError, check_k
 from speculate.draft import DraftModelSpeculator, check_draft_spec, layer_skip_draft, parse_draft_spec, quantized_draft
@@ -211,7 +208,7 @@ def random_weights(module: torch.nn.Module) -> torch.nn.Module:
 
 def entry_points() -> dict[str, str]:
     """Installed plug-ins: entry-point name -> "module:attr" (read each time, so a new install is seen)."""
-    return {ep.name: ep.value for ep in metadata.entry_points(group=ENTRY_POINT_GROUP)}
+    return plugins.entry_points(ENTRY_POINT_GROUP)
 
 
 def speculator_names() -> list[str]:
@@ -245,18 +242,7 @@ def resolve(name: str, text: str | None = None) -> Entry:
 
 def load_attribute(name: str, ref: str):
     """The object that "module:attr" names; one SpeculatorError line when the module or attribute is missing."""
-    module_name, _, attr = ref.partition(":")
-    if not module_name or not attr:
-        raise SpeculatorError(f"plug-in {name!r}: {ref!r} is not module:attr")
-    try:
-        obj = importlib.import_module(module_name)
-    except Exception as err:  # any failure to import (missing, syntax, its own imports) is the plug-in's
-        raise SpeculatorError(f"plug-in {name!r}: cannot import module {module_name!r} ({err})") from None
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise SpeculatorError(f"plug-in {name!r}: module {module_name!r} has no attribute {attr!r}")
-        obj = getattr(obj, part)
-    return obj
+    return plugins.load_attribute(name, ref, SpeculatorError)
 
 
 def missing_members(obj) -> list[str]:
@@ -289,63 +275,16 @@ def plugin_entry(name: str, obj) -> Entry:
     raise SpeculatorError(f"plug-in {name!r}: {obj!r} is neither a Speculator class nor a builder function")
 
 
-OPTION_TYPES = (bool, int, float, str)
-
-
 def builder_options(fn: Callable, skip: int, name: str = "") -> dict[str, type | None] | None:
     """The options a builder takes: its keyword parameters after the first `skip` (target, context), typed by
     annotation or default; None when it takes **kwargs."""
-    try:
-        params = list(inspect.signature(fn).parameters.values())
-    except (TypeError, ValueError):
-        raise SpeculatorError(f"plug-in {name!r}: cannot read the signature of {fn!r}") from None
-    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    if len(positional) < skip and not any(p.kind is p.VAR_POSITIONAL for p in params):
-        wanted = "(target, context, **options)" if skip == 2 else "(target, **options)"
-        raise SpeculatorError(f"plug-in {name!r}: {getattr(fn, '__qualname__', fn)} must take {wanted}")
-    if any(p.kind is p.VAR_KEYWORD for p in params):
-        return None
-    try:  # a class's options are its __init__'s parameters
-        hints = typing.get_type_hints(fn.__init__ if isinstance(fn, type) else fn)
-    except Exception:  # unresolvable annotations: type by the defaults
-        hints = {}
-    options = {}
-    for p in params[skip:]:
-        if p.kind not in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
-            continue
-        kinds = [t for t in typing.get_args(hints.get(p.name)) or [hints.get(p.name)] if t in OPTION_TYPES]
-        default = p.default if p.default is not p.empty else None
-        options[p.name] = kinds[0] if kinds else (type(default) if type(default) in OPTION_TYPES else None)
-    return options
-
-
-TYPE_WORDS = {int: "an integer", float: "a number", bool: "0 or 1 (or true/false)", str: "a string"}
-BOOL_WORDS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
+    wanted = "(target, context, **options)" if skip == 2 else "(target, **options)"
+    return plugins.builder_options(fn, skip, name, SpeculatorError, wanted)
 
 
 def typed(value, kind: type | None, key: str, text: str):
     """An option's value as its type (kind None: untyped): a method string's text is parsed, a value is checked."""
-    bad = SpeculatorError(f"option {key} of method {text!r} must be {TYPE_WORDS.get(kind)}, got {value!r}")
-    if isinstance(value, str) and kind is not str:
-        if kind is bool:
-            if value.lower() not in BOOL_WORDS:
-                raise bad
-            return BOOL_WORDS[value.lower()]
-        for parse in (int, float) if kind is None else (kind,):
-            try:
-                return parse(value)
-            except ValueError:
-                pass
-        if kind is None:  # an untyped option that is no number keeps its text
-            return value
-        raise bad
-    if kind is None or type(value) is kind:
-        return value
-    if kind is float and type(value) is int:
-        return float(value)
-    if kind is bool and value in (0, 1):  # fixed: 1 in a YAML config
-        return bool(value)
-    raise bad
+    return plugins.typed(value, kind, key, text, SpeculatorError)
 
 
 # ---- the table -------------------------------------------------------------------------------------------
@@ -378,11 +317,7 @@ def register(name: str, speculator: Entry | Callable | str) -> None:
 
 def split_method(text: str) -> tuple[str, str]:
     """(name, options text) of NAME[:key=value,...]; a NAME that is not registered may be module:attr."""
-    name, sep, rest = text.partition(":")
-    attr, _, opts = rest.partition(":")
-    if sep and attr and "=" not in attr and name not in REGISTRY and name not in entry_points():
-        return f"{name}:{attr}", opts
-    return name, rest
+    return plugins.split_method(text, lambda name: name in REGISTRY or name in entry_points())
 
 
 def check_method(method: str | Method) -> Method:
@@ -394,12 +329,11 @@ def check_method(method: str | Method) -> Method:
     else:
         text = str(method).strip()
         name, opts = split_method(text)
-        given = {}
-        for item in filter(None, opts.split(",")):
-            key, eq, value = item.partition("=")
-            if not eq or not key or key in given:
-                raise SpeculatorError(f"bad option {item!r} in method {text!r}; {takes(name, resolve(name, text))}")
-            given[key] = value
+
+        def bad(item: str) -> SpeculatorError:
+            return SpeculatorError(f"bad option {item!r} in method {text!r}; {takes(name, resolve(name, text))}")
+
+        given = plugins.parse_options(opts, bad)
     found = resolve(name, text)
     options = {}
     for key, value in given.items():
