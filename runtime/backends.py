@@ -83,6 +83,20 @@ class CpuStepBackend(Backend):
             return None
         return cpu_step.MAX_ROWS
 
+    def rows_independent(self, model: Transformer, tokens_per_row: int, cache) -> bool:
+        # the whole step, with its row-invariant kernels, runs such a forward (its own checks, mirrored here)
+        k = getattr(cache, "k", None)
+        return (
+            1 <= tokens_per_row <= cpu_step.MAX_TOKENS
+            and k is not None
+            and k.is_cpu
+            and k.dtype == model.compute_dtype
+            and model.fast_decode
+            and not torch.is_grad_enabled()
+            and cpu_step.available()
+            and cpu_step.step_model(model) is not None
+        )
+
 
 PLAIN = Backend()
 CPU_STEP = CpuStepBackend()

@@ -117,6 +117,12 @@ class Backend:
         """At most this many rows per lm_head call over h [..., hidden] (None: one call)."""
         return None
 
+    def rows_independent(self, model: Transformer, tokens_per_row: int, cache) -> bool:
+        """Whether a forward of up to tokens_per_row new tokens per row over cache gives every row the same bits as
+        that row's forward alone (so callers that need batch-independent results may batch rows). The plain layers
+        round by the batch's shape (GEMM blocking, padding): no."""
+        return False
+
 
 _backend = Backend()
 

@@ -26,7 +26,7 @@ from quantize.rtn import quantize_model
 from runtime.grammar import row_masks
 from runtime.layout import device_of
 from runtime.loader import ModelSpecError, check_model_spec, load_model
-from runtime.model import Transformer
+from runtime.model import Transformer, current_backend
 from runtime.paged_cache import BlockManager, PagedKVCache, paged_metadata
 from runtime.paths import qspec_home
 from runtime.sampling import logits_to_probs, sample_rows
@@ -169,12 +169,19 @@ class DraftModelSpeculator(Speculator):
     def _forward(self, rows: list[_DraftSeq], feeds: list[list[int]], index: list[list[int]]) -> Tensor:
         """Draft logits [B, V] after each row's last fed token (feeds at sequence positions index).
 
-        Each row runs its own forward, with the call shapes it has without batch mates: a batched call changes
-        the matmuls' row count and the padding, and so their rounding, which a 16-bit draft (every quantized
-        draft computes in bf16) turns into q differences of ~3e-2 (notes/issue-28.md); its drafts, sampled
-        from q by the row's generator, would then depend on the batch. Costs one draft pass per row, not per
-        batch, until the CPU kernels' reduction order stops depending on the row count (issue 29)."""
+        A row's drafts are sampled from q by its own generator, so q must not depend on its batch mates: rows
+        share one forward only where the backend says that forward is row-independent (the CPU step's kernels:
+        the same bits alone or batched); elsewhere a batched call changes the matmuls' row count and padding,
+        and so their rounding, which a 16-bit draft turns into q differences of ~3e-2 (notes/issue-28.md), and
+        each row runs its own forward."""
         device = self.cache.k.device
+        widest = max(len(f) for f in feeds)
+        if len(rows) > 1 and current_backend().rows_independent(self.draft, widest, self.cache):
+            meta = paged_metadata(index, index, [r.block_table for r in rows], self.block_size, device)
+            tokens = torch.tensor([f + [0] * (widest - len(f)) for f in feeds], dtype=torch.long, device=device)
+            hidden = self.draft(tokens, meta, self.cache, hidden_only=True)  # [B, T, H]
+            last = torch.tensor([len(f) - 1 for f in feeds], device=device)
+            return self.draft.logits(hidden[torch.arange(len(rows), device=device), last])
         out = []
         for row, feed, idx in zip(rows, feeds, index):
             meta = paged_metadata([idx], [idx], [row.block_table], self.block_size, device)
