@@ -6,7 +6,9 @@
 Every runner is timed the same way, from outside: a whole call that generates 1 token (its wall time is the
 TTFT) and a whole call that generates N; TPOT = (wall(N) - wall(1)) / (N - 1), decode tok/s = 1 / TPOT. Runners
 alternate (A, B, C, A, B, C, ...) for ``--repeats`` rounds so load on a shared machine hits all alike, and each
-figure is the median. For qspec's rows the loop's own clock (runtime.timing: whole steps) is printed beside
+figure is the median. ``--prompt-tokens 128,512,2048`` adds a TTFT table: each row's 1-token call at every
+prompt length (interleaved the same way) and its ratio to the reference row; the decode table uses the first length.
+For qspec's rows the loop's own clock (runtime.timing: whole steps) is printed beside
 the external one as a check, and one profiled call splits a step into forward, lm_head and sampling. The
 roofline share compares the weight bytes read per decoded token with a streaming bandwidth measured here.
 
@@ -119,16 +121,17 @@ class Runner:
     (runtime.timing.LoopTiming) where it has one."""
 
     name: str
-    call: Callable[[int], object]
+    call: Callable[[list[int], int], object]  # (prompt, new tokens)
     weight_bytes: int
     profile: Callable[[int], dict] | None = None  # qspec: seconds per phase of one call
     walls: dict[int, list[float]] = field(default_factory=lambda: {})
+    ttft_by_length: dict[int, list[float]] = field(default_factory=lambda: {})  # prompt length -> 1-token walls
     own_tpot: list[float] = field(default_factory=list)
 
 
 def qspec_runner(name: str, model, prompt: list[int]) -> Runner:
-    def call(n: int):
-        return generate(model, [prompt], SamplingParams(max_tokens=n, ignore_eos=True)).timing
+    def call(ids: list[int], n: int):
+        return generate(model, [ids], SamplingParams(max_tokens=n, ignore_eos=True)).timing
 
     def profile(n: int) -> dict:
         timing = generate(model, [prompt], SamplingParams(max_tokens=n, ignore_eos=True), profile=True).timing
@@ -137,12 +140,11 @@ def qspec_runner(name: str, model, prompt: list[int]) -> Runner:
     return Runner(name, call, decode_weight_bytes(model), profile)
 
 
-def hf_runner(name: str, hf_model, prompt: list[int]) -> Runner:
-    ids = torch.tensor([prompt])
-    kwargs = dict(do_sample=False, attention_mask=torch.ones_like(ids), pad_token_id=0)
-
+def hf_runner(name: str, hf_model) -> Runner:
     @torch.inference_mode()
-    def call(n: int):
+    def call(prompt_ids: list[int], n: int):
+        ids = torch.tensor([prompt_ids])
+        kwargs = dict(do_sample=False, attention_mask=torch.ones_like(ids), pad_token_id=0)
         hf_model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kwargs)
 
     return Runner(name, call, hf_decode_weight_bytes(hf_model))
@@ -158,7 +160,7 @@ for i, _ in enumerate(llm.generate([1, 2, 3, 4], top_k=1, top_p=1.0, temp=0.0, r
 """
 
 
-def llama_cpp_runner(gguf: Path, prompt: list[int], threads: int) -> Runner | str:
+def llama_cpp_runner(gguf: Path, longest: int, threads: int) -> Runner | str:
     """llama.cpp through llama-cpp-python (an optional peer, never a dependency), or why it cannot run."""
     try:
         from llama_cpp import Llama
@@ -172,27 +174,49 @@ def llama_cpp_runner(gguf: Path, prompt: list[int], threads: int) -> Runner | st
     if probe.returncode != 0:
         why = f"signal {-probe.returncode}" if probe.returncode < 0 else probe.stderr.strip().splitlines()[-1:]
         return f"llama.cpp failed a 3-token probe on this machine ({why}); rebuild llama-cpp-python for this CPU"
-    llm = Llama(model_path=str(gguf), n_ctx=1024, n_threads=threads, n_threads_batch=threads, n_batch=512,
+    n_ctx = max(1024, longest + 256)  # the longest prompt and its new tokens
+    llm = Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, n_batch=512,
                 verbose=False)  # fmt: skip
 
-    def call(n: int):
+    def call(ids: list[int], n: int):
         llm.reset()  # no prefix reuse between calls: each call prefills the prompt, as the other runners do
-        for i, _ in enumerate(llm.generate(prompt, top_k=1, top_p=1.0, temp=0.0, reset=True)):
+        for i, _ in enumerate(llm.generate(ids, top_k=1, top_p=1.0, temp=0.0, reset=True)):
             if i + 1 >= n:
                 break
 
     return Runner(f"llama.cpp {gguf.stem.rsplit('.', 1)[-1]}", call, gguf.stat().st_size)
 
 
-def time_round(runners: list[Runner], new_tokens: int) -> None:
+def time_round(runners: list[Runner], prompt: list[int], new_tokens: int) -> None:
     """One interleaved round: every runner's 1-token call, then every runner's N-token call."""
     for n in (1, new_tokens):
         for r in runners:
             t = time.perf_counter()
-            own = r.call(n)
+            own = r.call(prompt, n)
             r.walls.setdefault(n, []).append(time.perf_counter() - t)
             if n > 1 and own is not None:
                 r.own_tpot.append(own.tpot_s)
+
+
+def time_ttft_round(runners: list[Runner], prompts: list[list[int]]) -> None:
+    """One interleaved TTFT round: at each prompt length, every runner's 1-token call."""
+    for prompt in prompts:
+        for r in runners:
+            t = time.perf_counter()
+            r.call(prompt, 1)
+            r.ttft_by_length.setdefault(len(prompt), []).append(time.perf_counter() - t)
+
+
+def ttft_table(runners: list[Runner], lengths: list[int], reference: str | None) -> list[str]:
+    """Median TTFT per prompt length, each with its ratio to the reference row's."""
+    head = "| row | " + " | ".join(f"TTFT {n} ms | x {reference or '-'}" for n in lengths) + " |"
+    lines = [head, "|---|" + "---:|---:|" * len(lengths)]
+    medians = {r.name: {n: statistics.median(r.ttft_by_length[n]) for n in lengths} for r in runners}
+    ref = medians.get(reference) if reference else None
+    for name, by_length in medians.items():
+        cells = [f"{1e3 * by_length[n]:.1f} | " + (f"{by_length[n] / ref[n]:.2f}x" if ref else "") for n in lengths]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def summarize(r: Runner, new_tokens: int, bandwidth: float) -> dict:
@@ -226,7 +250,31 @@ def parse_rows(spec: str) -> list[str]:
     return rows
 
 
-def build_runners(rows: list[str], model_spec: str, prompt: list[int], threads: int) -> tuple[list[Runner], dict]:
+def parse_lengths(ap: ArgumentParser, spec: str) -> list[int]:
+    try:
+        lengths = [int(v) for v in spec.split(",") if v.strip()]
+    except ValueError:
+        ap.error(f"--prompt-tokens takes a length or a comma list of lengths, got {spec!r}")
+    if not lengths or min(lengths) < 1:
+        ap.error("--prompt-tokens lengths must be >= 1")
+    return lengths
+
+
+def prompt_ids(tokenizer, lengths: list[int]) -> list[list[int]]:
+    """One prompt per length, each a prefix of the same wiki text (eval split), long enough for the longest."""
+    docs, ids = wiki_split("eval"), []
+    for count in range(20, len(docs) + 20, 20):  # the first 20 extracts, more while too short
+        ids = tokenizer(" ".join(d.extract for d in docs[:count]), add_special_tokens=False).input_ids
+        if len(ids) >= max(lengths):
+            break
+    if len(ids) < max(lengths):
+        raise UsageError(f"the eval text has {len(ids)} tokens; --prompt-tokens asks for {max(lengths)}")
+    return [ids[:n] for n in lengths]
+
+
+def build_runners(
+    rows: list[str], model_spec: str, prompt: list[int], threads: int, longest: int
+) -> tuple[list[Runner], dict]:
     from transformers import AutoModelForCausalLM
 
     base, _, path = load_model(model_spec)
@@ -239,10 +287,10 @@ def build_runners(rows: list[str], model_spec: str, prompt: list[int], threads: 
         elif kind == "hf":
             dtype = torch.float32 if variant == "fp32" else torch.bfloat16
             hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
-            runners.append(hf_runner(row, hf, prompt))
+            runners.append(hf_runner(row, hf))
         else:
             gguf = gguf_source(model_spec)
-            made = llama_cpp_runner(gguf, prompt, threads) if gguf is not None else "the model has no GGUF source"
+            made = llama_cpp_runner(gguf, longest, threads) if gguf is not None else "the model has no GGUF source"
             if isinstance(made, str):
                 skipped[row] = made
                 print(f"[bench_decode] skipping {row}: {made}", file=sys.stderr)
@@ -275,7 +323,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--rows", default=DEFAULT_ROWS, help=f"comma list (default {DEFAULT_ROWS})")
     ap.add_argument("--reference", default="qspec:bf16", help="the row every ratio is against")
-    ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--prompt-tokens", default="128", help="a length or a comma list (a TTFT table per length)")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
@@ -284,21 +332,24 @@ def main(argv: list[str] | None = None) -> None:
     check_model_arg(ap, args.model)  # before anything loads: a bad spec is one line, not a traceback
     if args.new_tokens < 2 or args.repeats < 1:
         ap.error("--new-tokens must be >= 2 and --repeats >= 1")
+    lengths = parse_lengths(ap, args.prompt_tokens)
     rows = parse_rows(args.rows)
     torch.set_num_threads(args.threads)
 
     _, _, path = load_model(args.model)
     tokenizer = load_tokenizer(str(path))
-    text = " ".join(d.extract for d in wiki_split("eval")[:20])
-    prompt = tokenizer(text, add_special_tokens=False).input_ids[: args.prompt_tokens]
-    runners, skipped = build_runners(rows, args.model, prompt, args.threads)
+    prompts = prompt_ids(tokenizer, lengths)
+    prompt = prompts[0]
+    runners, skipped = build_runners(rows, args.model, prompt, args.threads, max(lengths))
     bandwidth = measure_bandwidth()
     print(f"[bench_decode] streaming bandwidth {bandwidth / 1e9:.1f} GB/s, {args.threads} threads", file=sys.stderr)
     for r in runners:  # warm up every runner (first-call allocations, kernel choice, the compiled CPU step)
-        r.call(8)
+        r.call(prompt, 8)
     try:
         for i in range(args.repeats):
-            time_round(runners, args.new_tokens)
+            time_round(runners, prompt, args.new_tokens)
+            if len(prompts) > 1:
+                time_ttft_round(runners, prompts)
             print(f"[bench_decode] repeat {i + 1}/{args.repeats} done", file=sys.stderr, flush=True)
     except KeyboardInterrupt:
         interrupted("no summary: every row needs the same number of interleaved rounds")
@@ -318,7 +369,15 @@ def main(argv: list[str] | None = None) -> None:
         f"batch 1, {len(prompt)}-token prompt, {args.new_tokens} new tokens, greedy, {args.threads} threads, "
         f"median of {args.repeats} interleaved rounds; TPOT = (wall(N) - wall(1)) / (N - 1) from whole calls"
     )
-    print("\n".join(table(results, args.reference if args.reference in results else None)))
+    reference = args.reference if args.reference in results else None
+    print("\n".join(table(results, reference)))
+    if len(prompts) > 1:
+        print(f"\nTTFT (a whole 1-token call) by prompt length, median of {args.repeats} interleaved rounds")
+        print("\n".join(ttft_table(runners, lengths, reference)))
+        for r in runners:
+            results[r.name]["ttft_ms_by_prompt_tokens"] = {
+                n: 1e3 * statistics.median(v) for n, v in r.ttft_by_length.items()
+            }
     for name, why in skipped.items():
         print(f"(skipped {name}: {why})")
     if args.out:

@@ -16,7 +16,9 @@ FPLinear paths:
   dequant    dequantize to the input's dtype each forward and matmul in that dtype (bf16 activations on CPU)
   cpu        e4m3 weights through qspec's CPU step kernels (runtime.kernels.cpu_step), read as fp16 bits in
              registers: the reference math up to summation order, at fp32 or bf16 activations; the step reads its
-             layout in place (a second copy of the codes, kernel-ordered, beside the checkpoint's)
+             layout in place (a second copy of the codes, kernel-ordered, beside the checkpoint's); from
+             cpu_step.PREFILL_MIN_ROWS rows the prefill GEMM (QuantLinear's "cpu" path: APPROXIMATE, as bf16's
+             own prefill; QSPEC_PREFILL_GEMM=0 keeps the exact kernels)
   scaled_mm  W8A8-FP8 (act_quant, per-channel e4m3): ``torch._scaled_mm`` on fp8 activations and weights with
              row-wise scales (per token x per channel), bf16 output. Runs on CUDA GPUs with FP8 (sm >= 89)
              and, slowly, on CPU; ``scaled_mm_supported`` says where. A GPU timing harness calls
@@ -313,7 +315,7 @@ class FPLinear(nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
         if self.path == "cpu":
-            return cpu_step.linear(self.cpu_kernel_weight().handle(), x2).to(x.dtype).reshape(*shape[:-1], -1)
+            return cpu_step.quantized_linear(self.cpu_kernel_weight(), x2).to(x.dtype).reshape(*shape[:-1], -1)
         if self.path == "scaled_mm":
             y = fp8_matmul(x2, self.codes, self.scales)
             if self.bias is not None:

@@ -103,7 +103,10 @@ class QuantLinear(nn.Module):
                  scale; resident bytes are the dense size plus the packed codes
       cpu        qspec's CPU step kernels (runtime.kernels.cpu_step: 2/3/4- and 8-bit codes, fp32 or bf16
                  activations, any group size that is even or per-channel; the decode step reads this layout
-                 in place); the reference math up to summation order
+                 in place); the reference math up to summation order. From cpu_step.PREFILL_MIN_ROWS rows
+                 (prompts) the "prefill GEMM": the weight dequantized a block of output rows at a time in C++,
+                 rounded to the activation dtype, times torch's GEMM (cpu_step.prefill_linear): APPROXIMATE in
+                 the last bits, as a bf16 layer's own prefill; QSPEC_PREFILL_GEMM=0 keeps the exact kernels
       cpu_int4   torch's int4 packed matmul (2/3/4-bit codes, group size a multiple of 32; bf16 activations)
       cpu_int8   torch's int8 weight-only matmul (8-bit codes)
       cpu_w8a8   torch._int_mm on int8 activations and weights (act_quant=True)
@@ -415,8 +418,8 @@ class QuantLinear(nn.Module):
 
             y = quant_matmul(x2, self)
         else:
-            if self.path == "cpu":
-                y = cpu_step.linear(self.cpu_kernel_weight().handle(), x2)
+            if self.path == "cpu":  # the exact kernels, or the prefill GEMM for many rows
+                y = cpu_step.quantized_linear(self.cpu_kernel_weight(), x2)
             elif self.path == "cuda_int4":
                 y = cuda.int4_mm(x2, self.int4_cuda_weight, self.int4_scales_zeros, self.int4_group, self.in_perm)
             elif self.path == "cuda_int8":

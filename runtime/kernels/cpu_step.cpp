@@ -1371,6 +1371,174 @@ at::Tensor rms_norm_rows(at::Tensor x, at::Tensor weight, double eps) {
   return out;
 }
 
+// ---- prefill: quantized weights dequantized block by block, multiplied by torch's GEMM ------------------------
+// A long prompt (hundreds of rows per call) runs faster as a GEMM over the dequantized weight than as 64-row chunks
+// of the kernels above, which re-expand every code for every chunk. The layout suits it: column pair j of a tile
+// holds 16 output rows side by side, so rows 2j and 2j + 1 of the transposed weight wt[k, n] are written straight
+// from one pair, no transpose. wt[k, n] = (code - z) * s in fp32 (sub, then mul: QuantizedWeight.dequantize's
+// math; FP8 reads e4m3 as fp16 bits (value / 256) against scales * 256, exact), rounded to bf16 for bf16
+// activations; columns k in the layout's (group) order, so callers gather x's columns by perm instead.
+// APPROXIMATE, as a dense bf16 layer's own prefill: the weight is rounded to the activation dtype and the GEMM's
+// sum order depends on the shape. Decode steps and verifications keep the exact, row-invariant kernels.
+
+// Codes of columns 2j (c0) and 2j + 1 (c1) of a tile's 16 rows, as fp32 code values (I8: code - 128; FP8: value
+// / 256), scalar: the baseline and the reference for the AVX-512 version.
+inline float tile_code(const Weight& w, const uint8_t* tile, int64_t k, int64_t r) {
+  const int64_t j = k / 2, c = k & 1;
+  if (w.kind == I4) {
+    const uint8_t b = tile[j * NR + r];
+    return static_cast<float>(c ? b >> 4 : b & 15);
+  }
+  const uint8_t b = tile[(j * NR + r) * 2 + c];
+  if (w.kind == I8) return static_cast<float>(static_cast<int8_t>(b));
+  return _cvtsh_ss(static_cast<uint16_t>(((b & 0x7f) << 7) | ((b & 0x80) << 8)));
+}
+
+// Tiles [t0, t1) into wt (row stride ld; column 0 = row 16 * t0 of the layer), T = float or uint16_t (bf16 bits).
+template <typename T>
+void dequant_tiles_scalar(const Weight& w, int64_t t0, int64_t t1, int64_t tile_base, T* wt, int64_t ld) {
+  const int64_t Kp = (w.K + KB - 1) / KB * KB, G = w.ngroups, tile_bytes = (Kp / 2) * w.pair_bytes();
+  const float* sc = w.scales.data_ptr<float>();
+  const float* zc = w.zeros.data_ptr<float>();
+  for (int64_t t = t0; t < t1; ++t) {
+    const uint8_t* tile = reinterpret_cast<const uint8_t*>(w.data.data_ptr()) + t * tile_bytes;
+    for (int64_t k = 0; k < w.K; ++k) {
+      const int64_t at = (t * G + k / w.group) * NR;
+      T* row = wt + k * ld + (t - tile_base) * NR;
+      for (int64_t r = 0; r < NR; ++r) {
+        const float v = (tile_code(w, tile, k, r) - zc[at + r]) * sc[at + r];
+        if constexpr (std::is_same_v<T, float>)
+          row[r] = v;
+        else
+          row[r] = bf16_bits(v);
+      }
+    }
+  }
+}
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
+namespace dequant512 {
+
+// 16 e4m3 bytes (one per 32-bit lane) as fp32 value / 256: through fp16 bits (exponent and mantissa << 7, sign << 8).
+inline __m512 e4m3_lanes(__m512i e) {
+  const __m512i h = _mm512_or_si512(_mm512_slli_epi32(_mm512_and_si512(e, _mm512_set1_epi32(0x7f)), 7),
+                                    _mm512_slli_epi32(_mm512_and_si512(e, _mm512_set1_epi32(0x80)), 8));
+  return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(h));
+}
+
+// c0, c1: the code values of columns 2j and 2j + 1 for the tile's 16 rows (one lane per row).
+template <int64_t KIND>
+inline void pair_codes(const uint8_t* tile, int64_t j, __m512& c0, __m512& c1) {
+  if (KIND == I4) {  // byte = c0 | c1 << 4
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tile + j * NR)));
+    c0 = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)));
+    c1 = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+    return;
+  }
+  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + j * 2 * NR));
+  if (KIND == I8) {  // one int16 per row, c0 | c1 << 8, sign-extended; each byte sign-extended in turn
+    const __m512i v = _mm512_cvtepi16_epi32(b);
+    c0 = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 24), 24));
+    c1 = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 16), 24));
+    return;
+  }
+  const __m512i v = _mm512_cvtepu16_epi32(b);  // one uint16 per row, c0 | c1 << 8
+  c0 = e4m3_lanes(_mm512_and_si512(v, _mm512_set1_epi32(0xff)));
+  c1 = e4m3_lanes(_mm512_srli_epi32(v, 8));
+}
+
+template <int64_t KIND, bool BF16_OUT>
+void tiles(const Weight& w, int64_t t0, int64_t t1, int64_t tile_base, void* out, int64_t ld) {
+  const int64_t Kp = (w.K + KB - 1) / KB * KB, G = w.ngroups, tile_bytes = (Kp / 2) * w.pair_bytes();
+  const float* sc = w.scales.data_ptr<float>();
+  const float* zc = w.zeros.data_ptr<float>();
+  for (int64_t t = t0; t < t1; ++t) {
+    const uint8_t* tile = reinterpret_cast<const uint8_t*>(w.data.data_ptr()) + t * tile_bytes;
+    const int64_t col = (t - tile_base) * NR;
+    for (int64_t g = 0; g < G; ++g) {
+      const __m512 s = _mm512_loadu_ps(sc + (t * G + g) * NR), z = _mm512_loadu_ps(zc + (t * G + g) * NR);
+      const int64_t kb = g * w.group, ke = std::min(kb + w.group, w.K);
+      for (int64_t j = kb / 2; j < (ke + 1) / 2; ++j) {
+        __m512 c0, c1;
+        pair_codes<KIND>(tile, j, c0, c1);
+        const __m512 w0 = _mm512_mul_ps(_mm512_sub_ps(c0, z), s), w1 = _mm512_mul_ps(_mm512_sub_ps(c1, z), s);
+        const bool second = 2 * j + 1 < w.K;  // an odd K's last pair holds one real column
+        if constexpr (BF16_OUT) {
+          uint16_t* o = static_cast<uint16_t*>(out) + 2 * j * ld + col;
+          const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(w1, w0);  // [w0 as bf16, w1 as bf16]
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), _mm512_castsi512_si256(both));
+          if (second) _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + ld), _mm512_extracti64x4_epi64(both, 1));
+        } else {
+          float* o = static_cast<float*>(out) + 2 * j * ld + col;
+          _mm512_storeu_ps(o, w0);
+          if (second) _mm512_storeu_ps(o + ld, w1);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace dequant512
+#pragma GCC pop_options
+
+// Tiles [t0, t1) of a quantized weight into wt (fp32, or bf16 bits when bf16), columns from tile tile_base on.
+void dequant_tiles(const Weight& w, int64_t t0, int64_t t1, int64_t tile_base, void* wt, int64_t ld, bool bf16) {
+  if (isa() >= ISA_AVX512BF16) {
+    auto run = [&](auto kind) {
+      constexpr int64_t KIND = decltype(kind)::value;
+      if (bf16) return dequant512::tiles<KIND, true>(w, t0, t1, tile_base, wt, ld);
+      dequant512::tiles<KIND, false>(w, t0, t1, tile_base, wt, ld);
+    };
+    if (w.kind == I8) return run(std::integral_constant<int64_t, I8>());
+    if (w.kind == FP8) return run(std::integral_constant<int64_t, FP8>());
+    return run(std::integral_constant<int64_t, I4>());
+  }
+  if (bf16) return dequant_tiles_scalar(w, t0, t1, tile_base, static_cast<uint16_t*>(wt), ld);
+  dequant_tiles_scalar(w, t0, t1, tile_base, static_cast<float*>(wt), ld);
+}
+
+// The whole weight, transposed: wt [K, tiles * 16] (fp32 or bf16), columns in the layout's order. Tests compare
+// it with the Python dequantization; the prefill below runs it a block at a time.
+at::Tensor dequantize_t(const Weight& w, bool bf16) {
+  TORCH_CHECK(w.quantized(), "dequantize takes a quantized weight");
+  at::Tensor wt = at::empty({w.K, w.tiles() * NR}, at::TensorOptions().dtype(bf16 ? at::kBFloat16 : at::kFloat));
+  void* out = wt.data_ptr();
+  at::parallel_for(0, w.tiles(), 1, [&](int64_t b, int64_t e) { dequant_tiles(w, b, e, 0, out, wt.size(1), bf16); });
+  return wt.narrow(1, 0, w.N);
+}
+
+// y [M, N] = x [M, K] @ W^T (+ bias) in x's dtype (fp32 or bf16), the weight dequantized block_rows output rows at a
+// time into a reused scratch and multiplied there by torch's GEMM into y's columns. x's columns are gathered by
+// perm first (act-order). APPROXIMATE (the section's header).
+at::Tensor prefill_linear(const Weight& w, at::Tensor x, int64_t block_rows) {
+  TORCH_CHECK(w.quantized() && x.dim() == 2 && x.size(1) == w.K, "prefill_linear: a quantized weight, x [M, K]");
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(bf16 || x.scalar_type() == at::kFloat, "prefill_linear: fp32 or bf16 activations");
+  if (w.perm.defined()) x = x.index_select(1, w.perm);
+  x = x.contiguous();
+  const auto opts = x.options();
+  at::Tensor y = at::empty({x.size(0), w.N}, opts);
+  at::Tensor bias = w.bias.defined() ? w.bias.to(x.scalar_type()) : at::Tensor();
+  const int64_t block_tiles = std::clamp<int64_t>(block_rows / NR, 1, w.tiles()), width = block_tiles * NR;
+  thread_local at::Tensor scratch;  // reused: a fresh multi-MB buffer per call costs page faults
+  if (!scratch.defined() || scratch.scalar_type() != x.scalar_type() || scratch.numel() < w.K * width)
+    scratch = at::empty({w.K * width}, opts);
+  void* out = scratch.data_ptr();
+  for (int64_t t0 = 0; t0 < w.tiles(); t0 += block_tiles) {
+    const int64_t t1 = std::min(t0 + block_tiles, w.tiles()), n0 = t0 * NR, n = std::min(t1 * NR, w.N) - n0;
+    const int64_t ld = (t1 - t0) * NR;
+    at::parallel_for(t0, t1, 1, [&](int64_t b, int64_t e) { dequant_tiles(w, b, e, t0, out, ld, bf16); });
+    at::Tensor wt = scratch.narrow(0, 0, w.K * ld).view({w.K, ld}).narrow(1, 0, n);
+    at::Tensor yb = y.narrow(1, n0, n);
+    if (bias.defined())
+      at::addmm_out(yb, bias.narrow(0, n0, n), x, wt);
+    else
+      at::mm_out(yb, x, wt);
+  }
+  return y;
+}
+
 Weight make_weight(int64_t kind, int64_t N, int64_t K, int64_t group, bool bf16_act, at::Tensor data,
                    std::optional<at::Tensor> scales, std::optional<at::Tensor> zeros, std::optional<at::Tensor> perm,
                    std::optional<at::Tensor> bias) {
@@ -1463,6 +1631,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("model"), py::arg("x"), py::arg("tokens"), py::arg("starts"), py::arg("counts"), py::arg("local"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("tables"), py::arg("cos"), py::arg("sin"));
   m.def("rms_norm_rows", &qspec::rms_norm_rows, "RMSNorm of fp32 rows (CPU)");
+  m.def("dequantize_t", &qspec::dequantize_t, "a quantized weight dequantized, transposed: [K, N] (prefill)");
+  m.def("prefill_linear", &qspec::prefill_linear, "x @ W^T for many rows: block dequantize + torch's GEMM",
+        py::arg("weight"), py::arg("x"), py::arg("block_rows"));
   m.def("set_isa", &qspec::set_isa, "cap the kernel family: avx2 | avx512 | avx512bf16 (tests)");
   m.def("set_amx", &qspec::set_amx, "AMX row policy: off (default) | exact | approximate (see cpu_step.cpp)");
   m.def("amx_mode", &qspec::amx_mode, "the AMX row policy in use");

@@ -24,6 +24,11 @@ Shape invariance: a position's outputs are the same bits whatever the step's row
 ``QSPEC_CPU_AMX`` is AMX's row policy: ``off`` (default: the vector kernels, row-invariant), ``exact`` (AMX at every
 row count: row-invariant, unverified without an AMX CPU) or ``approximate`` (AMX from AMX_MIN_ROWS rows only:
 fastest, but a row's last bits then depend on the row count, so speculative greedy output can differ from plain).
+
+Prefill: a quantized layer called with PREFILL_MIN_ROWS rows or more (a long prompt through the Python layers)
+dequantizes its weight block by block in C++ and multiplies with torch's GEMM (``prefill_linear``), as fast as a
+bf16 layer's own prefill plus the dequantization; APPROXIMATE like bf16's (the weight is rounded to the activation
+dtype, the GEMM's sum order depends on the shape). ``QSPEC_PREFILL_GEMM=0`` keeps every row on the exact kernels.
 """
 
 from __future__ import annotations
@@ -244,6 +249,54 @@ def linear(weight, x: Tensor) -> Tensor:
     rows = x.reshape(-1, x.shape[-1]).float()
     outs = [ext.linear(weight, rows[i : i + MAX_ROWS]) for i in range(0, rows.shape[0], MAX_ROWS)]
     return torch.cat(outs).view(*x.shape[:-1], -1)
+
+
+# ---- prefill: many rows per call through a GEMM on the dequantized weight -----------------------------------------
+
+# from this many rows a quantized layer takes prefill_linear: the bars' shortest prompt (the crossover with the
+# exact kernels between 65 and 127 rows is not measured yet); output rows dequantized per GEMM: the best of
+# 128..all in one noisy kernel run (notes/issue-39-prefill.md)
+PREFILL_MIN_ROWS = 128
+PREFILL_BLOCK_ROWS = 4096
+
+
+def prefill_gemm_enabled() -> bool:
+    """QSPEC_PREFILL_GEMM=0 keeps every row on the exact kernels (for exactness experiments)."""
+    return os.environ.get("QSPEC_PREFILL_GEMM", "1") != "0"
+
+
+def uses_prefill_gemm(rows: int) -> bool:
+    return rows >= PREFILL_MIN_ROWS and prefill_gemm_enabled()
+
+
+def prefill_linear(weight: KernelWeight, x: Tensor) -> Tensor:
+    """y = x @ W^T (+ bias) for x [M, K] with many rows: the weight dequantized PREFILL_BLOCK_ROWS output rows at a
+    time (cpu_step.cpp, ``prefill_linear``) and multiplied by torch's GEMM, in the layer's activation dtype (bf16
+    or fp32; the output too). APPROXIMATE in the last bits, as a dense bf16 layer's prefill (F.linear): the weight
+    is rounded to that dtype and the GEMM's summation order depends on the shape."""
+    dtype = torch.bfloat16 if weight.bf16_activations else torch.float32
+    rows = x.detach().reshape(-1, x.shape[-1]).to(dtype)  # no autograd through the kernels (as ``linear``)
+    y = extension().prefill_linear(weight.handle(), rows, PREFILL_BLOCK_ROWS)
+    return y.view(*x.shape[:-1], -1)
+
+
+def quantized_linear(weight: KernelWeight, x: Tensor) -> Tensor:
+    """A quantized layer's forward on CPU: the exact row-invariant kernels (``linear``, fp32 out) below
+    PREFILL_MIN_ROWS rows, ``prefill_linear`` (the activation dtype out) from there, unless switched off."""
+    rows = x.numel() // max(x.shape[-1], 1)
+    return prefill_linear(weight, x) if uses_prefill_gemm(rows) else linear(weight.handle(), x)
+
+
+def dequantize(weight: KernelWeight, dtype: torch.dtype = torch.bfloat16) -> Tensor:
+    """The weight [N, K] as the prefill GEMM multiplies it: (code - z) * s in fp32, rounded to dtype (bf16 or
+    fp32), columns in input order (act-order undone)."""
+    transposed = extension().dequantize_t(weight.handle(), dtype == torch.bfloat16)  # [K, N], group order
+    w = transposed.t()
+    if weight.perm is None:
+        return w.contiguous()
+    out = torch.empty_like(w, memory_format=torch.contiguous_format)
+    out[:, weight.perm] = w  # column j of the layout is input column perm[j]
+    return out
 
 
 FAMILY_FLAGS = {"avx2": {"avx2", "fma", "f16c"}, "avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq"}}
