@@ -37,7 +37,7 @@ import torch
 from scipy.stats import chisquare
 from torch import Tensor
 
-from evals.humaneval import load_problems, prompt_ids, select
+from evals.humaneval_problems import load_problems, prompt_ids, select
 from runtime.cliutil import ArgumentParser, run
 from runtime.config import DTYPES, ModelConfig
 from runtime.loader import DEFAULT_MODEL, check_model_arg, load_model, load_tokenizer

@@ -4,7 +4,8 @@ Algorithms produce integer codes, scales and zeros (QuantizedWeight); QuantLinea
 forward contract as a linear layer; quantize.formats packs and saves them in layouts other tools load, and
 registers its readers with runtime.loader (importing this package is enough for ``load_model`` to read them).
 Each algorithm's entry point is its module: ``quantize.rtn``, ``quantize.int8``, ``quantize.gptq``,
-``quantize.awq`` (``python -m quantize.gptq --help``).
+``quantize.awq`` (``python -m quantize.gptq --help``). ``quantize.fast_copy`` builds a fast quantized copy of a
+model in memory (the speed benchmarks' rows, quantized drafts).
 """
 
 import importlib
