@@ -22,7 +22,6 @@ chosen) with bf16 activations.
 
 from __future__ import annotations
 
-import copy
 import json
 import statistics
 import subprocess
@@ -34,11 +33,7 @@ from pathlib import Path
 
 import torch
 
-from quantize.config import QuantConfig
-from quantize.fplinear import FPLinear, quantize_fp8
-from quantize.qembedding import tie_quantized_embedding
-from quantize.qlinear import QuantLinear, set_module
-from quantize.rtn_weight import quantize_weight
+from quantize.fast_copy import NAMED_COPIES, named_fast_copy
 from runtime.cliutil import ArgumentParser, UsageError, interrupted, run
 from runtime.data import wiki_split
 from runtime.decoding import generate
@@ -46,7 +41,7 @@ from runtime.loader import DEFAULT_MODEL, check_model_arg, gguf_source, load_mod
 from runtime.provenance import provenance
 from runtime.sampling import SamplingParams
 
-QSPEC_ROWS = ("fp32", "bf16", "bf16-fp32head", "int8", "int4", "int4-int8head", "fp8")
+QSPEC_ROWS = NAMED_COPIES
 DEFAULT_ROWS = "qspec:fp32,hf:fp32,qspec:bf16,hf:bf16,qspec:int8,qspec:int4,llama.cpp"
 
 
@@ -84,35 +79,6 @@ def hf_decode_weight_bytes(hf_model) -> int:
     inner = hf_model.model
     total = sum(p.numel() * p.element_size() for n, p in inner.named_parameters() if not n.startswith("embed_tokens"))
     return total + hf_model.lm_head.weight.numel() * hf_model.lm_head.weight.element_size()
-
-
-def qspec_model(base, variant: str):
-    """The fp32 base model in a row's form: dense fp32 / bf16, or RTN codes on every decoder linear (and the
-    tied head for -int8head) with bf16 activations and each layer on its automatic (fast) path."""
-    if variant == "fp32":
-        return base
-    if variant == "bf16-fp32head":
-        return copy.deepcopy(base).set_dtype(torch.bfloat16, head_dtype=torch.float32)
-    model = copy.deepcopy(base).set_dtype(torch.bfloat16)
-    if variant == "bf16":
-        return model
-    if variant == "fp8":
-        for name in QuantConfig(bits=8, group_size=-1).targets(model):
-            fw = quantize_fp8(base.get_submodule(name).weight)
-            set_module(model, name, FPLinear(fw, compute_dtype=torch.bfloat16))
-        return model
-    bits, group = (8, -1) if variant == "int8" else (4, 64)
-    cfg = QuantConfig(bits=bits, group_size=group, sym=bits == 8)
-    head = variant.endswith("int8head")
-    names = cfg.targets(model) + (["lm_head"] if head else [])
-    for name in names:
-        layer_cfg = QuantConfig(bits=8, group_size=-1, sym=True) if name == "lm_head" else cfg
-        weight = base.get_submodule(name).weight  # codes from the fp32 weights
-        layer = QuantLinear(quantize_weight(weight, layer_cfg, None, False, name), compute_dtype=torch.bfloat16)
-        set_module(model, name, layer)
-    if head:
-        tie_quantized_embedding(model)
-    return model
 
 
 @dataclass
@@ -283,7 +249,7 @@ def build_runners(
         kind, _, variant = row.partition(":")
         print(f"[bench_decode] building {row}", file=sys.stderr, flush=True)
         if kind == "qspec":
-            runners.append(qspec_runner(row, qspec_model(base, variant), prompt))
+            runners.append(qspec_runner(row, named_fast_copy(base, variant), prompt))
         elif kind == "hf":
             dtype = torch.float32 if variant == "fp32" else torch.bfloat16
             hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()

@@ -18,7 +18,8 @@ import sys
 import time
 from pathlib import Path
 
-from evals.humaneval import draft_speculator, load_problems, parse_draft, prompt_ids, select
+from evals.humaneval_eval import draft_speculator, parse_draft
+from evals.humaneval_problems import load_problems, prompt_ids, select
 from runtime.cliutil import ArgumentParser, run
 from runtime.config import DTYPES
 from runtime.engine import EngineConfig, LLMEngine

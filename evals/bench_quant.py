@@ -9,8 +9,8 @@ automatic path (cpu_int8, cpu_w8a8, cpu_int4 here); with --quantize-lm-head the 
 embedding then reads its rows from the quantized head (quantize.qembedding). Variants are timed interleaved,
 repeat by repeat, and every ratio is against bf16 from the same run. The weight-memory table gives the whole
 model's bytes of each quantized variant both ways (decoder linears only, and with the tied head/embedding).
-Codes are plain min/max round-to-nearest: speed does not depend on how the codes were chosen, and quality is
-measured elsewhere (quantize.*, evals.perplexity).
+Codes are the project's round-to-nearest (quantize.fast_copy): speed does not depend on how the codes were
+chosen, and quality is measured elsewhere (quantize.*, evals.perplexity).
 """
 
 from __future__ import annotations
@@ -30,8 +30,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from quantize.qembedding import tie_quantized_embedding
-from quantize.qlinear import QuantizedWeight, QuantLinear, set_module
+from quantize.config import QuantConfig
+from quantize.fast_copy import fast_quantized_copy
+from quantize.qlinear import QuantLinear
 from runtime.cliutil import ArgumentParser, run
 from runtime.decoding import generate
 from runtime.layout import decoder_linear_names
@@ -55,51 +56,24 @@ PROMPT_TEXT = (
 )
 
 
-def minmax_rtn(weight: torch.Tensor, bits: int, group_size: int, sym: bool) -> QuantizedWeight:
-    """Round-to-nearest codes on a min/max grid (speed benchmarking only)."""
-    w = weight.detach().float()
-    out_f, in_f = w.shape
-    gs = in_f if group_size == -1 else group_size
-    n_groups = -(-in_f // gs)
-    padded = torch.nn.functional.pad(w, (0, n_groups * gs - in_f)).view(out_f, n_groups, gs)
-    qmax = 2**bits - 1
-    if sym:
-        scales = padded.abs().amax(-1).clamp(min=1e-8) / (2 ** (bits - 1) - 1)
-        zeros = torch.full_like(scales, 2 ** (bits - 1))
-    else:
-        lo, hi = padded.amin(-1).clamp(max=0), padded.amax(-1).clamp(min=0)
-        scales = ((hi - lo) / qmax).clamp(min=1e-8)
-        zeros = torch.round(-lo / scales).clamp(0, qmax)
-    scales = scales.half().float()
-    codes = torch.round(padded / scales[..., None]) + zeros[..., None]
-    codes = codes.clamp(0, qmax).view(out_f, -1)[:, :in_f].to(torch.uint8)
-    return QuantizedWeight(codes, scales, zeros, bits, gs)
-
-
 def decoder_linears(model) -> list[str]:
     return decoder_linear_names(model.config.num_layers)
 
 
 def build_variant(base, variant: str, group_size: int, lm_head: bool):
-    """A copy of the fp32 base model in the variant's form."""
-    model = copy.deepcopy(base)
+    """A copy of the fp32 base model in the variant's form: bf16 (mixed: the runtime's bf16, which the CPU step
+    runs), or RTN codes (quantize.fast_copy) with bf16 activations, each layer on its automatic path."""
     if variant == "fp32":
-        return model
-    model.set_dtype(torch.bfloat16)  # mixed (fp32 residual stream): the runtime's bf16, which the CPU step runs
+        return copy.deepcopy(base)
     if variant == "bf16":
-        return model
-    names = decoder_linears(model) + (["lm_head"] if lm_head else [])
-    for name in names:
-        fp32_weight = base.get_submodule(name).weight
-        if variant == "int4":
-            qw = minmax_rtn(fp32_weight, 4, group_size, sym=False)
-        else:
-            qw = minmax_rtn(fp32_weight, 8, -1, sym=True)
-        layer = QuantLinear(qw, act_quant=variant == "w8a8", compute_dtype=torch.bfloat16)
-        layer(torch.zeros(1, layer.in_features, dtype=torch.bfloat16))  # pick the automatic path now
-        set_module(model, name, layer)
-    if lm_head and model.config.tie_word_embeddings:
-        tie_quantized_embedding(model)  # one packed table serves the head and the embedding
+        return copy.deepcopy(base).set_dtype(torch.bfloat16)
+    bits, group, sym = (4, group_size, False) if variant == "int4" else (8, -1, True)
+    grid = dict(bits=bits, group_size=group, sym=sym, act_quant=variant == "w8a8")
+    head = QuantConfig(**grid, modules=(), lm_head=True) if lm_head else None
+    model = fast_quantized_copy(base, QuantConfig(**grid), head=head)
+    for layer in model.modules():
+        if isinstance(layer, QuantLinear):
+            layer(torch.zeros(1, layer.in_features, dtype=torch.bfloat16))  # pick the automatic path now
     return model
 
 
@@ -327,9 +301,7 @@ def parse_list(ap: argparse.ArgumentParser, text: str, kind, what: str) -> list:
     return values
 
 
-def main(argv: list[str] | None = None) -> None:
-
-    argv = sys.argv[1:] if argv is None else argv
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str], list[int]]:
     ap = ArgumentParser(prog="python -m evals.bench_quant", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=DEFAULT_MODEL, help="registry name or checkpoint dir (dense)")
     ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list from {','.join(VARIANTS)}")
@@ -365,7 +337,12 @@ def main(argv: list[str] | None = None) -> None:
     for name in ("prompt_len", "new_tokens", "repeats", "layer_iters"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    return args, variants, batch_sizes
 
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    args, variants, batch_sizes = parse_args(argv)
     torch.manual_seed(args.seed)
     load_before = os.getloadavg()
     base, _, path = load_model(args.model, dtype=torch.float32)

@@ -19,6 +19,7 @@ chain) or medusa:tree=N, draft:layers=L,k=K, quant-draft:bits=B,k=K, eagle:tree=
 
 from __future__ import annotations
 
+import argparse
 import copy
 import json
 import os
@@ -63,6 +64,24 @@ class MethodResult:
     drafted: int = 0
     accepted_at: list[int] = field(default_factory=list)
     proposed_at: list[int] = field(default_factory=list)
+
+    def add(self, tokens: list[int], stats, seconds: float) -> None:
+        """One prompt's generation: its time and tokens, and its speculation statistics where it has them."""
+        self.seconds += seconds
+        self.tokens += len(tokens)
+        self.prompts += 1
+        if stats is None:
+            return
+        self.steps += stats.steps
+        self.row_steps += stats.row_steps
+        self.accepted += stats.accepted
+        self.drafted += stats.drafted
+        for j, (a, n) in enumerate(zip(stats.accepted_at, stats.proposed_at)):
+            if j >= len(self.accepted_at):
+                self.accepted_at.append(0)
+                self.proposed_at.append(0)
+            self.accepted_at[j] += a
+            self.proposed_at[j] += n
 
 
 @dataclass
@@ -122,8 +141,8 @@ def continue_prompts(tokenizer, n: int, prefix_tokens: int) -> list[list[int]]:
     raise BenchError(f"found only {len(out)} eval documents with {prefix_tokens} tokens")
 
 
-def main(argv: list[str] | None = None) -> dict:
-
+def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[tuple[str, dict]]]:
+    """The arguments (--methods filled in with the task's defaults) and each method's (name, options)."""
     ap = ArgumentParser(prog="python -m evals.bench_spec", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--task", choices=["rewrite", "continue"], default="rewrite")
@@ -138,75 +157,84 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     if args.model:
         check_model_arg(ap, args.model)  # before anything loads: a bad spec is one line, not a traceback
-    methods = args.methods or DEFAULT_METHODS[args.task]
+    args.methods = args.methods or DEFAULT_METHODS[args.task]
     try:
-        parsed = [parse_method(m) for m in methods]
+        parsed = [parse_method(m) for m in args.methods]
     except BenchError as err:
         ap.error(str(err))
-    if "plain" not in methods:
+    if "plain" not in args.methods:
         ap.error("--methods must include 'plain' (the baseline every ratio is against)")
     if args.prompts < 1 or args.max_tokens < 1:
         ap.error("--prompts and --max-tokens must be >= 1")
+    return args, parsed
 
-    record = provenance(command=module_command("evals.bench_spec", argv))
-    model, _, path = load_model(args.model, dtype=torch.float32)
-    tokenizer = load_tokenizer(str(path))
-    prompts = (rewrite_prompts if args.task == "rewrite" else continue_prompts)(
-        tokenizer, args.prompts, args.prompt_tokens
-    )
+
+def hf_model(path: Path):
+    """HF transformers' model of the same checkpoint, and a counter of its forwards (prefill + one per
+    (assisted) step: HF generate does not report its steps)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    calls = [0]
+    hf.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    return hf, calls
+
+
+def hf_runner(hf, calls: list[int], tokenizer, name: str, kw: dict):
+    """HF generate: plain greedy, or prompt lookup (hf-pld, k= tokens)."""
+    extra = {"prompt_lookup_num_tokens": kw.get("k", 10)} if name == "hf-pld" else {}
+
+    def run_hf(p, n):
+        ids = torch.tensor([p])
+        calls[0] = 0
+        with torch.inference_mode():
+            out = hf.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=n,
+                do_sample=False,
+                pad_token_id=tokenizer.eos_token_id,
+                **extra,
+            )
+        new = out[0, len(p) :].tolist()
+        steps = max(calls[0] - 1, 1)  # decode forwards after the prefill (which gave token 1)
+        return new, HFStats(steps=steps, row_steps=steps, accepted=len(new) - 1 - steps)
+
+    return run_hf
+
+
+def build_runners(args, parsed: list[tuple[str, dict]], model, tokenizer, path: Path) -> dict:
+    """Per method spec: a function (prompt ids, n) -> (n new tokens, speculation statistics or None)."""
 
     def params(n: int) -> SamplingParams:
         return SamplingParams(temperature=0.0, max_tokens=n, seed=args.seed)
 
-    hf = None
-    if any(name.startswith("hf-") for name, _ in parsed):
-        from transformers import AutoModelForCausalLM
+    def plain(p, n):
+        return generate(model, [p], params(n), tokenizer=tokenizer).tokens[0], None
 
-        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-        hf_calls = [0]  # forwards of HF's model: prefill + one per (assisted) step
-        hf.register_forward_pre_hook(lambda *_: hf_calls.__setitem__(0, hf_calls[0] + 1))
+    def speculative(speculator):
+        def run_spec(p, n):
+            out = speculative_generate(model, [p], params(n), speculator, tokenizer=tokenizer)
+            return out.tokens[0], out.stats
 
+        return run_spec
+
+    hf = hf_model(path) if any(name in HF_METHODS for name, _ in parsed) else None
     runners = {}
-    for spec, (name, kw) in zip(methods, parsed):
+    for spec, (name, kw) in zip(args.methods, parsed):
         if name == "plain":
-            runners[spec] = lambda p, n: (generate(model, [p], params(n), tokenizer=tokenizer).tokens[0], None)
+            runners[spec] = plain
         elif name in HF_METHODS:
-
-            def run_hf(p, n, kw=kw, name=name):
-                extra = {"prompt_lookup_num_tokens": kw.get("k", 10)} if name == "hf-pld" else {}
-                ids = torch.tensor([p])
-                hf_calls[0] = 0
-                with torch.inference_mode():
-                    out = hf.generate(
-                        ids,
-                        attention_mask=torch.ones_like(ids),
-                        max_new_tokens=n,
-                        do_sample=False,
-                        pad_token_id=tokenizer.eos_token_id,
-                        **extra,
-                    )
-                new = out[0, len(p) :].tolist()
-                steps = max(hf_calls[0] - 1, 1)  # decode forwards after the prefill (which gave token 1)
-                return new, HFStats(steps=steps, row_steps=steps, accepted=len(new) - 1 - steps)
-
-            runners[spec] = run_hf
+            runners[spec] = hf_runner(*hf, tokenizer, name, kw)
         else:
             context = BuildContext(target_path=path, heads={"medusa": args.medusa_heads})
-            speculator = build(Method(name, kw), model, context)
+            runners[spec] = speculative(build(Method(name, kw), model, context))
+    return runners
 
-            def run_spec(p, n, speculator=speculator):
-                out = speculative_generate(model, [p], params(n), speculator, tokenizer=tokenizer)
-                return out.tokens[0], out.stats
 
-            runners[spec] = run_spec
-
-    print(
-        f"[bench_spec] {args.task}: {len(prompts)} prompts x {args.max_tokens} tokens, methods {methods}",
-        file=sys.stderr,
-    )
-    for spec in methods:  # short warm-up (first-call allocations, lazy imports)
-        for _ in range(args.warmup):
-            runners[spec](prompts[0], 8)
+def run_prompts(runners: dict, prompts: list[list[int]], methods: list[str], max_tokens: int) -> dict:
+    """Every method on every prompt, the order rotated per prompt; on Ctrl-C, the summary of the prompts every
+    method finished."""
     results = {spec: MethodResult(spec) for spec in methods}
     start = time.perf_counter()
     finished = copy.deepcopy(results)  # the results of the prompts every method finished (kept at Ctrl-C)
@@ -216,24 +244,8 @@ def main(argv: list[str] | None = None) -> dict:
             outputs = {}
             for spec in order:
                 t0 = time.perf_counter()
-                toks, stats = runners[spec](p, args.max_tokens)
-                dt = time.perf_counter() - t0
-                r = results[spec]
-                r.seconds += dt
-                r.tokens += len(toks)
-                r.prompts += 1
-                outputs[spec] = toks
-                if stats is not None:
-                    r.steps += stats.steps
-                    r.row_steps += stats.row_steps
-                    r.accepted += stats.accepted
-                    r.drafted += stats.drafted
-                    for j, (a, n) in enumerate(zip(stats.accepted_at, stats.proposed_at)):
-                        if j >= len(r.accepted_at):
-                            r.accepted_at.append(0)
-                            r.proposed_at.append(0)
-                        r.accepted_at[j] += a
-                        r.proposed_at[j] += n
+                outputs[spec], stats = runners[spec](p, max_tokens)
+                results[spec].add(outputs[spec], stats, time.perf_counter() - t0)
             for spec in methods:
                 results[spec].exact_prompts += int(outputs[spec] == outputs["plain"])
             elapsed = time.perf_counter() - start
@@ -250,7 +262,26 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"[bench_spec] partial summary: the {done} of {len(prompts)} prompts that finished", file=sys.stderr)
             print_table(summary_rows(finished, methods))
         interrupted(f"{done} of {len(prompts)} prompts had finished for every method")
-    rows = summary_rows(results, methods)
+    return results
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args, parsed = parse_args(argv)
+    record = provenance(command=module_command("evals.bench_spec", argv))
+    model, _, path = load_model(args.model, dtype=torch.float32)
+    tokenizer = load_tokenizer(str(path))
+    make_prompts = rewrite_prompts if args.task == "rewrite" else continue_prompts
+    prompts = make_prompts(tokenizer, args.prompts, args.prompt_tokens)
+    runners = build_runners(args, parsed, model, tokenizer, path)
+    methods = args.methods
+    print(
+        f"[bench_spec] {args.task}: {len(prompts)} prompts x {args.max_tokens} tokens, methods {methods}",
+        file=sys.stderr,
+    )
+    for spec in methods:  # short warm-up (first-call allocations, lazy imports)
+        for _ in range(args.warmup):
+            runners[spec](prompts[0], 8)
+    rows = summary_rows(run_prompts(runners, prompts, methods, args.max_tokens), methods)
     record.update(task=args.task, prompts=len(prompts), max_tokens=args.max_tokens, results=rows)
     record["load_average_end"] = os.getloadavg()
     print_table(rows)

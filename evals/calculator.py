@@ -719,7 +719,7 @@ def int_list(text: str) -> list[int]:
     return out
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None):
     ap = ArgumentParser(
         prog="python -m evals.calculator",
         description="Parameters, weight/KV bytes, decode roofline, prefill time and a capacity worksheet "
@@ -758,31 +758,39 @@ def main(argv: list[str] | None = None) -> None:
     par.add_argument("--output-tokens", type=int, default=256, help="disaggregation: output length")
     par.add_argument("--disagg-tp", type=int, default=1, help="disaggregation: TP size of each instance")
     par.add_argument("--slo-tpot-ms", type=float, default=None, help="disaggregation: TPOT SLO")
-    args = ap.parse_args(argv)
-    device = args.device or default_device()
+    return ap.parse_args(argv)
+
+
+def reports(args, device: str) -> tuple[Report, dict | None]:
+    """The single-device report and, with --tp, the parallel one (CalculatorError / ValueError on bad input)."""
     bandwidth, flops = profile_rates(device, args.dtype)
+    hf, name = read_config(args.config)
+    if args.bandwidth is not None:
+        bandwidth = parse_quantity(args.bandwidth, "B/s")
+    if args.flops is not None:
+        flops = parse_quantity(args.flops, "FLOPS")
+    report = calculate(
+        hf,
+        dtype=args.dtype,
+        kv_dtype=args.kv_dtype,
+        context=args.context,
+        concurrency=args.concurrency,
+        bandwidth=bandwidth,
+        flops=flops,
+        memory_budget=None if args.memory is None else parse_quantity(args.memory, "B"),
+        contexts=int_list(args.contexts) if args.contexts else None,
+        concurrencies=int_list(args.concurrencies) if args.concurrencies else None,
+        name=name,
+    )
+    parallel = parallel_report(hf, args, report.memory_budget_bytes, bandwidth, flops) if args.tp else None
+    return report, parallel
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    device = args.device or default_device()
     try:
-        hf, name = read_config(args.config)
-        if args.bandwidth is not None:
-            bandwidth = parse_quantity(args.bandwidth, "B/s")
-        if args.flops is not None:
-            flops = parse_quantity(args.flops, "FLOPS")
-        report = calculate(
-            hf,
-            dtype=args.dtype,
-            kv_dtype=args.kv_dtype,
-            context=args.context,
-            concurrency=args.concurrency,
-            bandwidth=bandwidth,
-            flops=flops,
-            memory_budget=None if args.memory is None else parse_quantity(args.memory, "B"),
-            contexts=int_list(args.contexts) if args.contexts else None,
-            concurrencies=int_list(args.concurrencies) if args.concurrencies else None,
-            name=name,
-        )
-        parallel = None
-        if args.tp:
-            parallel = parallel_report(hf, args, report.memory_budget_bytes, bandwidth, flops)
+        report, parallel = reports(args, device)
     except (CalculatorError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -28,7 +28,7 @@ import torch
 
 from quantize.config import QuantConfig
 from quantize.qlinear import QuantLinear
-from quantize.rtn import quantize_weight
+from quantize.rtn_weight import quantize_weight
 from runtime.compiled import BUCKETS, compiled_decoder, coordinate_descent, resolve_compile
 from runtime.config import ModelConfig
 from runtime.decoding import generate
@@ -494,7 +494,7 @@ def sec_engine(c: Check) -> dict:
 def sec_paged(c: Check) -> dict:
     if not c.cuda and os.environ.get("TRITON_INTERPRET") != "1":
         return {"status": "skipped: the Triton kernel needs CUDA (or TRITON_INTERPRET=1)"}
-    from evals.bench_paged_decode import OpCase, op_case
+    from evals.paged_decode_ops import OpCase, op_case
 
     cases = []
     grid = [(1, 64), (2, 64)] if c.smoke else [(1, 512), (1, 4096), (16, 512), (16, 4096), (64, 512), (64, 4096)]

@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from evals.chain_test import MAX_SUPPORT, chain_case, chi_square_pvalue, entropy_cut, sharpened, simulate
 from evals.fidelity import TeacherForcedStats, cached_scorer, compare_teacher_forced, engine_greedy_logits
 from evals.fidelity import model_scorer as plain_scorer
-from evals.verifier_check import MAX_SUPPORT, chain_case, chi_square_pvalue, entropy_cut, sharpened, simulate
 from quantize.config import QuantConfig
 from quantize.registry import build as build_quantizer
 from runtime.data import load_text, token_windows
@@ -195,7 +195,7 @@ def choose_context(target, prompts: list[list[int]], params: SamplingParams) -> 
 def two_token_test(target, speculator, context: list[int], test: TwoTokenTest) -> dict:
     """Run the test (class docstring); the figures, with `passed`. Power is stated against a draft equal to the
     target that reports its q at temperature SHARPEN: the fraction of POWER_REPLICATES simulated tests
-    (evals.verifier_check.simulate, same n, same alpha) that reject it."""
+    (evals.chain_test.simulate, same n, same alpha) that reject it."""
     params0 = test.params(0)
     case = chain_case(target, target, context, params0)  # p1, p2 exact (the "draft" here is the target itself)
     tokens, drafted, accepted = [], 0, 0

@@ -49,14 +49,14 @@ from pathlib import Path
 
 import torch
 
-from evals.bench_decode import qspec_model
-from evals.specbench import (
+from evals.specbench_suite import (
     DEFAULT_METHODS,
     SMOKE_CONFIG,
     SMOKE_METHODS,
     TimedSpeculator,
     plain_decode,
 )
+from quantize.fast_copy import named_fast_copy
 from runtime.config import DTYPES
 from runtime.kv_cache import KVCache
 from runtime.loader import DEFAULT_MODEL, load_model
@@ -534,7 +534,7 @@ def loop_overheads(model, prompts: torch.Tensor, cost, repeats: int) -> tuple[fl
     return plain - cost(1), spec - cost(OVERHEAD_K + 1)
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     ap = argparse.ArgumentParser(prog="python -m evals.spec_cost", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     m = sub.add_parser("measure", help="this machine's cost curve (run on a quiet machine)")
@@ -580,95 +580,121 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--draft-from-suite", action="store_true", help="draft cost = the suite's measured seconds")
     p.add_argument("--out", default=None)
-    args = ap.parse_args(argv)
+    return ap, ap.parse_args(argv)
 
-    if args.cmd == "measure":
-        methods = args.methods if args.methods is not None else (SMOKE_METHODS if args.smoke else DEFAULT_METHODS)
-        try:  # before the model loads: a bad method is one line
-            [check_method(spec) for spec in methods if spec != "plain"]
+
+def step_sizes(ap: argparse.ArgumentParser, args) -> tuple[list[int], list[int]]:
+    """(chain T, tree T) to time, from --Ts / --max-T and --tree-Ts."""
+    try:
+        Ts = sorted({int(t) for t in args.Ts.split(",")}) if args.Ts else list(range(1, args.max_T + 1))
+    except ValueError:
+        ap.error(f"--Ts {args.Ts!r}: a comma list of token counts, e.g. 1,2,4,8")
+    if Ts[0] != 1:
+        ap.error(f"--Ts must include T = 1 (a plain step) and no T < 1, got {Ts}")
+    try:
+        tree_Ts = sorted({int(t) for t in args.tree_Ts.split(",") if t.strip()})
+    except ValueError:
+        ap.error(f"--tree-Ts {args.tree_Ts!r}: a comma list of tree sizes, e.g. 9,16,32")
+    if tree_Ts and (tree_Ts[0] < 2 or args.timing != "loop"):
+        ap.error("--tree-Ts: tree sizes >= 2, timed in the real loop (--timing loop)")
+    return Ts, tree_Ts
+
+
+def measured_target(args) -> tuple[object, BuildContext]:
+    """The model --dtype asks for, and where its speculators' heads come from."""
+    if args.smoke:
+        return random_model(SMOKE_CONFIG), BuildContext(smoke=True)
+    quantized = args.dtype in ("int8", "int4")
+    dtype = torch.float32 if quantized else DTYPES[args.dtype]  # codes come from the fp32 weights
+    model, _, path = load_model(args.model or DEFAULT_MODEL, dtype=dtype)
+    if quantized:
+        model = named_fast_copy(model, args.dtype)
+    return model, BuildContext(target_path=path)  # heads from $QSPEC_HOME/<kind>/MODEL
+
+
+def speculators(methods: list[str], model, context: BuildContext) -> dict[str, Speculator]:
+    """Each method that builds here (one that cannot, for want of heads, is skipped with a line)."""
+    sps = {}
+    for spec in methods:
+        if spec == "plain":
+            continue
+        try:
+            sps[spec] = build(spec, model, context)
         except SpeculatorError as err:
-            ap.error(str(err))
-        if args.threads:
-            torch.set_num_threads(args.threads)
-        if args.smoke:
-            model, context = random_model(SMOKE_CONFIG), BuildContext(smoke=True)
-        else:
-            quantized = args.dtype in ("int8", "int4")
-            dtype = torch.float32 if quantized else DTYPES[args.dtype]  # codes come from the fp32 weights
-            model, _, path = load_model(args.model or DEFAULT_MODEL, dtype=dtype)
-            if quantized:
-                model = qspec_model(model, args.dtype)
-            context = BuildContext(target_path=path)  # heads from $QSPEC_HOME/<kind>/MODEL
-        try:
-            Ts = sorted({int(t) for t in args.Ts.split(",")}) if args.Ts else list(range(1, args.max_T + 1))
-        except ValueError:
-            ap.error(f"--Ts {args.Ts!r}: a comma list of token counts, e.g. 1,2,4,8")
-        if Ts[0] != 1:
-            ap.error(f"--Ts must include T = 1 (a plain step) and no T < 1, got {Ts}")
-        try:
-            tree_Ts = sorted({int(t) for t in args.tree_Ts.split(",") if t.strip()})
-        except ValueError:
-            ap.error(f"--tree-Ts {args.tree_Ts!r}: a comma list of tree sizes, e.g. 9,16,32")
-        if tree_Ts and (tree_Ts[0] < 2 or args.timing != "loop"):
-            ap.error("--tree-Ts: tree sizes >= 2, timed in the real loop (--timing loop)")
-        sps = {}
-        for spec in methods:
-            if spec == "plain":
-                continue
-            try:
-                sps[spec] = build(spec, model, context)
-            except SpeculatorError as err:
-                print(f"[spec_cost] skipping {spec}: {err}", file=sys.stderr)
-        prof = measure(
-            model, sps, args.context, Ts, args.repeats, args.batch, in_loop=args.timing == "loop", tree_Ts=tree_Ts
-        )
-        record = {
-            **provenance(command=module_command("evals.spec_cost", argv)),
-            "kind": "measured",
-            "name": prof.name,
-            "verify_s": prof.verify_s,
-            "tree_verify_s": prof.tree_verify_s,
-            "draft_s": prof.draft_s,
-            "notes": prof.notes,
-            "batch": prof.batch,
-            "decode_overhead_s": prof.decode_overhead_s,
-            "step_overhead_s": prof.step_overhead_s,
-            "dtype": args.dtype,
-            "timing": args.timing,
-        }
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(record, indent=2))
-        c1 = prof.verify_s[1]
-        print(" ".join(f"T={t}:{c / c1:.2f}" for t, c in prof.verify_s.items()), file=sys.stderr)
-        if prof.tree_verify_s:
-            print("trees " + " ".join(f"T={t}:{c / c1:.2f}" for t, c in prof.tree_verify_s.items()), file=sys.stderr)
+            print(f"[spec_cost] skipping {spec}: {err}", file=sys.stderr)
+    return sps
+
+
+def print_profile(prof: Profile) -> None:
+    c1 = prof.verify_s[1]
+    print(" ".join(f"T={t}:{c / c1:.2f}" for t, c in prof.verify_s.items()), file=sys.stderr)
+    if prof.tree_verify_s:
+        print("trees " + " ".join(f"T={t}:{c / c1:.2f}" for t, c in prof.tree_verify_s.items()), file=sys.stderr)
+    print(
+        f"c(1) {c1 * 1e3:.1f} ms; loop overhead per step: plain {prof.decode_overhead_s * 1e3:.2f} ms, "
+        f"speculative {prof.step_overhead_s * 1e3:.2f} ms",
+        file=sys.stderr,
+    )
+
+
+def measure_command(ap: argparse.ArgumentParser, args, argv: list[str] | None) -> None:
+    """``measure``: this machine's cost curve, written to --out."""
+    methods = args.methods if args.methods is not None else (SMOKE_METHODS if args.smoke else DEFAULT_METHODS)
+    try:  # before the model loads: a bad method is one line
+        [check_method(spec) for spec in methods if spec != "plain"]
+    except SpeculatorError as err:
+        ap.error(str(err))
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, context = measured_target(args)
+    Ts, tree_Ts = step_sizes(ap, args)
+    sps = speculators(methods, model, context)
+    in_loop = args.timing == "loop"
+    prof = measure(model, sps, args.context, Ts, args.repeats, args.batch, in_loop=in_loop, tree_Ts=tree_Ts)
+    record = {
+        **provenance(command=module_command("evals.spec_cost", argv)),
+        "kind": "measured",
+        "name": prof.name,
+        "verify_s": prof.verify_s,
+        "tree_verify_s": prof.tree_verify_s,
+        "draft_s": prof.draft_s,
+        "notes": prof.notes,
+        "batch": prof.batch,
+        "decode_overhead_s": prof.decode_overhead_s,
+        "step_overhead_s": prof.step_overhead_s,
+        "dtype": args.dtype,
+        "timing": args.timing,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(record, indent=2))
+    print_profile(prof)
+
+
+def choose_draft_command(ap: argparse.ArgumentParser, args) -> None:
+    """``choose-draft``: the method with the best predicted speedup; --write keeps it as the model's default."""
+    suite = json.loads(Path(args.suite).read_text())
+    model, cfg, _ = load_model(args.model or DEFAULT_MODEL, dtype=torch.float32)
+    try:
+        choice, rows = choose_draft(suite, load_profile(args.profile, cfg, args.context), cfg, args.context)
+    except CostError as err:
+        ap.error(str(err))
+    for r in rows:
         print(
-            f"c(1) {c1 * 1e3:.1f} ms; loop overhead per step: plain {prof.decode_overhead_s * 1e3:.2f} ms, "
-            f"speculative {prof.step_overhead_s * 1e3:.2f} ms",
+            f"{r['method']:40s} {r['tokens_per_step']:6.2f} tok/step  predicted {r['predicted_speedup']:.3f}x",
             file=sys.stderr,
         )
-        return
+    print(json.dumps(choice))
+    if args.write:
+        path = default_draft_file(model)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({**choice, "evidence": rows, "suite": args.suite}, indent=2))
+        print(f"[spec_cost] default draft for this model -> {path}", file=sys.stderr)
+
+
+def predict_command(ap: argparse.ArgumentParser, args) -> None:
+    """``predict``: predicted against measured speedup per (batch, category, method) of a suite record."""
     suite = json.loads(Path(args.suite).read_text())
-    cfg = None
-    if args.profile in GPUS or args.cmd == "choose-draft":
-        model, cfg, _ = load_model(args.model or DEFAULT_MODEL, dtype=torch.float32)
-    if args.cmd == "choose-draft":
-        try:
-            choice, rows = choose_draft(suite, load_profile(args.profile, cfg, args.context), cfg, args.context)
-        except CostError as err:
-            ap.error(str(err))
-        for r in rows:
-            print(
-                f"{r['method']:40s} {r['tokens_per_step']:6.2f} tok/step  predicted {r['predicted_speedup']:.3f}x",
-                file=sys.stderr,
-            )
-        print(json.dumps(choice))
-        if args.write:
-            path = default_draft_file(model)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps({**choice, "evidence": rows, "suite": args.suite}, indent=2))
-            print(f"[spec_cost] default draft for this model -> {path}", file=sys.stderr)
-        return
+    cfg = load_model(args.model or DEFAULT_MODEL, dtype=torch.float32)[1] if args.profile in GPUS else None
     try:
         profile = load_profile(args.profile, cfg, args.context)
         rows = predict_suite(suite, profile, cfg, args.context, args.draft_from_suite)
@@ -689,6 +715,16 @@ def main(argv: list[str] | None = None) -> None:
     if args.out:
         record = {**provenance(), "suite": args.suite, "profile": profile.name, "kind": profile.kind, "rows": rows}
         Path(args.out).write_text(json.dumps(record, indent=2))
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap, args = parse_args(argv)
+    if args.cmd == "measure":
+        measure_command(ap, args, argv)
+    elif args.cmd == "choose-draft":
+        choose_draft_command(ap, args)
+    else:
+        predict_command(ap, args)
 
 
 if __name__ == "__main__":

@@ -17,8 +17,8 @@ from dataclasses import replace
 
 import torch
 
+from evals.chain_test import sharpened
 from evals.lossless import ALPHA, TwoTokenTest, choose_context, greedy_match, two_token_test
-from evals.verifier_check import sharpened
 from runtime.config import ModelConfig
 from runtime.model import Transformer, random_model
 from speculate.base import Proposal, SpecState, Speculator

@@ -25,9 +25,9 @@ from evals.fidelity import (
     greedy_outputs,
     model_scorer,
 )
-from evals.long_context import capacity, long_context_summary
+from evals.long_context_measures import capacity, long_context_summary
 from evals.naive_attention import naive_attention
-from evals.specbench import run_suite
+from evals.specbench_suite import run_suite
 from experiments.artifacts import Artifact, BuildError, ensure_built
 from quantize.config import QuantConfig
 from quantize.formats import default_format, refusal

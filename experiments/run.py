@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from evals.humaneval import SUBSETS, data_file
+from evals.humaneval_problems import SUBSETS, data_file
 from experiments import report, sweeps
 from experiments.bench import DEFAULT_THREADS, EVAL_THREADS, LOCKING, log
 from experiments.config import ConfigError, ExperimentConfig, Row, load_config
@@ -75,7 +75,7 @@ def plan(cfg: ExperimentConfig) -> None:
             raise ConfigError(str(err)) from None
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None):
     ap = ArgumentParser(
         prog="python -m experiments.run",
         description="Run an experiment config (YAML): rows or sweeps -> JSONL records, Markdown/CSV table, PNG plots.",
@@ -108,46 +108,98 @@ def main(argv: list[str] | None = None) -> None:
         help="where artifacts (quantized checkpoints, trained heads) are built once and reused: on a cluster a path "
         "every worker reads (default $QSPEC_HOME)",
     )
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def fail(err: Exception):
+    """A config or model error: one line and exit status 2, before anything slow starts."""
+    print(f"error: {err}", file=sys.stderr)
+    raise SystemExit(2) from None
+
+
+def checked_config(args) -> tuple[ExperimentConfig, object | None]:
+    """The config with --set applied, checked as far as it can be before the model loads (ConfigError), and the
+    Ray cluster module when --ray asks for one."""
+    cfg = load_config(args.config, args.set)
+    if args.rows:
+        wanted = [r.strip() for r in args.rows.split(",")]
+        known = [r.name for r in cfg.rows] + [s.get("name") for s in cfg.sweep.series]
+        missing = [w for w in wanted if w not in known]
+        if missing:
+            raise ConfigError(f"--rows: {missing} not in the config's rows/series {known}")
+    for r in cfg.rows:
+        if r.kind not in ROWS:
+            raise ConfigError(f"rows[{r.name}].kind: {r.kind!r} not in {sorted(ROWS)}")
+    check_humaneval(cfg)
+    unknown_texts = sorted(set(cfg.evals.texts) - set(TEXTS))
+    if unknown_texts:
+        raise ConfigError(f"evals.texts: {unknown_texts} not in {list(TEXTS)}")
+    if cfg.evals.texts and cfg.model.spec == "tiny-random":
+        raise ConfigError("evals.texts: scoring texts needs a model with a tokenizer, not tiny-random")
+    if cfg.model.spec != "tiny-random":
+        check_model_spec(cfg.model.spec)  # before anything loads
+    plan(cfg)
+    if args.ray is None:
+        return cfg, None
+    if cfg.kind != "table":
+        raise ConfigError(f"--ray runs table configs (rows, grids); a {cfg.kind} sweep runs without it")
     try:
-        cfg = load_config(args.config, args.set)
-        if args.rows:
-            wanted = [r.strip() for r in args.rows.split(",")]
-            known = [r.name for r in cfg.rows] + [s.get("name") for s in cfg.sweep.series]
-            missing = [w for w in wanted if w not in known]
-            if missing:
-                raise ConfigError(f"--rows: {missing} not in the config's rows/series {known}")
-        for r in cfg.rows:
-            if r.kind not in ROWS:
-                raise ConfigError(f"rows[{r.name}].kind: {r.kind!r} not in {sorted(ROWS)}")
-        check_humaneval(cfg)
-        unknown_texts = sorted(set(cfg.evals.texts) - set(TEXTS))
-        if unknown_texts:
-            raise ConfigError(f"evals.texts: {unknown_texts} not in {list(TEXTS)}")
-        if cfg.evals.texts and cfg.model.spec == "tiny-random":
-            raise ConfigError("evals.texts: scoring texts needs a model with a tokenizer, not tiny-random")
-        if cfg.model.spec != "tiny-random":
-            check_model_spec(cfg.model.spec)  # before anything loads
-        plan(cfg)
-        if args.ray is not None and cfg.kind != "table":
-            raise ConfigError(f"--ray runs table configs (rows, grids); a {cfg.kind} sweep runs without it")
-        cluster = None
-        if args.ray is not None:
+        from experiments import cluster  # optional dependency: Ray
+    except ImportError as err:
+        raise ConfigError(f"--ray needs Ray ({err}): pip install 'ray>=2.60' (or pip install -e '.[ray]')") from None
+    return cfg, cluster
+
+
+def run_config(args, cfg: ExperimentConfig, cluster, ctx, store: Path, out_dir: Path, base: dict) -> tuple:
+    """The table's rows (here, or as Ray tasks) or the sweep's series -> (records, rendered paths)."""
+    records_path = out_dir / "records.jsonl"
+    try:
+        if cfg.kind != "table":
+            series = [s for s in cfg.sweep.series if not args.rows or s.get("name") in args.rows.split(",")]
+            records = sweeps.run_sweep(cfg, ctx, series, records_path, base)
+            return records, report.render_sweep(cfg, records, out_dir)
+        rows = [r for r in cfg.rows if not args.rows or r.name in args.rows.split(",")]
+        for r in rows:
+            r.run_bench &= not args.no_bench
+            r.run_evals &= not args.no_evals
+        if cluster:
             try:
-                from experiments import cluster  # optional dependency: Ray
-            except ImportError as err:
-                why = f"--ray needs Ray ({err}): pip install 'ray>=2.60' (or pip install -e '.[ray]')"
-                raise ConfigError(why) from None
+                records = cluster.run_table_ray(cfg, rows, records_path, base, store, args.ray)
+            except ConfigError as err:  # the cluster cannot hold what the config asks for
+                fail(err)
+        else:
+            ctx.store = store
+            records = run_table(cfg, ctx, rows, records_path, base)
+        return records, report.render_table(cfg, records, out_dir) + report.render_grid(cfg, records, out_dir)
+    except KeyboardInterrupt:
+        interrupted(
+            f"the finished rows' records are in {records_path} (appended as each row ends); "
+            f"render them with python -m experiments.report {records_path}"
+        )
+
+
+def report_time(cfg: ExperimentConfig, records: list, out_dir: Path, minutes: float) -> None:
+    budget = cfg.time_budget_minutes
+    log(
+        f"{cfg.name}: {len(records)} records in {minutes:.1f} min"
+        + ("" if budget is None else f" (budget {budget:g} min: {'met' if minutes <= budget else 'EXCEEDED'})")
+    )
+    if budget is not None and not math.isnan(minutes):
+        (out_dir / "wall_time.txt").write_text(f"{minutes:.2f} minutes (budget {budget:g})\n")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    try:
+        cfg, cluster = checked_config(args)
     except (ConfigError, ModelSpecError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        raise SystemExit(2) from None
+        fail(err)
     store = Path(args.store).expanduser().resolve() if args.store else qspec_home()
     EVAL_THREADS["n"] = cfg.evals.threads or DEFAULT_THREADS
     torch.set_num_threads(EVAL_THREADS["n"])
     LOCKING["enabled"] = cfg.bench.lock
     out_dir = Path(args.results_dir or cfg.results_dir) / cfg.name
     out_dir.mkdir(parents=True, exist_ok=True)
-    records_path = out_dir / "records.jsonl"
     started = time.time()
     base = {
         "config": dataclasses.asdict(cfg),
@@ -157,44 +209,12 @@ def main(argv: list[str] | None = None) -> None:
     try:
         ctx = None if cluster else load_context(cfg)  # on a cluster each worker loads it
     except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        raise SystemExit(2) from None
-
-    try:
-        if cfg.kind == "table":
-            rows = [r for r in cfg.rows if not args.rows or r.name in args.rows.split(",")]
-            for r in rows:
-                r.run_bench &= not args.no_bench
-                r.run_evals &= not args.no_evals
-            if cluster:
-                try:
-                    records = cluster.run_table_ray(cfg, rows, records_path, base, store, args.ray)
-                except ConfigError as err:  # the cluster cannot hold what the config asks for
-                    print(f"error: {err}", file=sys.stderr)
-                    raise SystemExit(2) from None
-            else:
-                ctx.store = store
-                records = run_table(cfg, ctx, rows, records_path, base)
-            paths = report.render_table(cfg, records, out_dir) + report.render_grid(cfg, records, out_dir)
-        else:
-            series = [s for s in cfg.sweep.series if not args.rows or s.get("name") in args.rows.split(",")]
-            records = sweeps.run_sweep(cfg, ctx, series, records_path, base)
-            paths = report.render_sweep(cfg, records, out_dir)
-    except KeyboardInterrupt:
-        interrupted(
-            f"the finished rows' records are in {records_path} (appended as each row ends); "
-            f"render them with python -m experiments.report {records_path}"
-        )
+        fail(err)
+    records, paths = run_config(args, cfg, cluster, ctx, store, out_dir, base)
     minutes = (time.time() - started) / 60
-    budget = cfg.time_budget_minutes
-    log(
-        f"{cfg.name}: {len(records)} records in {minutes:.1f} min"
-        + ("" if budget is None else f" (budget {budget:g} min: {'met' if minutes <= budget else 'EXCEEDED'})")
-    )
+    report_time(cfg, records, out_dir, minutes)
     for p in paths:
         print(p)
-    if budget is not None and not math.isnan(minutes):
-        (out_dir / "wall_time.txt").write_text(f"{minutes:.2f} minutes (budget {budget:g})\n")
 
 
 if __name__ == "__main__":

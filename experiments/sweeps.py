@@ -9,8 +9,8 @@ from pathlib import Path
 
 import torch
 
-from evals.loadgen import WorkItem, run_load
 from evals.metrics import RequestRecord, distribution, summarize
+from evals.serving_load import WorkItem, run_load
 from experiments.bench import bench_section, log
 from experiments.config import ConfigError
 from experiments.records import append_jsonl

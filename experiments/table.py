@@ -15,9 +15,11 @@ from pathlib import Path
 
 import torch
 
-from evals import humaneval as he
 from evals.fidelity import FidelityAccumulator, compare_teacher_forced, model_scorer, token_match
-from evals.tasks import run_tasks
+from evals.humaneval_eval import Cache, GenSettings, checkpoint_identity, evaluate
+from evals.humaneval_problems import load_problems, score_line, select
+from evals.humaneval_sandbox import Limits
+from evals.lm_eval_tasks import run_tasks
 from experiments.bench import bench_section, log
 from experiments.config import ConfigError, ExperimentConfig, Row
 from experiments.rows import (
@@ -218,20 +220,20 @@ def humaneval(ctx: Context, row: Row, variant: Variant, res: dict) -> dict:
     if variant.source is None:
         return humaneval_by_claim(row, res)
     section, src = ctx.cfg.evals.humaneval, variant.source
-    problems = he.select(he.load_problems(), section.subset, section.limit)
-    settings = he.GenSettings(
+    problems = select(load_problems(), section.subset, section.limit)
+    settings = GenSettings(
         section.max_new_tokens, dtype=src.dtype, device=ctx.cfg.model.device, batch_size=section.batch_size
     )
-    limits = he.Limits()
-    checkpoint = he.checkpoint_identity(src.path)
+    limits = Limits()
+    checkpoint = checkpoint_identity(src.path)
     if src.recipe:  # an in-memory change after loading: its own cache entries
         checkpoint += "-" + hashlib.sha256(src.recipe.encode()).hexdigest()[:8]
-    cache = he.Cache.for_run(checkpoint, settings, limits)
+    cache = Cache.for_run(checkpoint, settings, limits)
     log(f"row {row.name}: HumanEval pass@1 on {len(problems)} problems ({cache.root})")
-    ev = he.evaluate(
+    ev = evaluate(
         problems, cache, lambda: (variant.model, ctx.tokenizer), settings, limits, log=lambda m: log(f"  {m}")
     )
-    log(f"row {row.name}: HumanEval {he.score_line(ev.passed, len(ev.results))}")
+    log(f"row {row.name}: HumanEval {score_line(ev.passed, len(ev.results))}")
     return {
         **ev.summary(),
         "subset": section.subset,

@@ -5,7 +5,8 @@ forward contract as a linear layer; quantize.formats packs and saves them in lay
 registers its readers with runtime.loader (importing this package is enough for ``load_model`` to read them).
 Each algorithm's entry point is its module: ``quantize.rtn``, ``quantize.int8``, ``quantize.gptq``,
 ``quantize.awq``, and ``quantize.plugin`` for any quantizer of ``quantize.registry`` (plug-ins included)
-(``python -m quantize.gptq --help``).
+(``python -m quantize.gptq --help``). ``quantize.fast_copy`` builds a fast quantized copy of a model in memory (the
+speed benchmarks' rows, quantized drafts).
 """
 
 import importlib

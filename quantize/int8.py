@@ -29,7 +29,7 @@ from quantize.awq import fold_scale, scale_producer
 from quantize.calibration import LayerAlgorithm, Stage, calibrate, run_layer
 from quantize.config import DECODER_LINEARS, QuantConfig
 from quantize.qlinear import quant_linear, set_module
-from quantize.rtn import quantize_weight
+from quantize.rtn_weight import quantize_weight
 
 
 @torch.no_grad()

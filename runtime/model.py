@@ -326,13 +326,6 @@ class Transformer(nn.Module):
         cos, sin = (freqs.cos() * scale).to(dtype), (freqs.sin() * scale).to(dtype)
         return torch.cat((cos, cos), dim=-1)[:, :, None, :], torch.stack((-sin, sin), dim=-2)[:, :, None]
 
-    def rope_rows(self, start: int, count: int) -> tuple[Tensor, Tensor]:
-        """cos [count, D] and sin [count, D/2] of positions start.., the values rope() gives (what the compiled
-        step reads)."""
-        positions = torch.arange(start, start + count, device=self.inv_freq.device)[None]
-        cos, signed_sin = self.rope(positions, self.compute_dtype)
-        return cos[0, :, 0].contiguous(), signed_sin[0, :, 0, 1].contiguous()
-
     def step_layers(self) -> list[tuple] | None:
         """Per layer (input norm, post-attention norm, qkv, o, gate_up, down) for a backend's whole-step kernel
         (runtime.backends), or None when a layer is not one it implements (q/k norms, a stand-in layer or

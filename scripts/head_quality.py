@@ -10,26 +10,13 @@ import json
 
 import torch
 
-from evals.bench_decode import qspec_model
 from evals.perplexity import windows_perplexity
-from quantize.config import QuantConfig
-from quantize.qembedding import tie_quantized_embedding
-from quantize.qlinear import QuantLinear, set_module
-from quantize.rtn_weight import quantize_weight
+from quantize.fast_copy import INT8_HEAD, fast_quantized_copy, named_fast_copy
 from runtime.data import load_text, token_windows
 from runtime.decoding import generate
 from runtime.loader import load_model, load_tokenizer
 from runtime.sampling import SamplingParams
 from tests.test_default_model import wiki_prompts
-
-
-def int8_head(base, model):
-    """model with the tied head (and embedding) int8 per-channel, codes from the fp32 base's table."""
-    cfg = QuantConfig(bits=8, group_size=-1, sym=True)
-    qw = quantize_weight(base.lm_head.weight, cfg, None, False, "lm_head")
-    set_module(model, "lm_head", QuantLinear(qw, compute_dtype=model.compute_dtype))
-    tie_quantized_embedding(model)
-    return model
 
 
 def main() -> None:
@@ -43,9 +30,9 @@ def main() -> None:
         "fp32": lambda: base,
         "bf16 (bf16 head)": lambda: copy.deepcopy(base).set_dtype(torch.bfloat16),
         "bf16 (fp32 head)": lambda: copy.deepcopy(base).set_dtype(torch.bfloat16, head_dtype=torch.float32),
-        "bf16 (int8 head)": lambda: int8_head(base, copy.deepcopy(base).set_dtype(torch.bfloat16)),
-        "int4 g64 (bf16 head)": lambda: qspec_model(base, "int4"),
-        "int4 g64 (int8 head)": lambda: qspec_model(base, "int4-int8head"),
+        "bf16 (int8 head)": lambda: fast_quantized_copy(base, INT8_HEAD),  # codes from the fp32 table
+        "int4 g64 (bf16 head)": lambda: named_fast_copy(base, "int4"),
+        "int4 g64 (int8 head)": lambda: named_fast_copy(base, "int4-int8head"),
     }
     out = {}
     for name, make in variants.items():

@@ -168,7 +168,7 @@ def end_to_end(model, rotated, tok, args) -> None:
         print(f"  RTN {'+'.join(types):40s} plain {a:+.4f}  rotated {b:+.4f}  ({verdict})")
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mode", default="online", choices=["online", "residual"])
     ap.add_argument("--layers", default="1,2,15,25", help="comma list or 'all'")
@@ -202,7 +202,57 @@ def main() -> None:
     )
     ap.add_argument("--token0", action="store_true", help="the first token's error (the attention sink) apart")
     ap.add_argument("--e2e", type=int, default=0, metavar="N", help="end-to-end NLL on N windows of 512, per type")
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+@torch.no_grad()
+def relative_error(w: torch.Tensor, x: torch.Tensor, args, gen: torch.Generator) -> float:
+    """|x (W - Q(W))^T| / |x W^T| over the captured inputs (or per token, the first token, centered: --flags)."""
+    q = quantize(w, args, gen)
+    x = x[:1] if args.token0 else x
+    x = x - x.mean(0) if args.centered else x
+    if args.per_token:
+        return float(((x @ (w - q).t()).norm(dim=1) / (x @ w.t()).norm(dim=1)).mean())
+    return float((x @ (w - q).t()).norm() / (x @ w.t()).norm())
+
+
+def describe(args) -> str:
+    label = f"{args.bits}-bit g{args.group_size}{' mse' if args.mse else ''}, perturb {args.perturb}"
+    label += ", first token only" if args.token0 else ""
+    label += ", per-token mean" if args.per_token else ""
+    label += ", centered inputs" if args.centered else ""
+    label += f", error shuffled per {args.shuffle_error}" if args.shuffle_error else ""
+    return label
+
+
+def layer_table(model, rotated, layers, tokens: torch.Tensor, args) -> None:
+    """Per layer and linear type, the plain and the rotated model's relative output error; then the means."""
+    plain_x, rot_x = capture(model, tokens), capture(rotated, tokens)
+    gen = torch.Generator().manual_seed(args.seed)
+    label = describe(args)
+    sums = {name: [0.0, 0.0, 0] for name in LINEAR_NAMES}
+    if not args.summary:
+        print(f"layer | {' | '.join(LINEAR_NAMES)}   (plain / rotated-{args.mode}; {label})")
+    for i in layers:
+        cells = []
+        for name in LINEAR_NAMES:
+            w0, w1 = linear(model.layers[i], name).weight, linear(rotated.layers[i], name).weight
+            e0 = relative_error(w0, plain_x[(i, name)], args, gen)
+            e1 = relative_error(w1, rot_x[(i, name)], args, gen)
+            sums[name][0] += e0
+            sums[name][1] += e1
+            sums[name][2] += e1 < e0
+            cells.append(f"{e0:.3f} / {e1:.3f}")
+        if not args.summary:
+            print(f"{i} | " + " | ".join(cells))
+    n = len(layers)
+    print(f"mean over {n} layers ({label}; plain / rotated-{args.mode}, rotation better in k of {n}):")
+    for name, (a, b, k) in sums.items():
+        print(f"  {name:13s} {a / n:.4f} / {b / n:.4f}  ({b / a - 1:+.1%}; better in {k}/{n})")
+
+
+def main() -> None:
+    args = parse_args()
     torch.set_num_threads(1)
     model, _, path = load_model("smollm2-135m", torch.float32)
     layers = range(len(model.layers)) if args.layers == "all" else list(map(int, args.layers.split(",")))
@@ -219,42 +269,7 @@ def main() -> None:
     if args.e2e:
         end_to_end(model, rotated, tok, args)
         return
-    plain_x, rot_x = capture(model, tokens), capture(rotated, tokens)
-
-    gen = torch.Generator().manual_seed(args.seed)
-
-    @torch.no_grad()
-    def rel(w, x) -> float:
-        q = quantize(w, args, gen)
-        x = x[:1] if args.token0 else x
-        x = x - x.mean(0) if args.centered else x
-        if args.per_token:
-            return float(((x @ (w - q).t()).norm(dim=1) / (x @ w.t()).norm(dim=1)).mean())
-        return float((x @ (w - q).t()).norm() / (x @ w.t()).norm())
-
-    label = f"{args.bits}-bit g{args.group_size}{' mse' if args.mse else ''}, perturb {args.perturb}"
-    label += ", first token only" if args.token0 else ""
-    label += ", per-token mean" if args.per_token else ""
-    label += ", centered inputs" if args.centered else ""
-    label += f", error shuffled per {args.shuffle_error}" if args.shuffle_error else ""
-    sums = {name: [0.0, 0.0, 0] for name in LINEAR_NAMES}
-    if not args.summary:
-        print(f"layer | {' | '.join(LINEAR_NAMES)}   (plain / rotated-{args.mode}; {label})")
-    for i in layers:
-        cells = []
-        for name in LINEAR_NAMES:
-            w0, w1 = linear(model.layers[i], name).weight, linear(rotated.layers[i], name).weight
-            e0, e1 = rel(w0, plain_x[(i, name)]), rel(w1, rot_x[(i, name)])
-            sums[name][0] += e0
-            sums[name][1] += e1
-            sums[name][2] += e1 < e0
-            cells.append(f"{e0:.3f} / {e1:.3f}")
-        if not args.summary:
-            print(f"{i} | " + " | ".join(cells))
-    n = len(layers)
-    print(f"mean over {n} layers ({label}; plain / rotated-{args.mode}, rotation better in k of {n}):")
-    for name, (a, b, k) in sums.items():
-        print(f"  {name:13s} {a / n:.4f} / {b / n:.4f}  ({b / a - 1:+.1%}; better in {k}/{n})")
+    layer_table(model, rotated, layers, tokens, args)
 
 
 if __name__ == "__main__":

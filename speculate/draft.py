@@ -5,13 +5,12 @@ verifies them with the draft's probabilities (rejection sampling).
 Drafts offline, without a second checkpoint:
 - ``layer_skip_draft``: the target's first N decoder layers + its final norm and lm_head (weights shared,
   no copy), an early-exit draft;
-- ``quantized_draft``: the target's own int8/int4 RTN copy (``quantize.rtn``), no training.
+- ``quantized_draft``: the target's own int8/int4 RTN copy (``quantize.fast_copy``), no training.
 Any other model spec with the same vocabulary works too (``--draft-model``).
 """
 
 from __future__ import annotations
 
-import copy
 import json
 from collections.abc import Hashable
 from dataclasses import dataclass, field, replace
@@ -21,8 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from quantize.config import QuantConfig
-from quantize.qlinear import QuantLinear
-from quantize.rtn import quantize_model
+from quantize.fast_copy import INT8_HEAD, fast_quantized_copy
 from runtime.grammar import row_masks
 from runtime.layout import device_of
 from runtime.loader import ModelSpecError, check_model_spec, load_model
@@ -55,7 +53,7 @@ def quantized_draft(
     dtype: torch.dtype | None = None,
     head_bits: int | None = None,
 ) -> Transformer:
-    """A quantized copy of the target (RTN from the quant package; decoder linears, and the lm_head when
+    """A quantized copy of the target (RTN, quantize.fast_copy; decoder linears, and the lm_head when
     head_bits is given: int8 symmetric per-channel).
 
     group_size None: the standard layout of each width, int8 symmetric per-channel and int4 group 128 (the
@@ -67,28 +65,20 @@ def quantized_draft(
 
     if group_size is None:
         group_size = -1 if bits == 8 else 128
-    draft = copy.deepcopy(model)  # a deepcopy keeps a tied lm_head tied inside the copy
-    if dtype is None and draft.compute_dtype == torch.float32:
+    if dtype is None and model.compute_dtype == torch.float32:
         # the int kernels run bf16 activations (fp32 ones are several times slower), and a bf16 head reads
         # half the bytes: the draft only proposes, so its precision costs acceptance, never exactness
         dtype = torch.bfloat16
-    if dtype is not None and dtype != draft.compute_dtype:
-        # mixed: bf16 layers and head over an fp32 residual stream, the shape qspec's CPU step runs in one call
-        # (a plain-bf16 copy ran the Python layers: ~2.5x the int4 step's time per draft token)
-        draft.set_dtype(dtype, mixed=True)
-    # int8 symmetric per-channel is quantize.int8's weight-only layout; int4 asymmetric g128 is RTN4's
-    quantize_model(draft, QuantConfig(bits=bits, group_size=group_size, sym=bits == 8))
-    if head_bits is not None:
-        if head_bits != 8:
-            raise SpeculatorError(f"a quantized draft's head is int8 (per channel), got head_bits={head_bits}")
-        quantize_model(draft, QuantConfig(bits=8, group_size=-1, sym=True, modules=(), lm_head=True))
-    # quantize_model pins the dequantize-every-forward reference path (exact, for measuring quantization
-    # error); a draft exists to be fast, and the verifier keeps the output lossless whatever it proposes:
-    # let each layer pick its device's fast path (QuantLinear.auto_path) at its first forward
-    for layer in draft.modules():
-        if isinstance(layer, QuantLinear):
-            layer.auto = True
-    return draft.eval()
+    if head_bits is not None and head_bits != 8:
+        raise SpeculatorError(f"a quantized draft's head is int8 (per channel), got head_bits={head_bits}")
+    # int8 symmetric per-channel is quantize.int8's weight-only layout; int4 asymmetric g128 is RTN4's. Mixed
+    # dtype: bf16 layers and head over an fp32 residual stream, the shape qspec's CPU step runs in one call (a
+    # plain-bf16 copy ran the Python layers: ~2.5x the int4 step's time per draft token). Codes come from the
+    # cast copy, as when the drafts' acceptance figures were measured. Each layer takes its device's fast path:
+    # a draft exists to be fast, and the verifier keeps the output lossless whatever it proposes.
+    cfg = QuantConfig(bits=bits, group_size=group_size, sym=bits == 8)
+    head = INT8_HEAD if head_bits is not None else None
+    return fast_quantized_copy(model, cfg, head=head, dtype=dtype, codes_from_copy=True)
 
 
 def check_same_vocab(target: Transformer, draft: Transformer) -> None:

@@ -18,37 +18,29 @@ from types import SimpleNamespace
 
 import pytest
 
-from evals import humaneval
-from evals.humaneval import (
+from evals import humaneval, humaneval_eval
+from evals.humaneval_eval import Cache, GenSettings, checkpoint_identity, evaluate, evaluate_canonical
+from evals.humaneval_problems import (
     CHAT_INSTRUCTION,
     CHAT_MAX_NEW_TOKENS,
     CHAT_RESPONSE_PREFIX,
     CHAT_STOP,
     NUM_PROBLEMS,
-    STATUSES,
     SUBSETS,
-    Cache,
-    GenSettings,
-    Limits,
     Problem,
     chat_answer,
     chat_message,
     chat_program,
     chat_prompt,
-    checkpoint_identity,
-    evaluate,
-    evaluate_canonical,
     extract_code,
     load_problems,
     program,
-    run_program,
-    sandbox_prefix,
     score_line,
     select,
     truncate,
-    unshare_path,
     wilson_interval,
 )
+from evals.humaneval_sandbox import STATUSES, Limits, Outcome, run_program, sandbox_prefix, unshare_path
 from runtime.decoding import GenerationOutput, encode_prompt
 from runtime.loader import load_tokenizer, save_checkpoint
 from runtime.model import random_model
@@ -67,7 +59,7 @@ needs_data = pytest.mark.skipif(
 )
 
 
-def run_add(completion: str, limits: Limits = FAST) -> humaneval.Outcome:
+def run_add(completion: str, limits: Limits = FAST) -> Outcome:
     return run_program(program(ADD, completion), limits)
 
 
@@ -247,7 +239,7 @@ def test_a_rerun_generates_and_runs_nothing(tmp_path, monkeypatch):
         texts = [answers[tokenizer.decode(p)] for p in prompts]
         return GenerationOutput(tokens=[tokenizer(t).input_ids for t in texts], finish_reasons=["stop"] * len(texts))
 
-    monkeypatch.setattr(humaneval, "generate", fake_generate)
+    monkeypatch.setattr(humaneval_eval, "generate", fake_generate)
     loads = []
 
     def load():
@@ -394,7 +386,7 @@ def test_completion_cache_keys_are_unchanged_and_chat_keys_are_their_own(monkeyp
     assert chat.key() != GenSettings(CHAT_MAX_NEW_TOKENS, stop=CHAT_STOP).key()
     assert GenSettings.for_style("chat", 384).key() != GenSettings().key()
     key = chat.key()
-    monkeypatch.setattr(humaneval, "CHAT_VERSION", humaneval.CHAT_VERSION + 1)
+    monkeypatch.setattr(humaneval_eval, "CHAT_VERSION", humaneval_eval.CHAT_VERSION + 1)
     assert chat.key() != key  # a changed protocol gets a new cache entry
     with pytest.raises(ValueError, match="prompt style"):
         GenSettings.for_style("fim")
@@ -411,7 +403,7 @@ def test_chat_evaluation_generates_from_chat_prompts_and_runs_the_extracted_code
         outs = [answers["add" if "def add" in t else "sub"] for t in texts]
         return GenerationOutput(tokens=[tokenizer(t).input_ids for t in outs], finish_reasons=["stop"] * len(outs))
 
-    monkeypatch.setattr(humaneval, "generate", fake_generate)
+    monkeypatch.setattr(humaneval_eval, "generate", fake_generate)
     model = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=4096, eos_token_ids=[]))
     settings = GenSettings.for_style("chat", batch_size=2)
     cache = Cache.for_run("toy-ckpt", settings, FAST, base=tmp_path)
@@ -455,8 +447,8 @@ def test_cli_generates_through_the_real_loop_then_reuses_the_cache(tiny_checkpoi
     assert rec["provenance"]["command"].startswith("python -m evals.humaneval") and rec["checkpoint"]
     assert rec["prompt_style"] == "completion" and rec["settings"] == asdict(GenSettings(8, device="cpu"))
     calls = []
-    real = humaneval.generate
-    monkeypatch.setattr(humaneval, "generate", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = humaneval_eval.generate
+    monkeypatch.setattr(humaneval_eval, "generate", lambda *a, **k: calls.append(1) or real(*a, **k))
     again = humaneval.main(argv)
     assert calls == [] and all(p["cached"] for p in again["problems"])
     assert [(p["status"], p["completion"]) for p in again["problems"]] == [
@@ -471,8 +463,8 @@ def test_cli_with_a_draft_caches_apart_and_completes_as_plain_decoding(tiny_chec
     argv = ["--model", str(tiny_checkpoint_dir), "--limit", "3", "--max-new-tokens", "12", "--device", "cpu"]
     plain = humaneval.main(argv)
     calls = []
-    real = humaneval.speculative_generate
-    monkeypatch.setattr(humaneval, "speculative_generate", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = humaneval_eval.speculative_generate
+    monkeypatch.setattr(humaneval_eval, "speculative_generate", lambda *a, **k: calls.append(1) or real(*a, **k))
     spec = humaneval.main([*argv, "--draft", "int8,k=3,conf=0.01"])
     assert calls == [1, 1, 1] and not any(p["cached"] for p in spec["problems"])  # its own cache entries
     assert spec["settings"]["draft"] == "int8,k=3,conf=0.01"
@@ -493,8 +485,8 @@ def test_cli_chat_style_generates_from_the_chat_template_and_records_it(
     assert rec["prompt_style"] == "chat" and rec["settings"] == asdict(GenSettings.for_style("chat", 8, device="cpu"))
     assert rec["problems"][0]["status"] in STATUSES and "[chat prompts]" in capsys.readouterr().out
     calls = []
-    real = humaneval.generate
-    monkeypatch.setattr(humaneval, "generate", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = humaneval_eval.generate
+    monkeypatch.setattr(humaneval_eval, "generate", lambda *a, **k: calls.append(1) or real(*a, **k))
     assert humaneval.main(argv)["prompt_style"] == "completion" and calls == [1]  # its own cache entry
     assert "[completion prompts]" in capsys.readouterr().out
 

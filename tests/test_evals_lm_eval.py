@@ -152,7 +152,7 @@ def test_offline_tasks_are_reproducible_and_from_eval_split(tmp_path):
 
 
 def test_run_tasks_on_tiny_model_with_stderr(tiny_real_vocab, tokenizer, tmp_path):
-    from evals.tasks import run_tasks
+    from evals.lm_eval_tasks import run_tasks
 
     model, _ = tiny_real_vocab
     lm = QspecLM(model=model, tokenizer=tokenizer, batch_size=8, max_length=256)
@@ -174,10 +174,10 @@ def test_cli_rejects_bad_model_and_unknown_task(tmp_path, capsys, monkeypatch):
 
 @pytest.mark.slow  # an unknown name makes lm-eval index its thousands of bundled task YAMLs (minutes here)
 def test_unknown_task_is_named(tmp_path):
-    from evals import tasks
+    from evals import lm_eval_tasks
 
     class FakeLM:  # never reached: the task name is checked before any scoring
         pass
 
     with pytest.raises(ValueError, match="no_such_task"):
-        tasks.run_tasks(FakeLM(), ["no_such_task"], tasks_dir=tmp_path, n_docs=5)
+        lm_eval_tasks.run_tasks(FakeLM(), ["no_such_task"], tasks_dir=tmp_path, n_docs=5)

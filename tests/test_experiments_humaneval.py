@@ -10,9 +10,9 @@ import pytest
 import torch
 import yaml
 
-from evals import humaneval
-from evals.humaneval import load_problems, wilson_interval
-from evals.specbench import build_method, parse_method
+from evals import humaneval_eval
+from evals.humaneval_problems import load_problems, wilson_interval
+from evals.specbench_suite import build_method, parse_method
 from experiments.config import ConfigError, load_config
 from experiments.records import read_jsonl
 from experiments.rows import ROWS, plan_row
@@ -123,8 +123,8 @@ def test_humaneval_rows_record_pass_at_1_and_the_table_shows_it(tmp_path, tiny_c
         for p in todo:
             yield p, answers[p.task_id], "stop"
 
-    monkeypatch.setattr(humaneval, "iter_completions", completions)
-    monkeypatch.setattr(humaneval, "qspec_home", lambda: tmp_path / "home")
+    monkeypatch.setattr(humaneval_eval, "iter_completions", completions)
+    monkeypatch.setattr(humaneval_eval, "qspec_home", lambda: tmp_path / "home")
     data = yaml.safe_load((ROOT / "configs" / "tiny.yaml").read_text())
     data.update(name="tiny_humaneval", model={"spec": str(tiny_checkpoint), "dtype": "bf16"})
     data["evals"].update(threads=1, humaneval={"subset": None, "limit": 2, "max_new_tokens": 16, "batch_size": 2})

@@ -17,8 +17,8 @@ import yaml
 
 pytest.importorskip("aiohttp")
 
-from evals.loadgen import WorkItem, run_load  # noqa: E402
 from evals.metrics import summarize  # noqa: E402
+from evals.serving_load import WorkItem, run_load  # noqa: E402
 from experiments.run import main as run_experiment  # noqa: E402
 from tests.conftest import patch_everywhere  # noqa: E402
 from tests.test_serve_server import server  # noqa: E402, F401  (fixture: qspec's server)

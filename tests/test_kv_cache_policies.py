@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from evals.fidelity import cached_scorer
-from evals.long_context import capacity, engine_holds, parse_spec, passkey_prompt
+from evals.long_context_measures import capacity, engine_holds, parse_spec, passkey_prompt
 from runtime.decoding import generate
 from runtime.engine import EngineConfig, LLMEngine
 from runtime.kernels import cpu_step

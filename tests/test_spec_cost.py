@@ -23,7 +23,7 @@ from evals.spec_cost import (
     predict_speedup,
     predict_suite,
 )
-from evals.specbench import SMOKE_CONFIG, build_method
+from evals.specbench_suite import SMOKE_CONFIG, build_method
 from quantize.qlinear import QuantLinear
 from runtime.decoding import generate
 from runtime.loader import load_model

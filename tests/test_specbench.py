@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from evals.specbench import SMOKE_CONFIG, main, parse_method, run_suite, smoke_suite
+from evals.specbench import main
+from evals.specbench_suite import SMOKE_CONFIG, parse_method, run_suite, smoke_suite
 from runtime.data import wiki_docs, wiki_split
 from runtime.model import random_model
 from runtime.prompts import CATEGORIES, SuiteError, add_typos, build_suite
