@@ -12,7 +12,9 @@ roofline share compares the weight bytes read per decoded token with a streaming
 
 Rows: ``qspec:fp32``, ``qspec:bf16`` (bf16 layers and head, fp32 residual stream), ``qspec:bf16-fp32head``,
 ``qspec:int8`` (per-channel), ``qspec:int4`` (group 64, asymmetric), ``qspec:int4-int8head`` (the tied head
-int8 per-channel), ``qspec:fp8`` (e4m3 weight-only, per-channel scales), ``hf:fp32``, ``hf:bf16``,
+int8 per-channel), ``qspec:fp8`` (e4m3 weight-only, per-channel scales), ``qspec:w8a8`` (int8 per-channel
+symmetric with int8 per-token activations), ``qspec:w4a8`` (int4 group 64 with int8 activations: an opt-in
+approximation of int4), ``hf:fp32``, ``hf:bf16``,
 ``llama.cpp`` (llama-cpp-python on the GGUF the default model ships as, an optional peer: skipped with a note
 when it is not installed). Quantized rows use round-to-nearest codes (speed does not depend on how codes are
 chosen) with bf16 activations.
@@ -44,7 +46,7 @@ from runtime.loader import DEFAULT_MODEL, check_model_arg, gguf_source, load_mod
 from runtime.provenance import provenance
 from runtime.sampling import SamplingParams
 
-QSPEC_ROWS = ("fp32", "bf16", "bf16-fp32head", "int8", "int4", "int4-int8head", "fp8")
+QSPEC_ROWS = ("fp32", "bf16", "bf16-fp32head", "int8", "int4", "int4-int8head", "fp8", "w8a8", "w4a8")
 DEFAULT_ROWS = "qspec:fp32,hf:fp32,qspec:bf16,hf:bf16,qspec:int8,qspec:int4,llama.cpp"
 
 
@@ -99,14 +101,16 @@ def qspec_model(base, variant: str):
             fw = quantize_fp8(base.get_submodule(name).weight)
             set_module(model, name, FPLinear(fw, compute_dtype=torch.bfloat16))
         return model
-    bits, group = (8, -1) if variant == "int8" else (4, 64)
+    bits, group = (8, -1) if variant in ("int8", "w8a8") else (4, 64)
     cfg = QuantConfig(bits=bits, group_size=group, sym=bits == 8)
+    act_quant = variant in ("w8a8", "w4a8")  # int8 activations (QuantConfig takes them for 8 bits only)
     head = variant.endswith("int8head")
     names = cfg.targets(model) + (["lm_head"] if head else [])
     for name in names:
         layer_cfg = QuantConfig(bits=8, group_size=-1, sym=True) if name == "lm_head" else cfg
         weight = base.get_submodule(name).weight  # codes from the fp32 weights
-        layer = QuantLinear(quantize_weight(weight, layer_cfg, None, False, name), compute_dtype=torch.bfloat16)
+        qw = quantize_weight(weight, layer_cfg, None, False, name)
+        layer = QuantLinear(qw, act_quant=act_quant and name != "lm_head", compute_dtype=torch.bfloat16)
         set_module(model, name, layer)
     if head:
         tie_quantized_embedding(model)
