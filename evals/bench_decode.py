@@ -14,7 +14,9 @@ roofline share compares the weight bytes read per decoded token with a streaming
 
 Rows: ``qspec:fp32``, ``qspec:bf16`` (bf16 layers and head, fp32 residual stream), ``qspec:bf16-fp32head``,
 ``qspec:int8`` (per-channel), ``qspec:int4`` (group 64, asymmetric), ``qspec:int4-int8head`` (the tied head
-int8 per-channel), ``qspec:fp8`` (e4m3 weight-only, per-channel scales), ``hf:fp32``, ``hf:bf16``,
+int8 per-channel), ``qspec:fp8`` (e4m3 weight-only, per-channel scales), ``qspec:w8a8`` (int8 per-channel
+symmetric with int8 per-token activations), ``qspec:w4a8`` (int4 group 64 with int8 activations: an opt-in
+approximation of int4), ``hf:fp32``, ``hf:bf16``,
 ``llama.cpp`` (llama-cpp-python on the GGUF the default model ships as, an optional peer: skipped with a note
 when it is not installed). Quantized rows use round-to-nearest codes (speed does not depend on how codes are
 chosen) with bf16 activations.
@@ -284,7 +286,7 @@ def table(results: dict, reference: str | None) -> list[str]:
     return lines
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv):
     ap = ArgumentParser(prog="python -m evals.bench_decode", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--rows", default=DEFAULT_ROWS, help=f"comma list (default {DEFAULT_ROWS})")
@@ -298,15 +300,19 @@ def main(argv: list[str] | None = None) -> None:
     check_model_arg(ap, args.model)  # before anything loads: a bad spec is one line, not a traceback
     if args.new_tokens < 2 or args.repeats < 1:
         ap.error("--new-tokens must be >= 2 and --repeats >= 1")
-    lengths = parse_lengths(ap, args.prompt_tokens)
-    rows = parse_rows(args.rows)
-    torch.set_num_threads(args.threads)
+    args.lengths = parse_lengths(ap, args.prompt_tokens)
+    args.row_list = parse_rows(args.rows)
+    return args
 
+
+def measure(args) -> tuple[list[Runner], list[list[int]], dict, dict]:
+    """(runners, prompts per length, results per row, skipped rows): every row warmed up, then --repeats
+    interleaved rounds of decode (first prompt length) and, with several lengths, TTFT per length."""
+    torch.set_num_threads(args.threads)
     _, _, path = load_model(args.model)
-    tokenizer = load_tokenizer(str(path))
-    prompts = prompt_ids(tokenizer, lengths)
+    prompts = prompt_ids(load_tokenizer(str(path)), args.lengths)
     prompt = prompts[0]
-    runners, skipped = build_runners(rows, args.model, prompt, args.threads, max(lengths))
+    runners, skipped = build_runners(args.row_list, args.model, prompt, args.threads, max(args.lengths))
     bandwidth = measure_bandwidth()
     print(f"[bench_decode] streaming bandwidth {bandwidth / 1e9:.1f} GB/s, {args.threads} threads", file=sys.stderr)
     for r in runners:  # warm up every runner (first-call allocations, kernel choice, the compiled CPU step)
@@ -323,30 +329,34 @@ def main(argv: list[str] | None = None) -> None:
     for r in runners:
         if r.profile is not None:
             results[r.name]["time_shares"] = r.profile(args.new_tokens)
-    record = {
-        "run": provenance(),
-        "bandwidth_GBps": bandwidth / 1e9,
-        "args": vars(args),
-        "prompt_tokens": len(prompt),
-        "skipped": skipped,
-        "results": results,
-    }
+        if len(prompts) > 1 and r.name in results:
+            results[r.name]["ttft_ms_by_prompt_tokens"] = {
+                n: 1e3 * statistics.median(v) for n, v in r.ttft_by_length.items()
+            }
+    return runners, prompts, results, {"bandwidth_GBps": bandwidth / 1e9, "skipped": skipped}
+
+
+def report(args, runners, prompts, results, extra) -> None:
     print(
-        f"batch 1, {len(prompt)}-token prompt, {args.new_tokens} new tokens, greedy, {args.threads} threads, "
+        f"batch 1, {len(prompts[0])}-token prompt, {args.new_tokens} new tokens, greedy, {args.threads} threads, "
         f"median of {args.repeats} interleaved rounds; TPOT = (wall(N) - wall(1)) / (N - 1) from whole calls"
     )
     reference = args.reference if args.reference in results else None
     print("\n".join(table(results, reference)))
     if len(prompts) > 1:
         print(f"\nTTFT (a whole 1-token call) by prompt length, median of {args.repeats} interleaved rounds")
-        print("\n".join(ttft_table(runners, lengths, reference)))
-        for r in runners:
-            results[r.name]["ttft_ms_by_prompt_tokens"] = {
-                n: 1e3 * statistics.median(v) for n, v in r.ttft_by_length.items()
-            }
-    for name, why in skipped.items():
+        print("\n".join(ttft_table(runners, args.lengths, reference)))
+    for name, why in extra["skipped"].items():
         print(f"(skipped {name}: {why})")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    runners, prompts, results, extra = measure(args)
+    report(args, runners, prompts, results, extra)
     if args.out:
+        record = {"run": provenance(), **extra, "args": {k: v for k, v in vars(args).items() if k != "row_list"},
+                  "prompt_tokens": len(prompts[0]), "results": results}  # fmt: skip
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(record, indent=2))
 

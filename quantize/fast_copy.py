@@ -20,7 +20,7 @@ from quantize.qlinear import QuantLinear, set_module
 from quantize.rtn_weight import quantize_weight
 
 # the named copies the speed benchmarks time (evals.bench_decode's qspec rows, evals.spec_cost --dtype)
-NAMED_COPIES = ("fp32", "bf16", "bf16-fp32head", "int8", "int4", "int4-int8head", "fp8")
+NAMED_COPIES = ("fp32", "bf16", "bf16-fp32head", "int8", "int4", "int4-int8head", "fp8", "w8a8", "w4a8")
 INT8_HEAD = QuantConfig(bits=8, group_size=-1, sym=True, modules=(), lm_head=True)  # per-channel symmetric
 
 
@@ -30,6 +30,7 @@ def fast_quantized_copy(
     head: QuantConfig | None = None,
     dtype: torch.dtype | None = torch.bfloat16,
     codes_from_copy: bool = False,
+    int8_activations: bool | None = None,
 ) -> nn.Module:
     """A deep copy of a runtime.model.Transformer with cfg's linears quantized (FP8 / FP4 when cfg comes from
     quantize.fp8.float_config, else RTN) and, with ``head``, the lm_head quantized on head's grid. A tied
@@ -37,7 +38,9 @@ def fast_quantized_copy(
 
     dtype: the copy's compute dtype, mixed (fp32 residual stream: the shape qspec's CPU step runs in one call);
     None keeps the model's. Codes are rounded from the source model's weights (full precision: the codes a
-    quantize.rtn checkpoint of it would hold); ``codes_from_copy`` rounds the copy's, after the dtype cast."""
+    quantize.rtn checkpoint of it would hold); ``codes_from_copy`` rounds the copy's, after the dtype cast.
+    int8_activations: override cfg.act_quant for the decoder linears (W4A8: int4 codes with int8 activations, an
+    approximation no checkpoint format holds, so QuantConfig refuses it; the head keeps its own grid's)."""
     fast = copy.deepcopy(model)  # a deepcopy keeps a tied lm_head tied inside the copy
     if dtype is not None and dtype != fast.compute_dtype:
         fast.set_dtype(dtype, mixed=True)
@@ -45,7 +48,8 @@ def fast_quantized_copy(
     grids = [cfg] if head is None else [cfg, head]
     for grid in grids:
         for name in grid.targets(fast):
-            set_module(fast, name, _quantized_layer(source.get_submodule(name), fast.get_submodule(name), grid))
+            act = grid.act_quant if int8_activations is None or grid is head else int8_activations
+            set_module(fast, name, _quantized_layer(source.get_submodule(name), fast.get_submodule(name), grid, act))
     if isinstance(fast.lm_head, QuantLinear) and fast.config.tie_word_embeddings:
         tie_quantized_embedding(fast)  # one packed table serves the head and the embedding
     for layer in fast.modules():
@@ -54,14 +58,14 @@ def fast_quantized_copy(
     return fast.eval()
 
 
-def _quantized_layer(source: nn.Module, like: nn.Module, cfg: QuantConfig) -> nn.Module:
+def _quantized_layer(source: nn.Module, like: nn.Module, cfg: QuantConfig, act_quant: bool) -> nn.Module:
     """The quantized layer for one linear: codes from ``source``'s weight, compute dtype and device of ``like``
     (the copy's linear it replaces)."""
     dtype, device = like.weight.dtype, like.weight.device
     fmt = cfg.extra.get("fmt")
     if fmt is None:
         qweight = quantize_weight(source.weight, cfg, source.bias)
-        return QuantLinear(qweight, act_quant=cfg.act_quant, compute_dtype=dtype).to(device)
+        return QuantLinear(qweight, act_quant=act_quant, compute_dtype=dtype).to(device)
     if cfg.extra.get("scale_search"):
         raise ValueError("a fast copy rounds FP8 scales to amax / 448; searched scales need quantize.fp8")
     if fmt == "e4m3":
@@ -69,13 +73,14 @@ def _quantized_layer(source: nn.Module, like: nn.Module, cfg: QuantConfig) -> nn
         fweight = quantize_fp8(source.weight, block, source.bias)
     else:
         fweight = quantize_fp4(source.weight, fmt, source.bias)
-    return FPLinear(fweight, act_quant=cfg.act_quant, compute_dtype=dtype).to(device)
+    return FPLinear(fweight, act_quant=act_quant, compute_dtype=dtype).to(device)
 
 
 def named_fast_copy(base: nn.Module, name: str) -> nn.Module:
     """The fp32 base model in one of NAMED_COPIES: dense fp32 (the base itself) / bf16 / bf16 with an fp32 head,
     FP8 e4m3 per-channel, or RTN codes on every decoder linear (int8 per-channel symmetric, int4 group 64
-    asymmetric; -int8head: the tied head int8 too), all with bf16 activations."""
+    asymmetric; -int8head: the tied head int8 too), all with bf16 activations; w8a8 / w4a8: the int8 / int4 codes
+    with int8 activations (per token, dynamic)."""
     if name not in NAMED_COPIES:
         raise ValueError(f"unknown copy {name!r}; choose from {', '.join(NAMED_COPIES)}")
     if name == "fp32":
@@ -88,6 +93,7 @@ def named_fast_copy(base: nn.Module, name: str) -> nn.Module:
         fp8 = QuantConfig(bits=8, group_size=-1, sym=True)
         fp8.extra.update(fmt="e4m3")
         return fast_quantized_copy(base, fp8)
-    bits, group = (8, -1) if name == "int8" else (4, 64)
+    bits, group = (8, -1) if name in ("int8", "w8a8") else (4, 64)
     cfg = QuantConfig(bits=bits, group_size=group, sym=bits == 8)
-    return fast_quantized_copy(base, cfg, head=INT8_HEAD if name.endswith("int8head") else None)
+    head = INT8_HEAD if name.endswith("int8head") else None
+    return fast_quantized_copy(base, cfg, head=head, int8_activations=name in ("w8a8", "w4a8"))

@@ -91,8 +91,10 @@ class QuantLinear(nn.Module):
     """nn.Linear stand-in holding a QuantizedWeight, with one forward contract and several paths.
 
     act_quant=True is W8A8: activations are quantized per token to int8 before the matmul (the reference
-    path sums the integer products exactly, then scales: the same outputs as cpu_w8a8's integer matmul, bit for
-    bit; Triton dots in float: the same result up to summation order).
+    path sums the integer products exactly, then scales: the same outputs as cpu_w8a8's integer matmul and the
+    cpu path's integer kernels, bit for bit; Triton dots in float: the same result up to summation order). With
+    2/3/4-bit codes it is W4A8, an opt-in approximation of the weight-only layer (int8 activations let the CPU
+    step use integer dot products; no checkpoint format stores it): paths reference, dense, cpu.
 
     Paths (``path="auto"`` picks one at the first forward from the input's device and compute_dtype; on CPU
     int4 is picked only for a 16-bit compute_dtype, since it rounds activations to bf16):
@@ -103,19 +105,21 @@ class QuantLinear(nn.Module):
                  scale; resident bytes are the dense size plus the packed codes
       cpu        qspec's CPU step kernels (runtime.kernels.cpu_step: 2/3/4- and 8-bit codes, fp32 or bf16
                  activations, any group size that is even or per-channel; the decode step reads this layout
-                 in place); the reference math up to summation order. From cpu_step.PREFILL_MIN_ROWS rows
-                 (prompts) the "prefill GEMM": the weight dequantized a block of output rows at a time in C++,
-                 rounded to the activation dtype, times torch's GEMM (cpu_step.prefill_linear): APPROXIMATE in
-                 the last bits, as a bf16 layer's own prefill; QSPEC_PREFILL_GEMM=0 keeps the exact kernels
+                 in place); the reference math up to summation order (W8A8 / W4A8: integer dot products,
+                 equal to the reference bit for bit; integer zero points). From cpu_step.PREFILL_MIN_ROWS rows
+                 (prompts) weight-only layers take the "prefill GEMM": the weight dequantized a block of output
+                 rows at a time in C++, rounded to the activation dtype, times torch's GEMM
+                 (cpu_step.prefill_linear): APPROXIMATE in the last bits, as a bf16 layer's own prefill;
+                 QSPEC_PREFILL_GEMM=0 keeps the exact kernels (int8-activation layers always do)
       cpu_int4   torch's int4 packed matmul (2/3/4-bit codes, group size a multiple of 32; bf16 activations)
       cpu_int8   torch's int8 weight-only matmul (8-bit codes)
-      cpu_w8a8   torch._int_mm on int8 activations and weights (act_quant=True)
+      cpu_w8a8   torch._int_mm on int8 activations and weights (act_quant=True, 8-bit codes)
       cuda_int4  torch's CUDA int4 kernel, tinygemm (2/3/4-bit codes in nibbles, group size a multiple of 32,
                  out_features % 16 == 0; bf16 activations)
       cuda_int8  per-channel int8 weight-only in plain torch ops (fused by torch.compile; runs on any device)
       triton     fused dequantize + matmul Triton kernels (CUDA; CPU only under TRITON_INTERPRET=1)
 
-    The automatic rule on CPU: ``cpu`` where the step's kernels are built and take the layer, else cpu_w8a8 /
+    The automatic rule on CPU (W8A8 too): ``cpu`` where the step's kernels are built and take the layer, else cpu_w8a8 /
     cpu_int8 / cpu_int4 (torch's packed ops) as supported. The automatic rule on CUDA: W8A8 and act-order (g_idx)
     layers run Triton; <= 4-bit codes run cuda_int4 when
     its layout fits and the compute dtype is 16-bit (Triton otherwise, for fp32 models, which keep fp32 math, and
@@ -133,8 +137,6 @@ class QuantLinear(nn.Module):
         path: str = "auto",
     ):
         super().__init__()
-        if act_quant and qweight.bits != 8:
-            raise ValueError("W8A8 needs 8-bit weights")
         if path not in PATHS + ("auto",):
             raise ValueError(f"unknown QuantLinear path {path!r}; choose from {PATHS + ('auto',)}")
         self.in_features, self.out_features = qweight.in_features, qweight.out_features
@@ -328,8 +330,8 @@ class QuantLinear(nn.Module):
         if path in ("reference", "dense", "triton"):
             return None
         if path == "cpu":
-            if self.act_quant:
-                return "the cpu kernels are weight-only; W8A8 layers run on cpu_w8a8"
+            if self.act_quant and not torch.equal(self.zeros.float(), self.zeros.float().round()):
+                return "the cpu kernels sum int8 activations times (code - zero) in integers: integer zero points"
             if not cpu_step.available():
                 return "qspec's CPU step is not built here (runtime.kernels.cpu_step)"
             n_groups = -(-self.in_features // self.group_size)
@@ -348,8 +350,8 @@ class QuantLinear(nn.Module):
             return None
         if path == "cpu_w8a8" and not self.act_quant:
             return "cpu_w8a8 quantizes activations; build the layer with act_quant=True"
-        if path != "cpu_w8a8" and self.act_quant:
-            return "act_quant=True layers run on cpu_w8a8, reference or triton"
+        if path not in ("cpu_w8a8", "cpu") and self.act_quant:
+            return "act_quant=True layers run on cpu, cpu_w8a8, reference or triton"
         if path == "cpu_int4" and not cpu.int4_supported(self.bits, self.group_size, self.out_features):
             return "cpu_int4 needs <= 4 bits, a group size that is a multiple of 32 and out_features % 16 == 0"
         if path in ("cpu_int8", "cpu_w8a8") and self.bits != 8:
@@ -449,7 +451,7 @@ class QuantLinear(nn.Module):
                 group=self.in_features if n == 1 else self.group_size, data=self.kernel_data,
                 scales=self.kernel_scales, zeros=self.kernel_zeros, perm=self.in_perm,
                 bias=None if self.bias is None else self.bias.float(),
-                bf16_activations=self.compute_dtype == torch.bfloat16,
+                bf16_activations=self.compute_dtype == torch.bfloat16, int8_activations=self.act_quant,
             )  # fmt: skip
             self.__dict__["_kernel_weight"] = kw
         return kw

@@ -128,7 +128,7 @@ def test_auto_picks_fast_paths_and_falls_back_with_reason():
     }
     for layer in picks.values():
         layer(torch.randn(1, 128, dtype=layer.compute_dtype))
-    assert [picks[k].path for k in picks] == ["cpu", "cpu", "cpu", "cpu_w8a8", "cpu", "reference"]
+    assert [picks[k].path for k in picks] == ["cpu", "cpu", "cpu", "cpu", "cpu", "reference"]  # W8A8: the step's
     with pytest.raises(ValueError, match="cpu_int4 needs <= 4 bits, a group size that is a multiple of 32"):
         picks["g16"].set_path("cpu_int4")
     with pytest.raises(ValueError, match="the cpu kernels read codes in column pairs"):

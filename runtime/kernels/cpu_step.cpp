@@ -84,6 +84,7 @@ inline int isa() { return std::min(cpu_isa(), g_isa_cap); }
 struct Weight {
   int64_t kind = F32, N = 0, K = 0, group = 0, ngroups = 1;
   bool bf16_act = false;
+  bool int8_act = false;  // activations quantized per token to int8: integer dot products (i8act)
   at::Tensor data, scales, zeros, perm, bias;
 
   int64_t tiles() const { return (N + NR - 1) / NR; }
@@ -679,6 +680,352 @@ void quant(const Weight& w, const Acts& a, int64_t t0, int64_t t1, float* y, int
 }  // namespace amx
 #pragma GCC pop_options
 
+// ---- int8 activations (W8A8, W4A8): integer dot products ------------------------------------------------------
+// A layer with int8_act quantizes each activation row (token) to int8 as it enters, as
+// quantize.grid.quantize_activations_per_token does: s = max(amax |x|, 1e-8) / 127, q = clamp(round(x / s), -127,
+// 127), rounding half to even. Per group g of output n the kernels sum d = sum_k q[k] * (code[n, k] - z[n, g]) in
+// int32, exactly (the zero points are integers), then in fp32, group after group, each operation rounded once:
+//   acc = float(d_0) * s_w[n, 0];  acc = acc + float(d_g) * s_w[n, g] (g = 1, 2, ...);  y = acc * s  (+ bias)
+// which is QuantLinear.w8a8_reference's order: the kernels equal it bit for bit. Integer sums are exact in any
+// order, so a row's result never depends on the other rows of the call.
+// Kernels: AVX512-VNNI vpdpbusd (4 u8 x s8 products per dword: the pair layout is transposed in registers so one
+// dword holds 4 columns of one row: int8 codes read unsigned, code = stored ^ 0x80); without VNNI (AVX-512, AVX2)
+// vpmaddwd on a row's (code 2j, code 2j+1) int16 words x (q 2j, q 2j+1), int8 codes read signed (code - 128).
+bool cpu_vnni() {  // CPUID.(7,0):ECX[11] AVX512_VNNI
+  static const bool ok = cpuid_bit(7, 0, 2, 11);
+  return ok;
+}
+bool g_vnni = true;  // set_vnni(false): tests run the vpmaddwd kernels on a VNNI CPU
+
+namespace i8act {
+
+enum Family : int { MADD2 = 0, MADD512 = 1, VNNI = 2 };
+
+struct QActs {
+  int64_t M = 0, Kp = 0;
+  std::vector<int8_t> q;        // [M, Kp] in the layer's column order (perm), zero past K
+  std::vector<float> scale;     // [M]
+  std::vector<int32_t> qsum;    // [M, groups]
+  std::vector<uint32_t> pairs;  // [M, Kp / 2]: (q 2j, q 2j+1) as int16 words (vpmaddwd)
+  std::vector<uint32_t> split;  // [M, Kp / 8, 2]: an 8-column block's even, odd columns as 4 bytes (VNNI int4)
+};
+
+// VNNI reads 4 (int8) or 8 (int4) columns per load: groups must not end inside one
+inline bool quads_fit(const Weight& w) { return w.ngroups == 1 || w.group % (w.kind == I4 ? 8 : 4) == 0; }
+
+int family(const Weight& w) {
+  const int level = isa();
+  if (level >= ISA_AVX512 && g_vnni && cpu_vnni() && quads_fit(w)) return VNNI;
+  return level >= ISA_AVX512 ? MADD512 : MADD2;
+}
+
+inline int8_t quant_value(float v, float s) {  // torch.clamp(torch.round(v / s), -127, 127)
+  const float r = std::nearbyint(v / s);       // the default rounding mode: half to even
+  return static_cast<int8_t>(std::min(std::max(r, -127.0f), 127.0f));
+}
+
+// 8 values quantized to int8 at q: the same IEEE division and rounding as quant_value, 8 lanes at a time (a
+// scalar nearbyint per value cost as much as the layer's whole dot product at decode)
+inline void quant8(const float* v, __m256 s, int8_t* q) {
+  const __m256 r = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(v), s), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 c = _mm256_min_ps(_mm256_max_ps(r, _mm256_set1_ps(-127.0f)), _mm256_set1_ps(127.0f));
+  const __m256i i = _mm256_cvtps_epi32(c);
+  const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(q), _mm_packs_epi16(w, w));
+}
+
+inline float abs_max(const float* x, int64_t n) {  // exact in any order
+  __m256 m = _mm256_setzero_ps();
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  int64_t k = 0;
+  for (; k + 8 <= n; k += 8) m = _mm256_max_ps(m, _mm256_and_ps(_mm256_loadu_ps(x + k), magnitude));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, m);
+  float amax = 0.0f;
+  for (float v : lanes) amax = std::max(amax, v);
+  for (; k < n; ++k) amax = std::max(amax, std::fabs(x[k]));
+  return amax;
+}
+
+// Row m: the int8 codes in the layer's column order, their per-group sums, and the kernel's activation words.
+void quantize_row(const Weight& w, const float* src, int64_t m, QActs& a, int fam, std::vector<float>& gathered) {
+  if (w.perm.defined()) {  // act-order: gather first (amax is the same over either order)
+    const int64_t* perm = w.perm.data_ptr<int64_t>();
+    gathered.resize(w.K);
+    for (int64_t k = 0; k < w.K; ++k) gathered[k] = src[perm[k]];
+    src = gathered.data();
+  }
+  const float s = std::max(abs_max(src, w.K), 1e-8f) / 127.0f;
+  a.scale[m] = s;
+  int8_t* q = a.q.data() + m * a.Kp;
+  int64_t k = 0;
+  for (; k + 8 <= w.K; k += 8) quant8(src + k, _mm256_set1_ps(s), q + k);
+  for (; k < w.K; ++k) q[k] = quant_value(src[k], s);
+  for (int64_t g = 0; g < w.ngroups; ++g) {
+    int32_t sum = 0;
+    for (int64_t c = g * w.group; c < std::min(w.K, (g + 1) * w.group); ++c) sum += q[c];
+    a.qsum[m * w.ngroups + g] = sum;
+  }
+  for (int64_t c = 0; c < a.Kp; c += 16) {  // Kp is a multiple of 32
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + c));
+    if (fam != VNNI) {  // dword j = (q 2j, q 2j+1) as int16 words: the row sign-extended to int16
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.pairs.data() + m * (a.Kp / 2) + c / 2), _mm256_cvtepi8_epi16(b));
+    } else if (w.kind == I4) {  // per 8 columns: dword (q 0, 2, 4, 6), dword (q 1, 3, 5, 7)
+      const __m128i order = _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(a.split.data() + (m * (a.Kp / 8) + c / 8) * 2), _mm_shuffle_epi8(b, order));
+    }
+  }
+}
+
+void prepare(const Weight& w, const float* x, int64_t M, int64_t ldx, QActs& a, int fam) {
+  a.M = M;
+  a.Kp = (w.K + KB - 1) / KB * KB;
+  a.q.assign(M * a.Kp, 0);
+  a.scale.resize(M);
+  a.qsum.resize(M * w.ngroups);
+  if (fam != VNNI) a.pairs.resize(M * a.Kp / 2);
+  if (fam == VNNI && w.kind == I4) a.split.resize(M * a.Kp / 4);
+  std::vector<float> gathered;
+  for (int64_t m = 0; m < M; ++m) quantize_row(w, x + m * ldx, m, a, fam, gathered);
+}
+
+// Half a tile (8 rows) x MB activation rows, vpmaddwd: the AVX2 kernel.
+template <int64_t KIND, int TB, int MB>
+void madd_block2(const Weight& w, const QActs& a, int64_t tile0, int half, int64_t m0, float* y, int64_t ldy) {
+  const int64_t Kp = a.Kp, G = w.ngroups, tile_bytes = (Kp / 2) * w.pair_bytes();
+  const uint8_t* base0 = reinterpret_cast<const uint8_t*>(w.data.data_ptr()) + tile0 * tile_bytes;
+  const float* sc = w.scales.data_ptr<float>();
+  const float* zc = w.zeros.data_ptr<float>();
+  __m256 tot[TB][MB];
+  for (int64_t g = 0; g < G; ++g) {
+    __m256i acc[TB][MB];
+    _Pragma("GCC unroll 16") for (int t = 0; t < TB; ++t)
+      _Pragma("GCC unroll 16") for (int i = 0; i < MB; ++i) acc[t][i] = _mm256_setzero_si256();
+    const int64_t kb = g * w.group, ke = std::min(kb + w.group, w.K);
+    for (int64_t j = kb / 2; j < (ke + 1) / 2; ++j) {
+      __m256i xp[MB];
+      _Pragma("GCC unroll 16") for (int i = 0; i < MB; ++i)
+        xp[i] = _mm256_set1_epi32(static_cast<int>(a.pairs[(m0 + i) * (Kp / 2) + j]));
+      _Pragma("GCC unroll 16") for (int t = 0; t < TB; ++t) {
+        const uint8_t* tile = base0 + t * tile_bytes;
+        __m256i v;
+        if (KIND == I4) {  // row r's byte c0 | c1 << 4 -> words (c0, c1) of dword r
+          const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(tile + j * NR + 8 * half)));
+          v = _mm256_and_si256(_mm256_or_si256(b, _mm256_slli_epi32(b, 12)), _mm256_set1_epi32(0x000f000f));
+        } else {  // row r's (code 2j, code 2j+1) - 128 sign-extended to the words of dword r
+          v = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tile + j * 2 * NR + 16 * half)));
+        }
+        _Pragma("GCC unroll 16") for (int i = 0; i < MB; ++i)
+          acc[t][i] = _mm256_add_epi32(acc[t][i], _mm256_madd_epi16(v, xp[i]));
+      }
+    }
+    _Pragma("GCC unroll 16") for (int t = 0; t < TB; ++t) {
+      const int64_t at = ((tile0 + t) * G + g) * NR + 8 * half;
+      const __m256 s = _mm256_loadu_ps(sc + at);
+      const __m256i z = _mm256_cvtps_epi32(_mm256_loadu_ps(zc + at));  // integer zero points (- 128 for int8)
+      _Pragma("GCC unroll 16") for (int i = 0; i < MB; ++i) {
+        const __m256i qs = _mm256_set1_epi32(a.qsum[(m0 + i) * G + g]);
+        const __m256i d = _mm256_sub_epi32(acc[t][i], _mm256_mullo_epi32(z, qs));
+        const __m256 part = _mm256_mul_ps(_mm256_cvtepi32_ps(d), s);
+        tot[t][i] = g == 0 ? part : _mm256_add_ps(tot[t][i], part);
+      }
+    }
+  }
+  _Pragma("GCC unroll 16") for (int t = 0; t < TB; ++t) {
+    const int64_t n0 = (tile0 + t) * NR + 8 * half, rows = std::min<int64_t>(8, w.N - n0);
+    _Pragma("GCC unroll 16") for (int i = 0; i < MB; ++i) {
+      alignas(32) float out[8];
+      _mm256_store_ps(out, _mm256_mul_ps(tot[t][i], _mm256_set1_ps(a.scale[m0 + i])));
+      if (rows > 0) std::memcpy(y + (m0 + i) * ldy + n0, out, rows * sizeof(float));
+    }
+  }
+}
+
+}  // namespace i8act
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")
+namespace i8act512 {
+
+using i8act::QActs;
+
+// Pair columns j, j + 1 of a tile's int8 codes (64 bytes: row r's two codes at word r, then word 16 + r) as
+// dword r = row r's 4 codes, unsigned (stored ^ 0x80 = code): vpdpbusd's u8 operand.
+inline __m512i quad_i8(const uint8_t* tile, int64_t j) {
+  const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                       21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i v = _mm512_permutexvar_epi16(idx, _mm512_loadu_si512(tile + j * 2 * NR));
+  return _mm512_xor_si512(v, _mm512_set1_epi8(static_cast<char>(0x80)));
+}
+
+// Pair columns j..j+3 of a tile's int4 codes (64 bytes: byte 16p + r = row r's codes 2(j+p) | 2(j+p)+1 << 4) as
+// dword r = row r's 4 bytes: a 4 x 4 transpose of dwords across the 128-bit lanes, then of bytes within them.
+// Low nibbles: columns 2j, 2j+2, 2j+4, 2j+6; high: 2j+1, 2j+3, 2j+5, 2j+7.
+inline void octet_i4(const uint8_t* tile, int64_t j, __m512i& lo, __m512i& hi) {
+  const __m512i didx = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+  const __m512i bidx = _mm512_broadcast_i32x4(_mm_set_epi8(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0));
+  const __m512i v = _mm512_shuffle_epi8(_mm512_permutexvar_epi32(didx, _mm512_loadu_si512(tile + j * NR)), bidx);
+  const __m512i nib = _mm512_set1_epi8(15);
+  lo = _mm512_and_si512(v, nib);
+  hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+}
+
+// Row r's pair (code 2j, code 2j+1) as the int16 words of dword r (vpmaddwd), int8 codes signed (code - 128).
+template <int64_t KIND>
+inline __m512i pair_words(const uint8_t* tile, int64_t j) {
+  if (KIND == I4) {
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tile + j * NR)));
+    return _mm512_ternarylogic_epi32(v, _mm512_slli_epi32(v, 12), _mm512_set1_epi32(0x000f000f), 0xA8);  // (A|B)&C
+  }
+  return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + j * 2 * NR)));
+}
+
+// One group's integer dots of TB tiles x MB rows over pairs [j0, j1), added to acc.
+template <bool VNNI, int64_t KIND, int TB, int MB>
+inline void group_dots(const Weight& w, const QActs& a, const uint8_t* base0, int64_t tile_bytes, int64_t m0,
+                       int64_t j0, int64_t j1, __m512i (&acc)[TB][MB]) {
+  const int64_t Kp = a.Kp;
+  constexpr int64_t STEP = !VNNI ? 1 : KIND == I4 ? 4 : 2;  // pair columns per load: one 64-byte line (VNNI)
+  for (int64_t j = j0; j < j1; j += STEP) {
+    _Pragma("GCC unroll 16") for (int t = 0; t < TB; ++t)  // 64 pairs ahead: in flight while these compute
+      if (VNNI || (j & 3) == 0) _mm_prefetch(reinterpret_cast<const char*>(base0 + t * tile_bytes + (j + 64) * w.pair_bytes()), _MM_HINT_T0);
+    if (VNNI && KIND == I4) {
+      __m512i xe[MB], xo[MB];
+      _Pragma("GCC unroll 16") for (int i = 0; i < MB; ++i) {
+        const uint32_t* s = a.split.data() + ((m0 + i) * (Kp / 8) + j / 4) * 2;
+        xe[i] = _mm512_set1_epi32(static_cast<int>(s[0]));
+        xo[i] = _mm512_set1_epi32(static_cast<int>(s[1]));
+      }
+      _Pragma("GCC unroll 16") for (int t = 0; t < TB; ++t) {
+        __m512i lo, hi;
+        octet_i4(base0 + t * tile_bytes, j, lo, hi);
+        _Pragma("GCC unroll 16") for (int i = 0; i < MB; ++i)
+          acc[t][i] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc[t][i], lo, xe[i]), hi, xo[i]);
+      }
+    } else {
+      __m512i xv[MB];
+      _Pragma("GCC unroll 16") for (int i = 0; i < MB; ++i) {
+        uint32_t bits;
+        if (VNNI)
+          std::memcpy(&bits, a.q.data() + (m0 + i) * Kp + 2 * j, 4);  // q 2j..2j+3
+        else
+          bits = a.pairs[(m0 + i) * (Kp / 2) + j];
+        xv[i] = _mm512_set1_epi32(static_cast<int>(bits));
+      }
+      _Pragma("GCC unroll 16") for (int t = 0; t < TB; ++t) {
+        const __m512i v = VNNI ? quad_i8(base0 + t * tile_bytes, j) : pair_words<KIND>(base0 + t * tile_bytes, j);
+        _Pragma("GCC unroll 16") for (int i = 0; i < MB; ++i)
+          acc[t][i] = VNNI ? _mm512_dpbusd_epi32(acc[t][i], v, xv[i])
+                           : _mm512_add_epi32(acc[t][i], _mm512_madd_epi16(v, xv[i]));
+      }
+    }
+  }
+}
+
+// TB tiles x MB activation rows: per group the integer dots, then the fp32 epilogue in the reference's order.
+template <bool VNNI, int64_t KIND, int TB, int MB>
+void block(const Weight& w, const QActs& a, int64_t tile0, int64_t m0, float* y, int64_t ldy) {
+  const int64_t G = w.ngroups, tile_bytes = (a.Kp / 2) * w.pair_bytes();
+  const uint8_t* base0 = reinterpret_cast<const uint8_t*>(w.data.data_ptr()) + tile0 * tile_bytes;
+  const float* sc = w.scales.data_ptr<float>();
+  const float* zc = w.zeros.data_ptr<float>();
+  // the zero point in the codes' units as read: int8 kernel zeros hold z - 128; VNNI reads int8 codes unsigned
+  const __m512i shift = _mm512_set1_epi32(VNNI && KIND == I8 ? 128 : 0);
+  __m512 tot[TB][MB];
+  for (int64_t g = 0; g < G; ++g) {
+    __m512i acc[TB][MB];
+    _Pragma("GCC unroll 16") for (int t = 0; t < TB; ++t)
+      _Pragma("GCC unroll 16") for (int i = 0; i < MB; ++i) acc[t][i] = _mm512_setzero_si512();
+    const int64_t kb = g * w.group, ke = std::min(kb + w.group, w.K);
+    group_dots<VNNI, KIND, TB, MB>(w, a, base0, tile_bytes, m0, kb / 2, (ke + 1) / 2, acc);
+    _Pragma("GCC unroll 16") for (int t = 0; t < TB; ++t) {
+      const int64_t at = ((tile0 + t) * G + g) * NR;
+      const __m512 s = _mm512_loadu_ps(sc + at);
+      const __m512i z = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_loadu_ps(zc + at)), shift);
+      _Pragma("GCC unroll 16") for (int i = 0; i < MB; ++i) {
+        const __m512i qs = _mm512_set1_epi32(a.qsum[(m0 + i) * G + g]);
+        const __m512 part = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[t][i], _mm512_mullo_epi32(z, qs))), s);
+        tot[t][i] = g == 0 ? part : _mm512_add_ps(tot[t][i], part);
+      }
+    }
+  }
+  _Pragma("GCC unroll 16") for (int t = 0; t < TB; ++t)
+    _Pragma("GCC unroll 16") for (int i = 0; i < MB; ++i)
+      avx512::store_tile(_mm512_mul_ps(tot[t][i], _mm512_set1_ps(a.scale[m0 + i])), w.N, tile0 + t, y + (m0 + i) * ldy);
+}
+
+}  // namespace i8act512
+#pragma GCC pop_options
+
+namespace i8act {
+
+template <int TB, int MB>
+void blocks(const Weight& w, const QActs& a, int fam, int64_t t, int64_t m0, float* y, int64_t ldy) {
+  const bool i4 = w.kind == I4;
+  if (fam == VNNI)
+    return i4 ? i8act512::block<true, I4, TB, MB>(w, a, t, m0, y, ldy) : i8act512::block<true, I8, TB, MB>(w, a, t, m0, y, ldy);
+  if (fam == MADD512)
+    return i4 ? i8act512::block<false, I4, TB, MB>(w, a, t, m0, y, ldy) : i8act512::block<false, I8, TB, MB>(w, a, t, m0, y, ldy);
+  for (int half = 0; half < 2; ++half) {
+    if (i4)
+      madd_block2<I4, TB, MB>(w, a, t, half, m0, y, ldy);
+    else
+      madd_block2<I8, TB, MB>(w, a, t, half, m0, y, ldy);
+  }
+}
+
+// Tiles [t_begin, t_end) for every activation row: spans of tiles that stay in cache while each block of rows runs,
+// TB * MB <= 8 accumulator chains (AVX2: 4). No blocking changes a result (integer sums).
+void run(const Weight& w, const QActs& a, int fam, int64_t t_begin, int64_t t_end, float* y, int64_t ldy) {
+  const bool wide = fam != MADD2;
+  constexpr int64_t SPAN = 8;
+  for (int64_t t0 = t_begin; t0 < t_end; t0 += SPAN) {
+    const int64_t t1 = std::min(t0 + SPAN, t_end);
+    for (int64_t m0 = 0; m0 < a.M;) {
+      const int64_t left = a.M - m0;
+      const int mb = left >= 4 ? 4 : left >= 2 ? 2 : 1;
+      int64_t t = t0;
+      if (mb == 4) {
+        if (wide)
+          for (; t + 2 <= t1; t += 2) blocks<2, 4>(w, a, fam, t, m0, y, ldy);
+        for (; t < t1; ++t) blocks<1, 4>(w, a, fam, t, m0, y, ldy);
+      } else if (mb == 2) {
+        if (wide)
+          for (; t + 4 <= t1; t += 4) blocks<4, 2>(w, a, fam, t, m0, y, ldy);
+        for (; t + 2 <= t1; t += 2) blocks<2, 2>(w, a, fam, t, m0, y, ldy);
+        for (; t < t1; ++t) blocks<1, 2>(w, a, fam, t, m0, y, ldy);
+      } else {
+        if (wide)
+          for (; t + 8 <= t1; t += 8) blocks<8, 1>(w, a, fam, t, m0, y, ldy);
+        for (; t + 4 <= t1; t += 4) blocks<4, 1>(w, a, fam, t, m0, y, ldy);
+        for (; t < t1; ++t) blocks<1, 1>(w, a, fam, t, m0, y, ldy);
+      }
+      m0 += mb;
+    }
+  }
+}
+
+// y [M, N] fp32 = the int8-activation layer on x [M, K] (+ bias), split over the cores by tiles.
+void linear_into(const Weight& w, const float* x, int64_t M, int64_t ldx, float* y, int64_t ldy) {
+  thread_local QActs scratch;
+  QActs& a = scratch;  // a local reference: the workers' lambda must read this thread's copy, not their own
+  const int fam = family(w);
+  prepare(w, x, M, ldx, a, fam);
+  at::parallel_for(0, w.tiles(), 1, [&](int64_t b, int64_t e) { run(w, a, fam, b, e, y, ldy); });
+  if (w.bias.defined() && w.bias.numel()) {
+    const float* bp = w.bias.data_ptr<float>();
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t n = 0; n < w.N; ++n) y[m * ldy + n] += bp[n];
+  }
+}
+
+std::string kernel_name(const Weight& w) {
+  static const char* names[] = {"avx2-maddwd", "avx512-maddwd", "avx512-vnni"};
+  return names[family(w)];
+}
+
+}  // namespace i8act
+
 // ---- dispatch ---------------------------------------------------------------------------------------------------
 
 template <int TB, int MB>
@@ -781,6 +1128,7 @@ void run_quant(const Weight& w, const Acts& a, int64_t t_begin, int64_t t_end, f
 // y [M, N] fp32 (row stride ldy) = x [M, K] (row stride ldx) @ W^T (+ bias), M <= MAX_M, split over the cores.
 void linear_into(const Weight& w, const float* x, int64_t M, int64_t ldx, float* y, int64_t ldy, Acts& a) {
   TORCH_CHECK(M >= 1 && M <= MAX_M, "the CPU step's linear takes 1..64 rows, got ", M);
+  if (w.int8_act) return i8act::linear_into(w, x, M, ldx, y, ldy);
   const int level = isa();
   prepare(w, x, M, ldx, a, level);
   if (amx_quant(w, level, M)) {
@@ -1541,8 +1889,10 @@ at::Tensor prefill_linear(const Weight& w, at::Tensor x, int64_t block_rows) {
 
 Weight make_weight(int64_t kind, int64_t N, int64_t K, int64_t group, bool bf16_act, at::Tensor data,
                    std::optional<at::Tensor> scales, std::optional<at::Tensor> zeros, std::optional<at::Tensor> perm,
-                   std::optional<at::Tensor> bias) {
+                   std::optional<at::Tensor> bias, bool int8_act) {
   Weight w;
+  TORCH_CHECK(!int8_act || kind == I8 || kind == I4, "int8 activations take int8 or int4 (2/3/4-bit) codes");
+  w.int8_act = int8_act;
   w.kind = kind;
   w.N = N;
   w.K = K;
@@ -1619,7 +1969,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<qspec::Weight>(m, "Weight")
       .def(py::init(&qspec::make_weight), py::arg("kind"), py::arg("N"), py::arg("K"), py::arg("group"),
            py::arg("bf16_act"), py::arg("data"), py::arg("scales") = py::none(), py::arg("zeros") = py::none(),
-           py::arg("perm") = py::none(), py::arg("bias") = py::none())
+           py::arg("perm") = py::none(), py::arg("bias") = py::none(), py::arg("int8_act") = false)
       .def_readonly("kind", &qspec::Weight::kind)
       .def_readonly("N", &qspec::Weight::N)
       .def_readonly("K", &qspec::Weight::K);
@@ -1640,4 +1990,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("AMX_MIN_ROWS") = qspec::AMX_MIN_ROWS;
   m.def("profile", &qspec::profile, "seconds per step phase since the last call; enable: keep counting");
   m.def("isa", &qspec::isa_name, "the kernel family in use");
+  m.def("set_vnni", [](bool on) { qspec::g_vnni = on; }, "allow AVX512-VNNI for int8-activation layers (tests)");
+  m.def("int8_kernel", &qspec::i8act::kernel_name, "the kernel an int8-activation layer runs here");
 }

@@ -12,6 +12,9 @@ tile holds, for each of its 16 rows, input columns 2j and 2j + 1):
   fp8  uint8 [tiles, K_pad / 2, 16, 2] e4m3 bytes; scales hold scale * 256 (the kernel decodes e4m3 as fp16 bits)
   scales, zeros: fp32 [tiles, groups, 16]; a group is ``group`` consecutive columns after ``perm`` (act-order),
   an even number of them (or all K).
+``int8_activations`` (W8A8, W4A8; i8 / i4 layouts, integer zero points): each input row is quantized per token to
+int8 (quantize.grid.quantize_activations_per_token's math) and the kernels sum integer products exactly (AVX512-VNNI
+vpdpbusd, else vpmaddwd), then scale per group in QuantLinear.w8a8_reference's order: equal to it bit for bit.
 
 The extension is built once per machine (``torch.utils.cpp_extension``, g++; AVX2 + FMA + F16C baseline, the
 AVX-512 and AVX512-BF16 kernels chosen at run time) under ``$QSPEC_HOME/extensions``; where it cannot be built
@@ -142,6 +145,7 @@ class KernelWeight:
     perm: Tensor | None = None  # act-order: input column of each packed column
     bias: Tensor | None = None
     bf16_activations: bool = False  # the layer computes in bf16: inputs are rounded to bf16 first
+    int8_activations: bool = False  # W8A8 / W4A8: inputs quantized per token to int8, integer dot products
 
     def __getstate__(self):  # copies and pickles rebuild the extension's handle over their own tensors
         return {k: v for k, v in self.__dict__.items() if k != "_handle"}
@@ -151,7 +155,7 @@ class KernelWeight:
         if "_handle" not in self.__dict__:
             self.__dict__["_handle"] = extension().Weight(
                 KINDS[self.kind], self.out_features, self.in_features, self.group, self.bf16_activations, self.data,
-                self.scales, self.zeros, self.perm, self.bias,
+                self.scales, self.zeros, self.perm, self.bias, int8_act=self.int8_activations,
             )  # fmt: skip
         return self.__dict__["_handle"]
 
@@ -282,9 +286,12 @@ def prefill_linear(weight: KernelWeight, x: Tensor) -> Tensor:
 
 def quantized_linear(weight: KernelWeight, x: Tensor) -> Tensor:
     """A quantized layer's forward on CPU: the exact row-invariant kernels (``linear``, fp32 out) below
-    PREFILL_MIN_ROWS rows, ``prefill_linear`` (the activation dtype out) from there, unless switched off."""
+    PREFILL_MIN_ROWS rows, ``prefill_linear`` (the activation dtype out) from there, unless switched off.
+    int8-activation layers (W8A8 / W4A8) always take their integer kernels: a dequantized GEMM would skip the
+    activations' quantization, i.e. compute another function."""
     rows = x.numel() // max(x.shape[-1], 1)
-    return prefill_linear(weight, x) if uses_prefill_gemm(rows) else linear(weight.handle(), x)
+    gemm = uses_prefill_gemm(rows) and not weight.int8_activations
+    return prefill_linear(weight, x) if gemm else linear(weight.handle(), x)
 
 
 def dequantize(weight: KernelWeight, dtype: torch.dtype = torch.bfloat16) -> Tensor:
