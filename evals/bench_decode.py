@@ -16,6 +16,18 @@ int8 per-channel), ``qspec:fp8`` (e4m3 weight-only, per-channel scales), ``hf:fp
 ``llama.cpp`` (llama-cpp-python on the GGUF the default model ships as, an optional peer: skipped with a note
 when it is not installed). Quantized rows use round-to-nearest codes (speed does not depend on how codes are
 chosen) with bf16 activations.
+
+A qspec row takes options after its variant, ``:key=value`` each: ``kv=`` the KV cache format (auto, int8,
+fp8_e4m3, int4; runtime.kv_quant) and ``ctx=`` a context length in tokens (``8k`` = 8000). A ctx= row measures
+decoding at that context: its prompt's K/V are computed once (full precision, then stored in the row's format) and
+every call decodes greedily from a copy of that cache, one model forward per token, so a call costs decode steps
+only (prefilling 8k tokens into a quantized cache, chunk by chunk in Python, takes minutes here and would drown
+the steps in noise). Ratios between ctx= rows are like for like; the ``x kv=auto`` column compares each kv= row
+with its own variant and context at full precision. One run compares KV formats at two contexts, interleaved:
+
+    python -m evals.bench_decode --reference qspec:bf16:ctx=256 --rows \
+        qspec:bf16:ctx=256,qspec:bf16:kv=int8:ctx=256,qspec:bf16:kv=fp8_e4m3:ctx=256,qspec:bf16:kv=int4:ctx=256,\
+qspec:bf16:ctx=8k,qspec:bf16:kv=int8:ctx=8k,qspec:bf16:kv=fp8_e4m3:ctx=8k,qspec:bf16:kv=int4:ctx=8k
 """
 
 from __future__ import annotations
@@ -40,7 +52,11 @@ from quantize.rtn_weight import quantize_weight
 from runtime.cliutil import ArgumentParser, UsageError, interrupted, run
 from runtime.data import wiki_split
 from runtime.decoding import generate
+from runtime.kv_cache import KVCache
+from runtime.kv_policy import KVCacheSpec
+from runtime.kv_quant import KV_DTYPES
 from runtime.loader import DEFAULT_MODEL, check_model_arg, gguf_source, load_model, load_tokenizer
+from runtime.model import AttentionMetadata, decode_meta
 from runtime.provenance import provenance
 from runtime.sampling import SamplingParams
 
@@ -122,19 +138,60 @@ class Runner:
     call: Callable[[int], object]
     weight_bytes: int
     profile: Callable[[int], dict] | None = None  # qspec: seconds per phase of one call
+    prompt_tokens: int = 0
     walls: dict[int, list[float]] = field(default_factory=lambda: {})
     own_tpot: list[float] = field(default_factory=list)
 
 
-def qspec_runner(name: str, model, prompt: list[int]) -> Runner:
+def qspec_runner(name: str, model, prompt: list[int], kv: KVCacheSpec | None = None) -> Runner:
     def call(n: int):
-        return generate(model, [prompt], SamplingParams(max_tokens=n, ignore_eos=True)).timing
+        return generate(model, [prompt], SamplingParams(max_tokens=n, ignore_eos=True), kv_cache=kv).timing
 
     def profile(n: int) -> dict:
-        timing = generate(model, [prompt], SamplingParams(max_tokens=n, ignore_eos=True), profile=True).timing
+        params = SamplingParams(max_tokens=n, ignore_eos=True)
+        timing = generate(model, [prompt], params, profile=True, kv_cache=kv).timing
         return {k: v / timing.wall_s for k, v in timing.phase_s.items()}
 
-    return Runner(name, call, decode_weight_bytes(model), profile)
+    return Runner(name, call, decode_weight_bytes(model), profile, prompt_tokens=len(prompt))
+
+
+def full_prefill(model, prompt: list[int]) -> tuple[KVCache, int]:
+    """The prompt's K/V in a full-precision batch-1 cache, and the greedy first token."""
+    n = len(prompt)
+    full = KVCache(model.config, 1, n, model.compute_dtype)
+    with torch.no_grad():  # not inference tensors: the runners copy what is built from them
+        hidden = model(torch.tensor([prompt]), AttentionMetadata.contiguous(1, 0, n, "cpu"), full, hidden_only=True)
+        return full, int(model.logits(hidden[:, -1:]).argmax(-1))
+
+
+def stored_cache(model, full: KVCache, kv: KVCacheSpec, capacity: int):
+    """A batch-1 cache of kv's format holding full's K/V (int4: its groups sealed as a prefill write seals them)."""
+    n = full.max_seq_len
+    cache = kv.build(model, 1, capacity)
+    if kv.dtype == "auto":
+        cache.k[:, :, :, :n], cache.v[:, :, :, :n] = full.k, full.v
+        return cache
+    slots = torch.arange(n)[None] + cache.row_base[:1]
+    with torch.no_grad():
+        for layer in range(model.config.num_layers):
+            cache.pool.write(layer, full.k[layer], full.v[layer], slots, cache.tables[:1], [n])
+    return cache
+
+
+def context_runner(name: str, model, prompt: list[int], kv: KVCacheSpec, max_new: int, prefill) -> Runner:
+    """A ctx= row: call(n) decodes n tokens greedily from a copy of the prefilled cache (module docstring).
+    prefill: full_prefill's result for this model and prompt (shared by the rows of other KV formats)."""
+    full, first = prefill
+    base = stored_cache(model, full, kv, len(prompt) + max_new + 8)
+
+    @torch.inference_mode()
+    def call(n: int):
+        cache, token = copy.deepcopy(base), first
+        for pos in range(len(prompt), len(prompt) + n):
+            logits = model(torch.tensor([[token]]), decode_meta(torch.tensor([pos])), cache)
+            token = int(logits[0, -1].argmax())
+
+    return Runner(name, call, decode_weight_bytes(model), prompt_tokens=len(prompt))
 
 
 def hf_runner(name: str, hf_model, prompt: list[int]) -> Runner:
@@ -145,7 +202,7 @@ def hf_runner(name: str, hf_model, prompt: list[int]) -> Runner:
     def call(n: int):
         hf_model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kwargs)
 
-    return Runner(name, call, hf_decode_weight_bytes(hf_model))
+    return Runner(name, call, hf_decode_weight_bytes(hf_model), prompt_tokens=len(prompt))
 
 
 LLAMA_CPP_PROBE = """
@@ -181,7 +238,7 @@ def llama_cpp_runner(gguf: Path, prompt: list[int], threads: int) -> Runner | st
             if i + 1 >= n:
                 break
 
-    return Runner(f"llama.cpp {gguf.stem.rsplit('.', 1)[-1]}", call, gguf.stat().st_size)
+    return Runner(f"llama.cpp {gguf.stem.rsplit('.', 1)[-1]}", call, gguf.stat().st_size, prompt_tokens=len(prompt))
 
 
 def time_round(runners: list[Runner], new_tokens: int) -> None:
@@ -209,6 +266,7 @@ def summarize(r: Runner, new_tokens: int, bandwidth: float) -> dict:
         "roofline_tok_per_s": 1 / roofline_tpot,
         "roofline_share": roofline_tpot / tpot,
         "walls_s": r.walls,
+        "prompt_tokens": r.prompt_tokens,
     }
     if r.own_tpot:  # the loop's own clock against the external one: they must agree (whole steps)
         out["own_clock_tpot_ms"] = statistics.median(r.own_tpot) * 1e3
@@ -216,33 +274,89 @@ def summarize(r: Runner, new_tokens: int, bandwidth: float) -> dict:
     return out
 
 
+ROW_OPTIONS = ("kv", "ctx")
+
+
 def parse_rows(spec: str) -> list[str]:
     rows = [r.strip() for r in spec.split(",") if r.strip()]
     for r in rows:
-        kind, _, variant = r.partition(":")
-        ok = (kind == "qspec" and variant in QSPEC_ROWS) or (kind == "hf" and variant in ("fp32", "bf16"))
+        kind, _, rest = r.partition(":")
+        variant, *options = rest.split(":")
+        ok = (kind == "qspec" and variant in QSPEC_ROWS) or (
+            kind == "hf" and variant in ("fp32", "bf16") and not options
+        )
         if not ok and r != "llama.cpp":
-            raise UsageError(f"unknown row {r!r}: qspec:{{{','.join(QSPEC_ROWS)}}}, hf:{{fp32,bf16}} or llama.cpp")
+            raise UsageError(
+                f"unknown row {r!r}: qspec:{{{','.join(QSPEC_ROWS)}}}[:kv=..][:ctx=..], hf:{{fp32,bf16}} or llama.cpp"
+            )
+        if kind == "qspec":
+            row_options(r, options)
     return rows
 
 
-def build_runners(rows: list[str], model_spec: str, prompt: list[int], threads: int) -> tuple[list[Runner], dict]:
+def row_options(row: str, options: list[str]) -> dict:
+    """A qspec row's ``key=value`` options -> {"kv": KV format, "ctx": prompt tokens or None}."""
+    out = {"kv": "auto", "ctx": None}
+    for option in options:
+        key, _, value = option.partition("=")
+        if key not in ROW_OPTIONS or not value:
+            raise UsageError(f"row {row!r}: options are {', '.join(k + '=' for k in ROW_OPTIONS)}, got {option!r}")
+        if key == "kv" and value not in KV_DTYPES:
+            raise UsageError(f"row {row!r}: kv= takes one of {', '.join(KV_DTYPES)}, got {value!r}")
+        if key == "ctx":
+            value = value.lower().replace("k", "000")
+            if not value.isdigit() or int(value) < 1:
+                raise UsageError(f"row {row!r}: ctx= takes a token count (e.g. 256, 8k), got {option!r}")
+            value = int(value)
+        out[key] = value
+    return out
+
+
+def row_prompt_tokens(rows: list[str], default: int) -> int:
+    """The longest prompt any row asks for."""
+    lengths = [default]
+    for r in rows:
+        kind, _, rest = r.partition(":")
+        if kind == "qspec":
+            lengths.append(row_options(r, rest.split(":")[1:])["ctx"] or default)
+    return max(lengths)
+
+
+def build_runners(
+    rows: list[str], model_spec: str, prompt: list[int], threads: int, prompt_tokens: int | None = None, max_new=0
+) -> tuple[list[Runner], dict]:
+    """One runner per row over the first prompt_tokens of `prompt` (default: all), or a qspec row's ctx= tokens."""
     from transformers import AutoModelForCausalLM
 
     base, _, path = load_model(model_spec)
-    runners, skipped = [], {}
+    runners, skipped, variants, prefills = [], {}, {}, {}
+    default_prompt = prompt[:prompt_tokens]
     for row in rows:
-        kind, _, variant = row.partition(":")
+        kind, _, rest = row.partition(":")
+        variant, *options = rest.split(":")
         print(f"[bench_decode] building {row}", file=sys.stderr, flush=True)
         if kind == "qspec":
-            runners.append(qspec_runner(row, qspec_model(base, variant), prompt))
+            opts = row_options(row, options)
+            if variant not in variants:  # rows of one variant share its model (the KV cache is per call)
+                variants[variant] = qspec_model(base, variant)
+            kv = KVCacheSpec(dtype=opts["kv"])
+            if opts["ctx"]:
+                key = (variant, opts["ctx"])
+                if key not in prefills:
+                    prefills[key] = full_prefill(variants[variant], prompt[: opts["ctx"]])
+                model, row_prompt = variants[variant], prompt[: opts["ctx"]]
+                runners.append(context_runner(row, model, row_prompt, kv, max_new, prefills[key]))
+            else:
+                runners.append(qspec_runner(row, variants[variant], default_prompt, kv))
         elif kind == "hf":
             dtype = torch.float32 if variant == "fp32" else torch.bfloat16
             hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
-            runners.append(hf_runner(row, hf, prompt))
+            runners.append(hf_runner(row, hf, default_prompt))
         else:
             gguf = gguf_source(model_spec)
-            made = llama_cpp_runner(gguf, prompt, threads) if gguf is not None else "the model has no GGUF source"
+            made = (
+                llama_cpp_runner(gguf, default_prompt, threads) if gguf is not None else "the model has no GGUF source"
+            )
             if isinstance(made, str):
                 skipped[row] = made
                 print(f"[bench_decode] skipping {row}: {made}", file=sys.stderr)
@@ -251,11 +365,18 @@ def build_runners(rows: list[str], model_spec: str, prompt: list[int], threads: 
     return runners, skipped
 
 
+def full_precision_row(name: str) -> str:
+    """The row a kv= row compares with: the same variant and context, full-precision KV."""
+    return ":".join(part for part in name.split(":") if not part.startswith("kv="))
+
+
 def table(results: dict, reference: str | None) -> list[str]:
     lines = [
-        "| row | TTFT ms | TPOT ms | decode tok/s | x " + (reference or "-") + " | own clock / wall | "
+        "| row | prompt | TTFT ms | TPOT ms | decode tok/s | x "
+        + (reference or "-")
+        + " | x kv=auto | own clock / wall | "
         "weight MB/token | roofline share | lm_head / sampling share |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     ref = results.get(reference, {}).get("decode_tok_per_s") if reference else None
     for name, r in results.items():
@@ -263,11 +384,25 @@ def table(results: dict, reference: str | None) -> list[str]:
         share_text = f"{100 * shares.get('lm_head', 0):.0f}% / {100 * shares.get('sampling', 0):.0f}%" if shares else ""
         ratio = f"{r['decode_tok_per_s'] / ref:.2f}x" if ref else ""
         own = f"{r['own_over_external']:.3f}" if "own_over_external" in r else ""
+        base = results.get(full_precision_row(name), {}).get("decode_tok_per_s") if ":kv=" in name else None
+        vs_auto = f"{r['decode_tok_per_s'] / base:.2f}x" if base else ""
         lines.append(
-            f"| {name} | {r['ttft_ms']:.1f} | {r['tpot_ms']:.2f} | {r['decode_tok_per_s']:.1f} | {ratio} | {own} | "
+            f"| {name} | {r['prompt_tokens']} | {r['ttft_ms']:.1f} | {r['tpot_ms']:.2f} | "
+            f"{r['decode_tok_per_s']:.1f} | {ratio} | {vs_auto} | {own} | "
             f"{r['weight_bytes_per_token'] / 1e6:.0f} | {100 * r['roofline_share']:.0f}% | {share_text} |"
         )
     return lines
+
+
+def wiki_prompt(tokenizer, tokens: int) -> list[int]:
+    """The first `tokens` tokens of the evaluation documents joined (the first 20, more for long contexts)."""
+    docs = wiki_split("eval")
+    n = 20
+    while True:
+        ids = tokenizer(" ".join(d.extract for d in docs[:n]), add_special_tokens=False).input_ids
+        if len(ids) >= tokens or n >= len(docs):
+            return ids[:tokens]
+        n *= 2
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -289,9 +424,8 @@ def main(argv: list[str] | None = None) -> None:
 
     _, _, path = load_model(args.model)
     tokenizer = load_tokenizer(str(path))
-    text = " ".join(d.extract for d in wiki_split("eval")[:20])
-    prompt = tokenizer(text, add_special_tokens=False).input_ids[: args.prompt_tokens]
-    runners, skipped = build_runners(rows, args.model, prompt, args.threads)
+    prompt = wiki_prompt(tokenizer, row_prompt_tokens(rows, args.prompt_tokens))
+    runners, skipped = build_runners(rows, args.model, prompt, args.threads, args.prompt_tokens, args.new_tokens)
     bandwidth = measure_bandwidth()
     print(f"[bench_decode] streaming bandwidth {bandwidth / 1e9:.1f} GB/s, {args.threads} threads", file=sys.stderr)
     for r in runners:  # warm up every runner (first-call allocations, kernel choice, the compiled CPU step)
@@ -310,13 +444,13 @@ def main(argv: list[str] | None = None) -> None:
         "run": provenance(),
         "bandwidth_GBps": bandwidth / 1e9,
         "args": vars(args),
-        "prompt_tokens": len(prompt),
+        "prompt_tokens": min(len(prompt), args.prompt_tokens),
         "skipped": skipped,
         "results": results,
     }
     print(
-        f"batch 1, {len(prompt)}-token prompt, {args.new_tokens} new tokens, greedy, {args.threads} threads, "
-        f"median of {args.repeats} interleaved rounds; TPOT = (wall(N) - wall(1)) / (N - 1) from whole calls"
+        f"batch 1, {args.new_tokens} new tokens after each row's prompt, greedy, {args.threads} threads, median "
+        f"of {args.repeats} interleaved rounds; TPOT = (wall(N) - wall(1)) / (N - 1) from whole calls"
     )
     print("\n".join(table(results, args.reference if args.reference in results else None)))
     for name, why in skipped.items():
