@@ -19,7 +19,8 @@ symmetric with int8 per-token activations), ``qspec:w4a8`` (int4 group 64 with i
 approximation of int4), ``hf:fp32``, ``hf:bf16``,
 ``llama.cpp`` (llama-cpp-python on the GGUF the default model ships as, an optional peer: skipped with a note
 when it is not installed). Quantized rows use round-to-nearest codes (speed does not depend on how codes are
-chosen) with bf16 activations.
+chosen) with bf16 activations. A qspec row may name its KV cache format: ``qspec:bf16:kv=int8`` (``auto``,
+``int8``, ``fp8_e4m3``, ``int4``; runtime.kv_policy), the same model as the row without it.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ from quantize.fast_copy import NAMED_COPIES, named_fast_copy
 from runtime.cliutil import ArgumentParser, UsageError, interrupted, run
 from runtime.data import wiki_split
 from runtime.decoding import generate
+from runtime.kv_policy import KVCacheSpec
+from runtime.kv_quant import KV_DTYPES
 from runtime.loader import DEFAULT_MODEL, check_model_arg, gguf_source, load_model, load_tokenizer
 from runtime.provenance import provenance
 from runtime.sampling import SamplingParams
@@ -97,12 +100,13 @@ class Runner:
     own_tpot: list[float] = field(default_factory=list)
 
 
-def qspec_runner(name: str, model, prompt: list[int]) -> Runner:
+def qspec_runner(name: str, model, prompt: list[int], kv: KVCacheSpec | None = None) -> Runner:
     def call(ids: list[int], n: int):
-        return generate(model, [ids], SamplingParams(max_tokens=n, ignore_eos=True)).timing
+        return generate(model, [ids], SamplingParams(max_tokens=n, ignore_eos=True), kv_cache=kv).timing
 
     def profile(n: int) -> dict:
-        timing = generate(model, [prompt], SamplingParams(max_tokens=n, ignore_eos=True), profile=True).timing
+        params = SamplingParams(max_tokens=n, ignore_eos=True)
+        timing = generate(model, [prompt], params, profile=True, kv_cache=kv).timing
         return {k: v / timing.wall_s for k, v in timing.phase_s.items()}
 
     return Runner(name, call, decode_weight_bytes(model), profile)
@@ -212,9 +216,14 @@ def parse_rows(spec: str) -> list[str]:
     rows = [r.strip() for r in spec.split(",") if r.strip()]
     for r in rows:
         kind, _, variant = r.partition(":")
-        ok = (kind == "qspec" and variant in QSPEC_ROWS) or (kind == "hf" and variant in ("fp32", "bf16"))
+        variant, _, kv = variant.partition(":kv=")
+        ok = (kind == "qspec" and variant in QSPEC_ROWS) or (kind == "hf" and variant in ("fp32", "bf16") and not kv)
         if not ok and r != "llama.cpp":
-            raise UsageError(f"unknown row {r!r}: qspec:{{{','.join(QSPEC_ROWS)}}}, hf:{{fp32,bf16}} or llama.cpp")
+            raise UsageError(
+                f"unknown row {r!r}: qspec:{{{','.join(QSPEC_ROWS)}}}[:kv=FORMAT], hf:{{fp32,bf16}} or llama.cpp"
+            )
+        if kv and kv not in KV_DTYPES:
+            raise UsageError(f"row {r!r}: kv= takes one of {', '.join(KV_DTYPES)}")
     return rows
 
 
@@ -246,12 +255,15 @@ def build_runners(
     from transformers import AutoModelForCausalLM
 
     base, _, path = load_model(model_spec)
-    runners, skipped = [], {}
+    runners, skipped, copies = [], {}, {}
     for row in rows:
         kind, _, variant = row.partition(":")
         print(f"[bench_decode] building {row}", file=sys.stderr, flush=True)
-        if kind == "qspec":
-            runners.append(qspec_runner(row, named_fast_copy(base, variant), prompt))
+        if kind == "qspec":  # rows of one variant share its model; each call builds its own KV cache
+            variant, _, kv = variant.partition(":kv=")
+            if variant not in copies:
+                copies[variant] = named_fast_copy(base, variant)
+            runners.append(qspec_runner(row, copies[variant], prompt, KVCacheSpec(dtype=kv or "auto")))
         elif kind == "hf":
             dtype = torch.float32 if variant == "fp32" else torch.bfloat16
             hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()

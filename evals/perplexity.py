@@ -4,6 +4,11 @@ Documents are joined with "\\n\\n" and tokenized once without special tokens (Sm
 BOS, and none is prepended), cut into non-overlapping windows of ``seqlen`` tokens with the tail dropped;
 each window is scored independently (positions 0..seqlen-1, every token but the first predicted), and
 perplexity is exp of the mean token NLL over all windows.
+
+``--kv-cache-dtype int8|fp8_e4m3|int4`` scores each window through a quantized KV cache (runtime.kv_quant): one
+forward writes the window's keys and values in that format and every query attends over the stored codes (int4:
+a query reads its own open key group in full precision, as token-by-token decoding does), so the perplexity is
+the one decoding with that cache gives. ``auto`` (the default) runs without a cache.
 """
 
 from __future__ import annotations
@@ -14,11 +19,15 @@ import time
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from runtime.cliutil import ArgumentParser, UsageError
 from runtime.config import DTYPES, ModelConfig
 from runtime.data import load_text, token_windows
+from runtime.kv_policy import KVCacheSpec
+from runtime.kv_quant import KV_DTYPES
 from runtime.loader import DEFAULT_MODEL, check_model_spec, load_model, load_tokenizer, resolve
+from runtime.model import AttentionMetadata
 from runtime.scoring import window_nlls
 
 
@@ -46,13 +55,20 @@ def perplexity(
     return windows_perplexity(model, windows, batch_size, progress)
 
 
-def windows_perplexity(model, windows: list[list[int]], batch_size: int = 4, progress: bool = False):
-    """Perplexity over already-cut windows of equal length (what perplexity() does after tokenizing)."""
+def windows_perplexity(
+    model, windows: list[list[int]], batch_size: int = 4, progress: bool = False, kv_cache_dtype: str = "auto"
+):
+    """Perplexity over already-cut windows of equal length (what perplexity() does after tokenizing); a quantized
+    kv_cache_dtype scores them through that cache (qspec models only)."""
     seqlen = len(windows[0])
     total = 0.0
     start = time.perf_counter()
     for i in range(0, len(windows), batch_size):
-        total += sum(window_nlls(model, windows[i : i + batch_size], batch_size))
+        batch = windows[i : i + batch_size]
+        if kv_cache_dtype == "auto":
+            total += sum(window_nlls(model, batch, batch_size))
+        else:
+            total += sum(cached_window_nlls(model, batch, KVCacheSpec(dtype=kv_cache_dtype)))
         if progress:
             done = min(i + batch_size, len(windows))
             elapsed = time.perf_counter() - start
@@ -70,6 +86,17 @@ def windows_perplexity(model, windows: list[list[int]], batch_size: int = 4, pro
     return PerplexityResult(math.exp(mean), mean, len(windows), n_tokens, seqlen)
 
 
+@torch.inference_mode()
+def cached_window_nlls(model, windows: list[list[int]], kv: KVCacheSpec) -> list[float]:
+    """Summed NLL of each window's predicted tokens, the windows written into (and read from) kv's cache."""
+    device = model.inv_freq.device
+    batch = torch.tensor(windows, device=device)
+    B, T = batch.shape
+    logits = model(batch, AttentionMetadata.contiguous(B, 0, T, device), kv.build(model, B, T))
+    nll = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), batch[:, 1:].flatten(), reduction="none")
+    return nll.view(B, -1).sum(-1).double().tolist()
+
+
 def main(argv: list[str] | None = None) -> None:
     import json
 
@@ -82,6 +109,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda where available)")
+    ap.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=KV_DTYPES,
+        help="score through a KV cache in this format (auto: no cache; quantized caches are approximate)",
+    )
     args = ap.parse_args(argv)
     if args.max_windows is not None and args.max_windows < 1:
         ap.error(f"--max-windows must be >= 1 (or left out for every window), got {args.max_windows}")
@@ -104,11 +137,11 @@ def main(argv: list[str] | None = None) -> None:
         raise UsageError(f"--data {args.data}/{args.split} is shorter than one window of {args.seqlen} tokens")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model, _, path = load_model(args.model, DTYPES[args.dtype], device)
-    res = windows_perplexity(model, windows, args.batch_size, progress=True)
+    res = windows_perplexity(model, windows, args.batch_size, progress=True, kv_cache_dtype=args.kv_cache_dtype)
     print(
         f"perplexity {res.perplexity:.4f} (mean NLL {res.mean_nll:.5f}) over {res.windows} windows x "
         f"{args.seqlen} tokens = {res.tokens_scored} scored tokens; model {args.model}, data {args.data}/"
-        f"{args.split}, {args.dtype}, no BOS"
+        f"{args.split}, {args.dtype}, KV cache {args.kv_cache_dtype}, no BOS"
     )
 
 

@@ -67,7 +67,8 @@ class QuantizedKVCache:
     Same contract as KVCache for the model (``attend`` writes the new k/v, then attends), for speculation
     (``move``) and for memory (``nbytes``). block_size: int4's key group (tokens per channel scale).
     lookahead: trailing slots a later step may rewrite (a speculator's drafts): int4 keeps their key groups in
-    full precision until they are final. Not a KVCache: the compiled CPU step never sees it."""
+    full precision until they are final. The compiled CPU step (runtime.kernels.cpu_step) writes and reads its
+    pool in place through these row-by-row block tables."""
 
     def __init__(
         self,

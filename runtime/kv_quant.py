@@ -402,20 +402,38 @@ class KVPool:
         )
 
     def _write_keys_int4(self, layer: int, k: Tensor, plan: _Int4Plan) -> None:
-        bs, (H, D) = self.block_size, k.shape[1:]
-        ns = plan.seal_blocks.numel()
-        stage = torch.empty(ns, bs, H, D, dtype=self.dtype, device=self.device)
-        if ns:  # keys written so far: the block's open slot, or its codes (a block reopened and resealed)
+        H, D = k.shape[1:]
+        stage = torch.empty(plan.seal_blocks.numel(), *self.k_open.shape[2:], dtype=self.dtype, device=self.device)
+        self._stage_keys(layer, plan, stage)
+        stage.view(-1, H, D)[plan.stage_dst] = k[plan.stage_src].to(self.dtype)
+        self.k_open[layer].view(-1, H, D)[plan.open_dst] = k[plan.open_src].to(self.dtype)
+        if plan.seal_blocks.numel():
+            self._seal(layer, plan.seal_blocks, stage)
+        self.fresh = (layer, stage)  # what this layer's attention reads in full precision (read_fresh)
+
+    def _stage_keys(self, layer: int, plan: _Int4Plan, stage: Tensor) -> None:
+        """Before a write's new keys: the keys so far of the blocks it seals into stage [ns, bs, Hkv, D], and the
+        residual of the blocks it opens, from their codes."""
+        if plan.seal_blocks.numel():  # keys written so far: the block's open slot, or its codes (reopened, resealed)
             from_open = plan.seal_from >= 0
             stage[from_open] = self.k_open[layer, plan.seal_from[from_open]]
             stage[~from_open] = self.dequantize_keys(layer, plan.seal_blocks[~from_open]).to(self.dtype)
         if plan.opened_blocks.numel():  # opened now: start from the codes (tokens written before a rewrite)
             self.k_open[layer, plan.opened_slots] = self.dequantize_keys(layer, plan.opened_blocks).to(self.dtype)
-        stage.view(-1, H, D)[plan.stage_dst] = k[plan.stage_src].to(self.dtype)
-        self.k_open[layer].view(-1, H, D)[plan.open_dst] = k[plan.open_src].to(self.dtype)
-        if ns:
-            self._seal(layer, plan.seal_blocks, stage)
-        self.fresh = (layer, stage)  # what this layer's attention reads in full precision (read_fresh)
+
+    def begin_step_write(self, flat: Tensor, tables: Tensor, ends: list[int]) -> Tensor:
+        """int4, for a writer that stores every layer's new keys itself (the compiled CPU step, which then writes
+        each new key to its stage row or residual slot and seals the staged blocks, as ``write`` does): this
+        forward's plan (``self.plan``), opened blocks' residuals and the sealed blocks' keys so far, every layer.
+        flat: the written global slots; tables, ends: as ``write``'s. -> stage [L, ns, bs, Hkv, D] (compute dtype)."""
+        plan = self.plan = self._plan_int4(flat, tables, ends)
+        self.fresh = None  # the writer keeps its own stage
+        L, ns = self.k.shape[0], plan.seal_blocks.numel()
+        stage = torch.empty(L, ns, *self.k_open.shape[2:], dtype=self.dtype, device=self.device)
+        if ns or plan.opened_blocks.numel():
+            for layer in range(L):
+                self._stage_keys(layer, plan, stage[layer])
+        return stage
 
     def _seal(self, layer: int, blocks: Tensor, keys: Tensor) -> None:
         """keys [n, bs, Hkv, D] of whole blocks -> their int4 codes, per channel over the block's tokens."""

@@ -1,7 +1,8 @@
 """KV cache formats and policies through the model (runtime.kv_policy, runtime.kv_cache, runtime.paged_cache):
 the paged engine and the contiguous cache give the same tokens in every format, speculation and the compiled step
-run over quantized caches, a quantized cache never reaches the compiled CPU step, the sink + window cache equals
-StreamingLLM's own recipe recomputed here token by token, and the engine holds what its block budget predicts."""
+run over quantized caches, quantized caches run in the compiled CPU step (sink + window ones do not), the sink +
+window cache equals StreamingLLM's own recipe recomputed here token by token, and the engine holds what its block
+budget predicts."""
 
 from __future__ import annotations
 
@@ -102,12 +103,16 @@ def test_int4_and_sink_window_run_eager():
         assert generate(model, prompts()[:1], GREEDY, kv_cache=kv, compile="eager").compile == "off"
 
 
-def test_a_quantized_cache_never_reaches_the_compiled_cpu_step():
+@torch.inference_mode()
+def test_quantized_caches_run_in_the_compiled_cpu_step_and_sink_window_does_not():
+    """int8 / fp8 / int4 caches are read in place by the step (tests/test_cpu_step_kv_quant.py checks its results);
+    the sink + window cache evicts and re-rotates: the Python layers run it."""
     model = random_model(CFG, seed=0)
     x = model.embed_tokens(torch.tensor([[3]]))
     for fmt in ("int8", "fp8_e4m3", "int4"):
         cache = QuantizedKVCache(CFG, 1, 32, kv_dtype=fmt, block_size=8)
-        assert cpu_step.decode(model, x, AttentionMetadata.contiguous(1, 0, 1, "cpu"), cache) is None
+        ran = cpu_step.decode(model, x, AttentionMetadata.contiguous(1, 0, 1, "cpu"), cache) is not None
+        assert ran == cpu_step.available()
     window = KVCacheSpec(policy="sink-window", sinks=2, window=16).build(model, 1, 32)
     assert cpu_step.decode(model, x, AttentionMetadata.contiguous(1, 0, 1, "cpu"), window) is None
 

@@ -42,6 +42,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace qspec {
@@ -1498,6 +1499,436 @@ void attend(const KVView<T>& kv, int64_t l, int64_t b, int64_t h, int nq, const 
 }  // namespace attn512
 #pragma GCC pop_options
 
+// ---- quantized KV caches (runtime/kv_quant.py's KVPool): written and read in place ------------------------------
+// The step quantizes each new token's k/v exactly as kv_quant.py does (fp32 math in the same order, torch.round's
+// round-half-to-even, fp16 scales rounded to nearest even, e4m3 by round to nearest even) and its attention
+// dequantizes one cached row at a time into an fp32 scratch row, with the values kv_quant's read gives (code * scale
+// (+ min), each operation rounded to fp32 as torch's ops round): no full-precision copy of the cache exists.
+// Attention over those rows follows the full-precision attention's contract (scores of the visible keys in key
+// order, softmax_packed8/16, values summed in key order), so it is row- and shape-invariant too.
+
+enum KvFormat : int64_t { KV_INT8 = 1, KV_FP8 = 2, KV_INT4 = 3 };
+
+inline float half_value(uint16_t h) { return _cvtsh_ss(h); }
+inline uint16_t half_bits(float v) { return _cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT); }
+
+// kv_quant._scale: fp16(amax / qmax), 1 where amax is 0 (a zero row stays exactly zero)
+inline uint16_t scale_bits(float amax, float qmax) { return half_bits(amax > 0 ? amax / qmax : 1.0f); }
+
+// fp32 -> float8_e4m3fn by round to nearest even (torch's cast), for |v| <= 448 (kv_quant clamps first)
+inline uint8_t e4m3_bits(float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, 4);
+  const uint8_t sign = static_cast<uint8_t>((u >> 24) & 0x80);
+  u &= 0x7fffffffu;
+  float a;
+  std::memcpy(&a, &u, 4);
+  if (a < 0.015625f) return sign | static_cast<uint8_t>(std::nearbyint(a * 512.0f));  // subnormals: steps of 2^-9
+  u += 0x7ffffu + ((u >> 20) & 1u);  // round the 23-bit mantissa to 3 bits, ties to even (a carry bumps the exponent)
+  return sign | static_cast<uint8_t>((u >> 20) - (120u << 3));  // exponent bias 127 -> 7
+}
+
+// kv_quant.quantize_int8 / quantize_fp8 of one row of D values: codes and the fp16 scale's bits
+template <typename T>
+void quantize_scaled_row(const T* x, int64_t D, bool fp8, uint8_t* codes, uint16_t* scale) {
+  float amax = 0.0f;
+  for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(f32(x[d])));
+  const float qmax = fp8 ? 448.0f : 127.0f;
+  *scale = scale_bits(amax, qmax);
+  const float s = half_value(*scale);
+  for (int64_t d = 0; d < D; ++d) {
+    const float r = std::min(std::max(f32(x[d]) / s, -qmax), qmax);
+    codes[d] = fp8 ? e4m3_bits(r) : static_cast<uint8_t>(static_cast<int8_t>(std::nearbyint(r)));
+  }
+}
+
+// kv_quant.quantize_asym4 over n values x[i * stride]: codes in [0, 15], fp16 scale (max - min) / 15 and fp16 min
+template <typename T>
+void quantize_asym4(const T* x, int64_t n, int64_t stride, uint8_t* codes, uint16_t* scale, uint16_t* low) {
+  float lo = INFINITY, hi = -INFINITY;
+  for (int64_t i = 0; i < n; ++i) {
+    lo = std::min(lo, f32(x[i * stride]));
+    hi = std::max(hi, f32(x[i * stride]));
+  }
+  *scale = scale_bits(hi - lo, 15.0f);
+  *low = half_bits(lo);
+  const float s = half_value(*scale), m = half_value(*low);
+  for (int64_t i = 0; i < n; ++i)
+    codes[i] = static_cast<uint8_t>(std::min(std::max(std::nearbyint((f32(x[i * stride]) - m) / s), 0.0f), 15.0f));
+}
+
+// kv_quant.pack_int4: channel 2i in the low nibble, 2i + 1 in the high one
+inline void pack_nibbles(const uint8_t* codes, int64_t D, uint8_t* out) {
+  for (int64_t d = 0; d < D; d += 2) out[d / 2] = static_cast<uint8_t>(codes[d] | (codes[d + 1] << 4));
+}
+
+// 8 fp16 values (bits) as fp32
+inline __m256 halves8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
+// 16 int4 codes (8 bytes, low nibble first) as two blocks of 8 fp32
+inline void nibbles16(const uint8_t* p, __m256& lo, __m256& hi) {
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  const __m128i mask = _mm_set1_epi8(15);
+  const __m128i c = _mm_unpacklo_epi8(_mm_and_si128(b, mask), _mm_and_si128(_mm_srli_epi16(b, 4), mask));
+  lo = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(c));
+  hi = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(c, 8)));
+}
+
+// kv_quant.dequantize_scaled of one row: code * scale (int8, or e4m3 decoded exactly through fp16: value / 256)
+inline void dequant_scaled_row(const uint8_t* c, bool fp8, float s, float* out, int64_t D) {
+  if (!fp8) {
+    const __m256 vs = _mm256_set1_ps(s);
+    for (int64_t d = 0; d < D; d += 8) {
+      const __m256i w = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + d)));
+      _mm256_storeu_ps(out + d, _mm256_mul_ps(_mm256_cvtepi32_ps(w), vs));
+    }
+    return;
+  }
+  const __m256 vs = _mm256_set1_ps(s * 256.0f);  // exact: (value / 256) * (s * 256) rounds as value * s
+  for (int64_t d = 0; d < D; d += 8) {
+    const __m128i w = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + d)));
+    const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x7f)), 7),
+                                   _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x80)), 8));
+    _mm256_storeu_ps(out + d, _mm256_mul_ps(_mm256_cvtph_ps(h), vs));
+  }
+}
+
+// kv_quant.dequantize_asym4 of one row: code * scale + min (a multiply, then an add: no fused rounding);
+// scale / min per channel (keys: fp16 rows) or one per row (values: broadcast, stride 0)
+inline void dequant_asym4_row(const uint8_t* c, const uint16_t* s, const uint16_t* m, bool per_channel, float* out,
+                              int64_t D) {
+  const __m256 vs = _mm256_set1_ps(half_value(*s)), vm = _mm256_set1_ps(half_value(*m));  // per row
+  for (int64_t d = 0; d < D; d += 16) {
+    __m256 lo, hi;
+    nibbles16(c + d / 2, lo, hi);
+    const __m256 s0 = per_channel ? halves8(s + d) : vs, s1 = per_channel ? halves8(s + d + 8) : vs;
+    const __m256 m0 = per_channel ? halves8(m + d) : vm, m1 = per_channel ? halves8(m + d + 8) : vm;
+    _mm256_storeu_ps(out + d, _mm256_add_ps(_mm256_mul_ps(lo, s0), m0));
+    _mm256_storeu_ps(out + d + 8, _mm256_add_ps(_mm256_mul_ps(hi, s1), m1));
+  }
+}
+
+template <typename T>
+inline void widen_row(const T* x, float* out, int64_t D) {
+  for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(out + d, lanes8(x + d));
+}
+
+// A KVPool in one of the quantized formats (layouts in runtime/kv_quant.py), read through block tables (the
+// contiguous QuantizedKVCache is a pool with row-by-row tables). int4: open_of says which residual slot holds an
+// open block's keys; the blocks this write seals (stage_of >= 0) keep their full-precision keys in `stage` for
+// the queries that read them in full precision (a query at index i reads a sealed key j so while
+// j >= fresh_from(i), as in token-by-token decoding; kv_quant's module docstring).
+template <typename T>
+struct QuantKV {
+  int64_t format = KV_INT8, Hkv = 0, D = 0, bs = 0, W = 0, lookahead = 0;
+  const int32_t* tables = nullptr;
+  uint8_t *k = nullptr, *v = nullptr;  // codes: [L, N, bs, Hkv, D] (int4: D / 2 bytes)
+  uint16_t *k_scale = nullptr, *v_scale = nullptr, *k_min = nullptr, *v_min = nullptr;  // fp16 bits
+  T *k_open = nullptr, *stage = nullptr;  // int4: [L, M, bs, Hkv, D], [L, ns, bs, Hkv, D]
+  const int64_t *open_of = nullptr, *stage_of = nullptr, *seal_blocks = nullptr;
+  int64_t n_seal = 0;
+  int64_t code_layer = 0, token_layer = 0, group_layer = 0, open_layer = 0, stage_layer = 0;  // per-layer strides
+
+  int64_t row_bytes() const { return format == KV_INT4 ? D / 2 : D; }
+  int64_t slot(int64_t b, int64_t i) const { return static_cast<int64_t>(tables[b * W + i / bs]) * bs + i % bs; }
+  int64_t token_at(int64_t l, int64_t slot, int64_t h) const { return l * token_layer + slot * Hkv + h; }
+  int64_t code_at(int64_t l, int64_t slot, int64_t h) const { return l * code_layer + (slot * Hkv + h) * row_bytes(); }
+  // int4: the first index whose sealed keys query index i still reads in full precision
+  int64_t fresh_from(int64_t i) const {
+    const int64_t x = i + 1 - lookahead;
+    return x <= 0 ? 0 : x / bs * bs;
+  }
+  // the full-precision key row (compute type) where int4 keeps one: an open block's residual, or nullptr
+  const T* open_key(int64_t l, int64_t slot, int64_t h) const {
+    const int64_t open = open_of[slot / bs];
+    return open < 0 ? nullptr : k_open + l * open_layer + ((open * bs + slot % bs) * Hkv + h) * D;
+  }
+  const T* staged_key(int64_t l, int64_t slot, int64_t h) const {
+    const int64_t s = stage_of[slot / bs];
+    return s < 0 ? nullptr : stage + l * stage_layer + ((s * bs + slot % bs) * Hkv + h) * D;
+  }
+  // key row at `slot` from its codes (int4: the block's per-channel scale and min), as fp32
+  void key_codes(int64_t l, int64_t slot, int64_t h, float* out) const {
+    if (format != KV_INT4) return dequant_scaled_row(k + code_at(l, slot, h), format == KV_FP8,
+                                                     half_value(k_scale[token_at(l, slot, h)]), out, D);
+    const int64_t g = l * group_layer + ((slot / bs) * Hkv + h) * D;
+    dequant_asym4_row(k + code_at(l, slot, h), k_scale + g, k_min + g, true, out, D);
+  }
+  void value_row(int64_t l, int64_t slot, int64_t h, float* out) const {
+    const int64_t t = token_at(l, slot, h);
+    if (format != KV_INT4) return dequant_scaled_row(v + code_at(l, slot, h), format == KV_FP8, half_value(v_scale[t]), out, D);
+    dequant_asym4_row(v + code_at(l, slot, h), v_scale + t, v_min + t, false, out, D);
+  }
+};
+
+// Write one token's k (roped) and v for kv head h at sequence index i of row b. int4: values quantized per token;
+// keys go to the open block's residual, or to the stage of a block this write seals (sealed after every write).
+template <typename T>
+void write_quant(const QuantKV<T>& kv, int64_t l, int64_t b, int64_t i, int64_t h, const T* key, const T* value) {
+  const int64_t D = kv.D, slot = kv.slot(b, i), t = kv.token_at(l, slot, h);
+  if (kv.format != KV_INT4) {
+    quantize_scaled_row(key, D, kv.format == KV_FP8, kv.k + kv.code_at(l, slot, h), kv.k_scale + t);
+    quantize_scaled_row(value, D, kv.format == KV_FP8, kv.v + kv.code_at(l, slot, h), kv.v_scale + t);
+    return;
+  }
+  uint8_t codes[512];
+  quantize_asym4(value, D, 1, codes, kv.v_scale + t, kv.v_min + t);
+  pack_nibbles(codes, D, kv.v + kv.code_at(l, slot, h));
+  T* dst = const_cast<T*>(kv.staged_key(l, slot, h));
+  if (!dst) dst = const_cast<T*>(kv.open_key(l, slot, h));
+  TORCH_CHECK(dst, "int4 KV: a key written to a sealed block with no residual slot (the write plan is stale)");
+  std::copy(key, key + D, dst);
+}
+
+// int4: quantize the keys of the blocks this write seals (kv_quant.KVPool._seal: per channel over the block's
+// tokens) from their stage, after every token of the layer is written.
+template <typename T>
+void seal_int4(const QuantKV<T>& kv, int64_t l) {
+  const int64_t D = kv.D, bs = kv.bs, Hkv = kv.Hkv;
+  std::vector<uint8_t> lo(bs), hi(bs);
+  for (int64_t s = 0; s < kv.n_seal; ++s) {
+    const int64_t block = kv.seal_blocks[s];
+    const T* keys = kv.stage + l * kv.stage_layer + s * bs * Hkv * D;
+    for (int64_t h = 0; h < Hkv; ++h)
+      for (int64_t d = 0; d < D; d += 2) {
+        const int64_t g = l * kv.group_layer + (block * Hkv + h) * D + d;
+        quantize_asym4(keys + h * D + d, bs, Hkv * D, lo.data(), kv.k_scale + g, kv.k_min + g);
+        quantize_asym4(keys + h * D + d + 1, bs, Hkv * D, hi.data(), kv.k_scale + g + 1, kv.k_min + g + 1);
+        for (int64_t j = 0; j < bs; ++j)
+          kv.k[kv.code_at(l, block * bs + j, h) + d / 2] = static_cast<uint8_t>(lo[j] | (hi[j] << 4));
+      }
+  }
+}
+
+// Attention for up to QB queries of row b and kv head h over a quantized cache (attn512::attend's contract: query u
+// is q[u] of token tok[u], sees indices [0, start) and the new tokens its local mask allows). Each key and value
+// row is dequantized once into scratch for the item's queries; int4 queries read a sealed-now key in full
+// precision from j >= fresh_from (their own rule), the others its codes.
+constexpr int QUANT_QB = 8;
+struct QuantScratch {
+  std::vector<float> scores, packed, acc, q;
+  std::vector<int64_t> where;
+  alignas(32) float key[256], fresh_key[256], value[256];
+};
+
+template <typename T>
+void attend_quant(const QuantKV<T>& kv, int64_t l, int64_t b, int64_t h, int nq, const int64_t* tok, int64_t start,
+                  int64_t count, const bool* local, int64_t Tn, const float* q, float scale, T* const* out,
+                  QuantScratch& s, void (*softmax)(float*, int64_t)) {
+  const int64_t D = kv.D, n = start + count;
+  auto visible = [&](int u, int64_t i) {
+    return i < start || (local ? local[tok[u] * Tn + (i - start)] : i - start <= tok[u]);
+  };
+  int64_t fresh[QUANT_QB];
+  for (int u = 0; u < nq; ++u) fresh[u] = kv.format == KV_INT4 ? kv.fresh_from(start + tok[u]) : n;
+  s.scores.assign(QUANT_QB * n, -INFINITY);  // masked keys stay -inf: e^-inf = 0
+  for (int64_t i = 0; i < n; ++i) {
+    bool any = false;
+    for (int u = 0; u < nq; ++u) any |= visible(u, i);
+    if (!any) continue;
+    const int64_t slot = kv.slot(b, i);
+    const T* open = kv.format == KV_INT4 ? kv.open_key(l, slot, h) : nullptr;
+    const T* staged = kv.format == KV_INT4 && !open ? kv.staged_key(l, slot, h) : nullptr;
+    if (open)
+      widen_row(open, s.key, D);
+    else
+      kv.key_codes(l, slot, h, s.key);
+    if (staged) widen_row(staged, s.fresh_key, D);
+    for (int u = 0; u < nq; ++u) {
+      if (!visible(u, i)) continue;
+      const float* key = staged && i >= fresh[u] ? s.fresh_key : s.key;
+      s.scores[u * n + i] = dot_row(q + u * D, key, D) * scale;
+    }
+  }
+  for (int u = 0; u < nq; ++u)  // causal queries see a prefix of the keys: no packing
+    softmax_visible(s.scores.data() + u * n, n, local ? -1 : start + tok[u] + 1, s.packed, s.where, softmax);
+  s.acc.assign(nq * D, 0.0f);
+  for (int64_t i = 0; i < n; ++i) {
+    bool any = false;
+    for (int u = 0; u < nq; ++u) any |= s.scores[u * n + i] != 0.0f;
+    if (!any) continue;
+    kv.value_row(l, kv.slot(b, i), h, s.value);
+    for (int u = 0; u < nq; ++u)  // a zero weight adds nothing: skipped, so co-queries never change a result
+      if (s.scores[u * n + i] != 0.0f) add_row(s.scores[u * n + i], s.value, s.acc.data() + u * D, D);
+  }
+  for (int u = 0; u < nq; ++u)
+    for (int64_t d = 0; d < D; ++d) out[u][d] = rnd<T>(s.acc[u * D + d]);
+}
+
+// ---- the quantized attention with AVX-512: 16 lanes, key and value rows dequantized in registers ----------------
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq")
+namespace attn512q {
+
+// Row `slot`, kv head h of a quantized pool's keys (key = true) or values as C blocks of 16 fp32 lanes, the values
+// kv_quant dequantizes to (the same products and sums as QuantKV::key_codes / value_row).
+template <typename T>
+inline void codes16(const QuantKV<T>& kv, int64_t l, int64_t slot, int64_t h, bool key, __m512* out) {
+  const int64_t C = kv.D / 16, t = kv.token_at(l, slot, h);
+  const uint8_t* c = (key ? kv.k : kv.v) + kv.code_at(l, slot, h);
+  if (kv.format == KV_INT8) {
+    const __m512 s = _mm512_set1_ps(half_value((key ? kv.k_scale : kv.v_scale)[t]));
+    for (int64_t j = 0; j < C; ++j) {
+      const __m512i w = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 16 * j)));
+      out[j] = _mm512_mul_ps(_mm512_cvtepi32_ps(w), s);
+    }
+  } else if (kv.format == KV_FP8) {  // e4m3 -> fp16 bits (value / 256), times scale * 256 (exact)
+    const __m512 s = _mm512_set1_ps(half_value((key ? kv.k_scale : kv.v_scale)[t]) * 256.0f);
+    for (int64_t j = 0; j < C; ++j) {
+      const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 16 * j)));
+      const __m256i f = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7f)), 7),
+                                        _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8));
+      out[j] = _mm512_mul_ps(_mm512_cvtph_ps(f), s);
+    }
+  } else {  // int4: code * scale + min, keys per channel (the block's), values per token
+    const int64_t g = l * kv.group_layer + ((slot / kv.bs) * kv.Hkv + h) * kv.D;
+    const __m512 vs = _mm512_set1_ps(half_value(kv.v_scale[t])), vm = _mm512_set1_ps(half_value(kv.v_min[t]));
+    const __m128i mask = _mm_set1_epi8(15);
+    for (int64_t j = 0; j < C; ++j) {
+      const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + 8 * j));
+      const __m128i n = _mm_unpacklo_epi8(_mm_and_si128(b, mask), _mm_and_si128(_mm_srli_epi16(b, 4), mask));
+      const __m512 code = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(n));
+      const __m512 s = key ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(kv.k_scale + g + 16 * j))) : vs;
+      const __m512 m = key ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(kv.k_min + g + 16 * j))) : vm;
+      out[j] = _mm512_add_ps(_mm512_mul_ps(code, s), m);
+    }
+  }
+}
+
+// QuantKV's attention (attend_quant's contract) with each key and value row dequantized into registers once for up
+// to QUANT_QB queries, scores by 16-lane FMA chains and value sums kept in registers (attn512::attend's shape).
+template <typename T>
+void attend_quant(const QuantKV<T>& kv, int64_t l, int64_t b, int64_t h, int nq, const int64_t* tok, int64_t start,
+                  int64_t count, const bool* local, int64_t Tn, const float* q, float scale, T* const* out,
+                  QuantScratch& s) {
+  const int64_t D = kv.D, C = D / 16, n = start + count;
+  const bool int4 = kv.format == KV_INT4;
+  auto visible = [&](int u, int64_t i) {
+    return i < start || (local ? local[tok[u] * Tn + (i - start)] : i - start <= tok[u]);
+  };
+  int64_t fresh[QUANT_QB];
+  for (int u = 0; u < nq; ++u) fresh[u] = int4 ? kv.fresh_from(start + tok[u]) : n;
+  s.scores.assign(QUANT_QB * n, -INFINITY);  // masked keys stay -inf: e^-inf = 0
+  for (int64_t i = 0; i < n; ++i) {
+    bool any = false;
+    for (int u = 0; u < nq; ++u) any |= visible(u, i);
+    if (!any) continue;
+    const int64_t slot = kv.slot(b, i);
+    const T* open = int4 ? kv.open_key(l, slot, h) : nullptr;
+    const T* staged = int4 && !open ? kv.staged_key(l, slot, h) : nullptr;
+    __m512 kc[16], kf[16];
+    if (open)
+      for (int64_t c = 0; c < C; ++c) kc[c] = attn512::lanes16(open + 16 * c);
+    else
+      codes16(kv, l, slot, h, true, kc);
+    if (staged)
+      for (int64_t c = 0; c < C; ++c) kf[c] = attn512::lanes16(staged + 16 * c);
+    for (int u = 0; u < nq; ++u) {
+      if (!visible(u, i)) continue;
+      const __m512* key = staged && i >= fresh[u] ? kf : kc;
+      __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q + u * D), key[0]);
+      for (int64_t c = 1; c < C; ++c) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + u * D + 16 * c), key[c], acc);
+      s.scores[u * n + i] = _mm512_reduce_add_ps(acc) * scale;
+    }
+  }
+  for (int u = 0; u < nq; ++u)  // causal queries see a prefix of the keys: no packing
+    softmax_visible(s.scores.data() + u * n, n, local ? -1 : start + tok[u] + 1, s.packed, s.where,
+                    attn512::softmax_packed16);
+  const int QP = C <= 4 ? 4 : C <= 8 ? 2 : 1;  // queries whose value sums stay in registers
+  for (int u0 = 0; u0 < nq; u0 += QP) {
+    const int nu = std::min(QP, nq - u0);
+    __m512 acc[4][16];
+    for (int u = 0; u < nu; ++u)
+      for (int64_t c = 0; c < C; ++c) acc[u][c] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; ++i) {
+      bool any = false;
+      for (int u = 0; u < nu; ++u) any |= s.scores[(u0 + u) * n + i] != 0.0f;
+      if (!any) continue;
+      __m512 vc[16];
+      codes16(kv, l, kv.slot(b, i), h, false, vc);
+      for (int u = 0; u < nu; ++u) {  // a zero weight adds nothing: skipped, so co-queries never change a result
+        const float p = s.scores[(u0 + u) * n + i];
+        if (p == 0.0f) continue;
+        for (int64_t c = 0; c < C; ++c) acc[u][c] = _mm512_fmadd_ps(_mm512_set1_ps(p), vc[c], acc[u][c]);
+      }
+    }
+    for (int u = 0; u < nu; ++u) {
+      alignas(64) float row[256];
+      for (int64_t c = 0; c < C; ++c) _mm512_store_ps(row + 16 * c, acc[u][c]);
+      for (int64_t d = 0; d < D; ++d) out[u0 + u][d] = rnd<T>(row[d]);
+    }
+  }
+}
+
+}  // namespace attn512q
+#pragma GCC pop_options
+
+// One layer's k/v writes over a quantized pool: rope each live token's key, quantize it and its value at the
+// token's index (int4: then seal the blocks this write completes).
+template <typename T>
+void write_layer_quant(const QuantKV<T>& kv, int64_t l, const std::vector<int64_t>& live, int64_t Tn,
+                       const int64_t* st, const T* qkv, int64_t qkv_size, int64_t q_size, const T* cos_p,
+                       const T* sin_p) {
+  const int64_t D = kv.D, kv_size = kv.Hkv * D;
+  std::vector<T> key(D);
+  for (int64_t r = 0; r < static_cast<int64_t>(live.size()); ++r) {
+    const int64_t b = live[r] / Tn, t = live[r] % Tn, row = live[r];
+    const T* src = qkv + r * qkv_size;
+    for (int64_t h = 0; h < kv.Hkv; ++h) {
+      rope(src + q_size + h * D, cos_p + row * D, sin_p + row * (D / 2), key.data(), D);
+      write_quant(kv, l, b, st[b] + t, h, key.data(), src + q_size + kv_size + h * D);
+    }
+  }
+  if (kv.format == KV_INT4) seal_int4(kv, l);
+}
+
+// One layer's attention over a quantized pool: work items of up to QUANT_QB queries (token, head) of one row and
+// kv head, so each dequantized key and value row serves all of them; split over the cores unless it is tiny.
+template <typename T>
+void attention_layer_quant(const QuantKV<T>& kv, int64_t l, const std::vector<int64_t>& live, int64_t B, int64_t Tn,
+                           const int64_t* st, const int64_t* cn, const bool* lm, int64_t local_stride, int64_t group,
+                           const T* qkv, int64_t qkv_size, const T* cos_p, const T* sin_p, float scale, T* attn,
+                           int64_t q_size, bool threaded) {
+  const int64_t D = kv.D, Hkv = kv.Hkv;
+  const bool wide = isa() >= ISA_AVX512;  // the AVX-512 family's attention (its own bits, as for full precision)
+  std::vector<int64_t> item_row, item_first, row_first(B + 1, 0);  // row_first: the row's first index in `live`
+  for (int64_t b = 0; b < B; ++b) row_first[b + 1] = row_first[b] + cn[b];
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < Hkv; ++h)
+      for (int64_t f = 0; f < cn[b] * group; f += QUANT_QB) {
+        item_row.push_back(b * Hkv + h);
+        item_first.push_back(f);
+      }
+  auto attend_items = [&](int64_t begin, int64_t end) {
+    QuantScratch s;
+    s.q.resize(QUANT_QB * D);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = item_row[i] / Hkv, h = item_row[i] % Hkv;
+      const int nq = static_cast<int>(std::min<int64_t>(QUANT_QB, cn[b] * group - item_first[i]));
+      int64_t tok[QUANT_QB];
+      T* outs[QUANT_QB];
+      for (int u = 0; u < nq; ++u) {  // query f of this (row, kv head): token f / group, head h * group + f % group
+        const int64_t f = item_first[i] + u, t = f / group, head = h * group + f % group, r = row_first[b] + t;
+        const int64_t row = live[r];
+        tok[u] = t;
+        rope(qkv + r * qkv_size + head * D, cos_p + row * D, sin_p + row * (D / 2), s.q.data() + u * D, D);
+        outs[u] = attn + r * q_size + head * D;
+      }
+      const bool* mask = lm ? lm + b * local_stride : nullptr;
+      if (wide)
+        attn512q::attend_quant(kv, l, b, h, nq, tok, st[b], cn[b], mask, Tn, s.q.data(), scale, outs, s);
+      else
+        attend_quant(kv, l, b, h, nq, tok, st[b], cn[b], mask, Tn, s.q.data(), scale, outs, s, softmax_packed8);
+    }
+  };
+  const int64_t items = static_cast<int64_t>(item_row.size());
+  if (threaded)
+    at::parallel_for(0, items, 1, attend_items);
+  else
+    attend_items(0, items);
+}
+
 // y (rows of the compute type) = x @ W^T through the kernels, rounded to T as the Python layers round.
 template <typename T>
 void linear_rows(const Weight& w, const T* x, int64_t M, T* y, Acts& a, std::vector<float>& xf, std::vector<float>& yf) {
@@ -1522,9 +1953,11 @@ struct PhaseClock {
   }
 };
 
-template <typename T>
+// Cache: KVView<T> (the compute type, read in place) or QuantKV<T> (a quantized pool, quantized on write and
+// dequantized row by row inside attention).
+template <typename T, typename Cache>
 void step_impl(const StepModel& m, at::Tensor& x, int64_t Tn, const at::Tensor& starts, const at::Tensor& counts,
-               const at::Tensor& local, const KVView<T>& kv, const at::Tensor& cos, const at::Tensor& sin) {
+               const at::Tensor& local, const Cache& kv, const at::Tensor& cos, const at::Tensor& sin) {
   const int64_t B = starts.size(0), H = m.hidden, D = m.D, Hq = m.Hq, Hkv = m.Hkv, group = Hq / Hkv;
   const int64_t q_size = Hq * D, kv_size = Hkv * D, qkv_size = q_size + 2 * kv_size;
   const float eps = static_cast<float>(m.eps), scale = 1.0f / std::sqrt(static_cast<float>(D));
@@ -1554,6 +1987,14 @@ void step_impl(const StepModel& m, at::Tensor& x, int64_t Tn, const at::Tensor& 
     for (int64_t r0 = 0; r0 < R; r0 += MAX_M)
       linear_rows(w[0], normed.data() + r0 * H, std::min(MAX_M, R - r0), qkv.data() + r0 * qkv_size, acts, xf, yf);
     clock.lap(P_QKV);
+    if constexpr (std::is_same_v<Cache, QuantKV<T>>) {
+      write_layer_quant(kv, l, live, Tn, st, qkv.data(), qkv_size, q_size, cos_p, sin_p);
+      clock.lap(P_ROPE_KV);
+      int64_t work = 0;
+      for (int64_t b = 0; b < B; ++b) work += cn[b] * (st[b] + cn[b]);
+      attention_layer_quant(kv, l, live, B, Tn, st, cn, lm, local_stride, group, qkv.data(), qkv_size, cos_p, sin_p,
+                            scale, attn.data(), q_size, work * Hq * D >= 32768);
+    } else {
     T* kl = kv.k + l * kv.layer_stride;
     T* vl = kv.v + l * kv.layer_stride;
     for (int64_t r = 0; r < R; ++r) {  // rope k, write k/v at the token's index
@@ -1624,6 +2065,7 @@ void step_impl(const StepModel& m, at::Tensor& x, int64_t Tn, const at::Tensor& 
     else
       attend_range(0, items);
     }
+    }
     clock.lap(P_ATTN);
     for (int64_t r0 = 0; r0 < R; r0 += MAX_M)
       linear_rows(w[1], attn.data() + r0 * q_size, std::min(MAX_M, R - r0), proj.data() + r0 * H, acts, xf, yf);
@@ -1692,7 +2134,7 @@ at::Tensor step(const StepModel& m, at::Tensor x, int64_t tokens, at::Tensor sta
       for (int64_t b = 0; b < B; ++b) TORCH_CHECK(st[b] + cn[b] <= kv.S, "row ", b, " runs past the KV cache");
     }
     TORCH_CHECK(k_cache.size(0) >= m.layers(), "the KV cache has too few layers");
-    step_impl<T>(m, x, tokens, starts, counts, local_mask, kv, cos, sin);
+    step_impl<T, KVView<T>>(m, x, tokens, starts, counts, local_mask, kv, cos, sin);
   };
   if (k_cache.scalar_type() == at::kFloat)
     run(0.0f);
@@ -1701,6 +2143,110 @@ at::Tensor step(const StepModel& m, at::Tensor x, int64_t tokens, at::Tensor sta
   else
     TORCH_CHECK(false, "the CPU step's compute type must be fp32 or bf16");
   return x;
+}
+
+// The step over a quantized KVPool (runtime/kv_quant.py): x, tokens, starts, counts, local, cos, sin as in step();
+// tables [B, W] the rows' blocks (the contiguous QuantizedKVCache: its row-by-row tables); format KV_INT8 | KV_FP8 |
+// KV_INT4; pool: k, v, k_scale, v_scale and, int4, k_min, v_min, k_open, open_of [N], stage [L, ns, bs, Hkv, D]
+// (the sealed blocks' keys so far), stage_of [N], seal_blocks [ns] (runtime.kv_quant.KVPool.begin_step_write).
+at::Tensor step_quant(const StepModel& m, at::Tensor x, int64_t tokens, at::Tensor starts, at::Tensor counts,
+                      std::optional<at::Tensor> local, at::Tensor tables, at::Tensor cos, at::Tensor sin, int64_t format,
+                      int64_t lookahead, std::vector<at::Tensor> pool) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) == m.hidden,
+              "x must be [B*T, hidden] fp32");
+  const int64_t B = starts.size(0);
+  TORCH_CHECK(tokens >= 1 && x.size(0) == B * tokens, "x rows must be B * T");
+  TORCH_CHECK(starts.scalar_type() == at::kLong && counts.scalar_type() == at::kLong && counts.size(0) == B,
+              "starts and counts: int64 [B]");
+  TORCH_CHECK(cos.size(0) == B * tokens && sin.size(0) == B * tokens, "one cos/sin row per token");
+  TORCH_CHECK(format >= KV_INT8 && format <= KV_INT4, "unknown quantized KV format ", format);
+  TORCH_CHECK(pool.size() == (format == KV_INT4 ? 11u : 4u), "pool tensors: k, v, k_scale, v_scale (+ 7 for int4)");
+  for (auto& t : pool) TORCH_CHECK(t.is_contiguous(), "the KV pool's tensors must be contiguous");
+  TORCH_CHECK(m.D % 16 == 0 && m.D <= 256, "quantized KV in the step: head_dim a multiple of 16, at most 256");
+  at::Tensor local_mask = local && local->defined() && local->numel() ? local->contiguous() : at::Tensor();
+  if (local_mask.defined())
+    TORCH_CHECK(local_mask.scalar_type() == at::kBool && local_mask.size(-1) == tokens, "local mask: bool [., T, T]");
+  at::Tensor tab = tables.to(at::kInt).contiguous();
+  const at::Tensor& k = pool[0];
+  TORCH_CHECK(k.dim() == 5 && k.size(0) >= m.layers() && k.size(3) == m.Hkv, "codes: [L, blocks, bs, Hkv, .]");
+  TORCH_CHECK(tab.dim() == 2 && tab.size(0) == B, "tables: [B, W]");
+  const int64_t* st = starts.data_ptr<int64_t>();
+  const int64_t* cn = counts.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) TORCH_CHECK(st[b] + cn[b] <= tab.size(1) * k.size(2), "row ", b, " runs past its blocks");
+  auto run = [&](auto zero) {
+    using T = decltype(zero);
+    QuantKV<T> kv;
+    kv.format = format;
+    kv.Hkv = m.Hkv;
+    kv.D = m.D;
+    kv.bs = k.size(2);
+    kv.W = tab.size(1);
+    kv.lookahead = lookahead;
+    kv.tables = tab.data_ptr<int32_t>();
+    auto bytes = [](const at::Tensor& t) { return reinterpret_cast<uint8_t*>(t.data_ptr()); };
+    auto halves = [](const at::Tensor& t) {
+      TORCH_CHECK(t.scalar_type() == at::kHalf, "KV scales must be fp16");
+      return reinterpret_cast<uint16_t*>(t.data_ptr());
+    };
+    kv.k = bytes(pool[0]);
+    kv.v = bytes(pool[1]);
+    kv.k_scale = halves(pool[2]);
+    kv.v_scale = halves(pool[3]);
+    kv.code_layer = pool[0].stride(0);
+    kv.token_layer = pool[3].stride(0);  // v_scale: [L, N, bs, Hkv] in every format
+    if (format == KV_INT4) {
+      TORCH_CHECK(pool[6].scalar_type() == cos.scalar_type() && pool[8].scalar_type() == cos.scalar_type(),
+                  "int4 residual and stage: the compute type");
+      kv.group_layer = pool[2].stride(0);  // k_scale: [L, N, Hkv, D]
+      kv.k_min = halves(pool[4]);
+      kv.v_min = halves(pool[5]);
+      kv.k_open = pool[6].data_ptr<T>();
+      kv.open_layer = pool[6].stride(0);
+      kv.open_of = pool[7].data_ptr<int64_t>();
+      kv.stage = pool[8].data_ptr<T>();
+      kv.stage_layer = pool[8].stride(0);
+      kv.stage_of = pool[9].data_ptr<int64_t>();
+      kv.seal_blocks = pool[10].data_ptr<int64_t>();
+      kv.n_seal = pool[10].numel();
+    }
+    step_impl<T, QuantKV<T>>(m, x, tokens, starts, counts, local_mask, kv, cos, sin);
+  };
+  if (cos.scalar_type() == at::kFloat)
+    run(0.0f);
+  else if (cos.scalar_type() == at::kBFloat16)
+    run(at::BFloat16(0.0f));
+  else
+    TORCH_CHECK(false, "the CPU step's compute type must be fp32 or bf16");
+  return x;
+}
+
+// kv_quant's writers one row at a time, for tests: rows x [N, D] (fp32 / bf16) -> codes [N, D] (int4: unpacked, one
+// per byte), scales [N] and mins [N] (int4) as fp16; format KV_INT8 | KV_FP8 | KV_INT4 (asymmetric over the row).
+std::vector<at::Tensor> quantize_kv_rows(at::Tensor x, int64_t format) {
+  TORCH_CHECK(x.dim() == 2, "rows: [N, D]");
+  x = x.contiguous();
+  const int64_t N = x.size(0), D = x.size(1);
+  at::Tensor codes = at::empty({N, D}, x.options().dtype(at::kByte));
+  at::Tensor scale = at::empty({N}, x.options().dtype(at::kHalf)), low = at::zeros({N}, x.options().dtype(at::kHalf));
+  auto run = [&](auto zero) {
+    using T = decltype(zero);
+    for (int64_t r = 0; r < N; ++r) {
+      const T* row = x.data_ptr<T>() + r * D;
+      uint8_t* c = codes.data_ptr<uint8_t>() + r * D;
+      uint16_t* s = reinterpret_cast<uint16_t*>(scale.data_ptr()) + r;
+      if (format == KV_INT4)
+        quantize_asym4(row, D, 1, c, s, reinterpret_cast<uint16_t*>(low.data_ptr()) + r);
+      else
+        quantize_scaled_row(row, D, format == KV_FP8, c, s);
+    }
+  };
+  if (x.scalar_type() == at::kFloat)
+    run(0.0f);
+  else if (x.scalar_type() == at::kBFloat16)
+    run(at::BFloat16(0.0f));
+  else
+    TORCH_CHECK(false, "rows: fp32 or bf16");
+  return {codes, scale, low};
 }
 
 // RMSNorm of fp32 rows x [N, hidden] with an fp32 weight (F.rms_norm's math in one pass per row, rows split
@@ -1980,6 +2526,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("step", &qspec::step, "every decoder layer for T new tokens per row (CPU; fp32 / bf16 compute)",
         py::arg("model"), py::arg("x"), py::arg("tokens"), py::arg("starts"), py::arg("counts"), py::arg("local"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("tables"), py::arg("cos"), py::arg("sin"));
+  m.def("step_quant", &qspec::step_quant, "the step over a quantized KV pool (int8 / fp8_e4m3 / int4, read in place)",
+        py::arg("model"), py::arg("x"), py::arg("tokens"), py::arg("starts"), py::arg("counts"), py::arg("local"),
+        py::arg("tables"), py::arg("cos"), py::arg("sin"), py::arg("format"), py::arg("lookahead"), py::arg("pool"));
+  m.def("quantize_kv_rows", &qspec::quantize_kv_rows, "the step's KV writer on rows [N, D] (tests)");
   m.def("rms_norm_rows", &qspec::rms_norm_rows, "RMSNorm of fp32 rows (CPU)");
   m.def("dequantize_t", &qspec::dequantize_t, "a quantized weight dequantized, transposed: [K, N] (prefill)");
   m.def("prefill_linear", &qspec::prefill_linear, "x @ W^T for many rows: block dequantize + torch's GEMM",

@@ -22,6 +22,11 @@ or the CPU lacks AVX2, one warning says why and the Python layers run. ``QSPEC_C
 ``QSPEC_CPU_ISA=avx2|avx512|avx512bf16`` caps the kernel family (tests run every family on one machine; AMX,
 where the CPU and the OS offer it, is the top one).
 
+Quantized KV caches (runtime.kv_quant: int8, fp8_e4m3, int4 KIVI; the contiguous QuantizedKVCache and the paged
+pool) run in the step too: it quantizes each new token's k/v as kv_quant's writer does (same bits) and its attention
+dequantizes one cached row at a time from the codes, in place; int4's write plan (which key groups a forward opens
+and seals) is made once per step by the pool (``KVPool.begin_step_write``), the step seals the groups layer by layer.
+
 Shape invariance: a position's outputs are the same bits whatever the step's row count, batch or tree shape
 (cpu_step.cpp's header), so greedy speculative decoding equals plain greedy decoding token for token.
 ``QSPEC_CPU_AMX`` is AMX's row policy: ``off`` (default: the vector kernels, row-invariant), ``exact`` (AMX at every
@@ -376,8 +381,9 @@ def decode(model, x: Tensor, meta, cache) -> Tensor | None:
     """Run every decoder layer on x [B, T, hidden] (the fp32 residual stream) in one call: T <= MAX_TOKENS new
     tokens per row (a candidate tree: any number) at the cache indices the metadata gives (``meta.starts``,
     ``meta.counts``, optional ``meta.local_mask``: chains, trees, ragged rows), over a contiguous KVCache or a paged
-    pool. Returns the residual stream after the last layer, or None when this step does not qualify (the Python
-    layers run)."""
+    pool in the compute dtype, or a quantized pool (QuantizedKVCache, a quantized PagedKVCache: int8, fp8_e4m3,
+    int4, read in place). Returns the residual stream after the last layer, or None when this step does not
+    qualify (the Python layers run)."""
     T = x.shape[1]
     starts = getattr(meta, "starts", None)
     if not (
@@ -390,10 +396,15 @@ def decode(model, x: Tensor, meta, cache) -> Tensor | None:
         and x.dtype == torch.float32  # the residual stream: fp32 models and bf16 (mixed) ones
         and x.device.type == "cpu"
         and not torch.is_grad_enabled()
-        and getattr(cache, "k", None) is not None
+        and extension() is not None
+    ):
+        return None
+    if quantized_pool(model, cache) is not None:
+        return decode_quantized(model, x, meta, cache)
+    if not (
+        getattr(cache, "k", None) is not None
         and cache.k.dtype == model.compute_dtype
         and cache.k.dtype in (torch.float32, torch.bfloat16)
-        and extension() is not None
     ):
         return None
     paged = getattr(meta, "block_tables", None) is not None
@@ -404,16 +415,78 @@ def decode(model, x: Tensor, meta, cache) -> Tensor | None:
         return None
     B = x.shape[0]
     counts = meta.counts if meta.counts is not None else torch.full((B,), T, dtype=torch.long)
-    cos, sin = model.rope(meta.positions, model.compute_dtype)  # [B, T, 1, D], [B, T, 1, 2, D/2]
+    cos, sin = step_rope(model, meta, B * T)
     hidden = x.reshape(B * T, x.shape[2]).contiguous()
     local = meta.local_mask
     out = extension().step(
         built, hidden, T, starts.long().contiguous(), counts.long().contiguous(),
         None if local is None else local.contiguous(), cache.k, cache.v,
-        meta.block_tables if paged else None, cos.reshape(B * T, -1).contiguous(),
-        sin[:, :, 0, 1].reshape(B * T, -1).contiguous(),
+        meta.block_tables if paged else None, cos, sin,
     )  # fmt: skip
     return out.view(x.shape)
+
+
+def step_rope(model, meta, rows: int) -> tuple[Tensor, Tensor]:
+    """The step's rope tables: cos [rows, D] and sin [rows, D / 2] in the compute dtype."""
+    cos, sin = model.rope(meta.positions, model.compute_dtype)  # [B, T, 1, D], [B, T, 1, 2, D/2]
+    return cos.reshape(rows, -1).contiguous(), sin[:, :, 0, 1].reshape(rows, -1).contiguous()
+
+
+# ---- quantized KV caches (runtime.kv_quant): the step writes codes and reads them in place ------------------------
+
+KV_FORMATS = {"int8": 1, "fp8_e4m3": 2, "int4": 3}  # cpu_step.cpp's KvFormat
+QUANTIZED_CACHES = ("QuantizedKVCache", "PagedKVCache")  # a sink-window cache evicts: the Python layers run it
+
+
+def quantized_pool(model, cache):
+    """The cache's quantized KVPool when the step can run it, else None."""
+    pool = getattr(cache, "pool", None)
+    if type(cache).__name__ not in QUANTIZED_CACHES or getattr(pool, "kv_dtype", None) not in KV_FORMATS:
+        return None
+    D = model.config.head_dim
+    dtype_ok = pool.dtype == model.compute_dtype and pool.dtype in (torch.float32, torch.bfloat16)
+    return pool if dtype_ok and pool.device.type == "cpu" and D % 16 == 0 and D <= 256 else None
+
+
+def decode_quantized(model, x: Tensor, meta, cache) -> Tensor | None:
+    """decode() over a quantized pool: the contiguous QuantizedKVCache (its row-by-row block tables) or a paged
+    one (the metadata's). int4's write plan (which key groups this write opens and seals) is made here, once per
+    step, by the pool itself; the step then writes, seals and attends layer by layer."""
+    pool, B, T = cache.pool, x.shape[0], x.shape[1]
+    paged = getattr(meta, "block_tables", None) is not None
+    if paged != (type(cache).__name__ == "PagedKVCache"):
+        return None
+    counts = meta.counts if meta.counts is not None else torch.full((B,), T, dtype=torch.long)
+    if not paged and bool((counts != T).any()):  # the contiguous writer writes padding tokens too: Python layers
+        return None
+    built = step_model(model)
+    if built is None:
+        return None
+    if not paged:
+        cache.check_fits(meta.kv_len)
+    tables = meta.block_tables if paged else cache.tables[:B]
+    tensors = [pool.k, pool.v, pool.k_scale, pool.v_scale]
+    if pool.kv_dtype == "int4":
+        flat, ends = int4_write(cache, meta, B, paged)
+        stage = pool.begin_step_write(flat, tables.long(), ends)
+        plan = pool.plan
+        tensors += [pool.k_min, pool.v_min, pool.k_open, pool.open_of_dev, stage, plan.stage_of, plan.seal_blocks]
+    cos, sin = step_rope(model, meta, B * T)
+    local = meta.local_mask
+    out = extension().step_quant(
+        built, x.reshape(B * T, x.shape[2]).contiguous(), T, meta.starts.long().contiguous(),
+        counts.long().contiguous(), None if local is None else local.contiguous(), tables, cos, sin,
+        KV_FORMATS[pool.kv_dtype], pool.lookahead, tensors,
+    )  # fmt: skip
+    return out.view(x.shape)
+
+
+def int4_write(cache, meta, B: int, paged: bool) -> tuple[Tensor, list[int]]:
+    """The global slots this forward writes and each row's end, as the cache's Python writer computes them."""
+    if paged:  # padding tokens write the scratch block: not written
+        slots = meta.slots.masked_fill(meta.slots < cache.block_size, -1).reshape(-1)
+        return slots[slots >= 0], meta.context_lens.tolist()
+    return (meta.slots + cache.row_base[:B]).reshape(-1), (meta.slots.max(1).values + 1).tolist()
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor | None:
