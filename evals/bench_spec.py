@@ -37,7 +37,7 @@ from runtime.loader import DEFAULT_MODEL, check_model_arg, load_model, load_toke
 from runtime.provenance import module_command, provenance
 from runtime.sampling import SamplingParams
 from speculate.base import SpeculatorError
-from speculate.generate import speculative_generate
+from speculate.generate import add_counts, speculative_generate
 from speculate.registry import BuildContext, Method, build, check_method
 
 DEFAULT_METHODS = {
@@ -72,16 +72,7 @@ class MethodResult:
         self.prompts += 1
         if stats is None:
             return
-        self.steps += stats.steps
-        self.row_steps += stats.row_steps
-        self.accepted += stats.accepted
-        self.drafted += stats.drafted
-        for j, (a, n) in enumerate(zip(stats.accepted_at, stats.proposed_at)):
-            if j >= len(self.accepted_at):
-                self.accepted_at.append(0)
-                self.proposed_at.append(0)
-            self.accepted_at[j] += a
-            self.proposed_at[j] += n
+        add_counts(self, stats)
 
 
 @dataclass

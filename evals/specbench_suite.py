@@ -19,7 +19,7 @@ from runtime.decoding import generate
 from runtime.prompts import CATEGORIES, SuiteError
 from runtime.sampling import SamplingParams
 from speculate.base import Proposal, SpecState, Speculator, SpeculatorError
-from speculate.generate import speculative_generate
+from speculate.generate import add_counts, speculative_generate
 from speculate.registry import BuildContext, Method, build, check_method
 
 WORKLOADS = (*CATEGORIES, "humaneval")  # the six Spec-Bench categories, and HumanEval's code prompts
@@ -149,17 +149,8 @@ class Cell:
     fed: dict = field(default_factory=dict)
 
     def add_stats(self, stats, draft_s: float, fed: Counter) -> None:
-        self.steps += stats.steps
-        self.row_steps += stats.row_steps
-        self.accepted += stats.accepted
-        self.drafted += stats.drafted
+        add_counts(self, stats)
         self.draft_s += draft_s
-        for j, (a, n) in enumerate(zip(stats.accepted_at, stats.proposed_at)):
-            if j >= len(self.accepted_at):
-                self.accepted_at.append(0)
-                self.proposed_at.append(0)
-            self.accepted_at[j] += a
-            self.proposed_at[j] += n
         for t, c in fed.items():
             self.fed[int(t)] = self.fed.get(int(t), 0) + c
 

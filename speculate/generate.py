@@ -88,6 +88,21 @@ class SpecStats:
         )
 
 
+def add_counts(totals, stats) -> None:
+    """Accumulate one run's speculation counts (steps, row_steps, accepted, drafted and the per-depth
+    accepted_at / proposed_at) into ``totals``, any object with those fields (benchmarks' per-cell totals)."""
+    totals.steps += stats.steps
+    totals.row_steps += stats.row_steps
+    totals.accepted += stats.accepted
+    totals.drafted += stats.drafted
+    for j, (a, n) in enumerate(zip(stats.accepted_at, stats.proposed_at)):
+        if j >= len(totals.accepted_at):
+            totals.accepted_at.append(0)
+            totals.proposed_at.append(0)
+        totals.accepted_at[j] += a
+        totals.proposed_at[j] += n
+
+
 @dataclass
 class SpecOutput:
     tokens: list[list[int]]
