@@ -8,11 +8,13 @@ A candidate is compared with a baseline and put in one class:
   stays far inside it; int8 weights move SmolLM2-135M's log-probabilities by up to 2.3 nats (notes/issue-38.md);
 - **same distribution** (speculators): sampled output passes an exact two-token chi-square test against the target's
   own distribution (``two_token_test``);
-- **approximate**: none of these; the record carries mean KL, top-1 agreement and the perplexity delta.
+- **approximate**: none of these; the record carries mean KL, top-1 agreement and the perplexity delta;
+- **inconclusive** (speculators): the test passed but the speculator proposed (almost) nothing in its sampled runs
+  (fewer than ``MIN_DRAFT_RATE`` drafts per run): plain decoding passes the test, so it proves nothing.
 
 A candidate that claims to be lossless (a speculator whose ``lossless`` is true, engine batching) and is classified
 approximate is **not lossless**. Exit codes (``Verdict.exit_code``): 0 bit-identical, same math or same
-distribution; 1 approximate (and not claimed lossless); 2 not lossless where claimed lossless.
+distribution; 1 approximate (and not claimed lossless); 2 not lossless where claimed lossless; 3 inconclusive.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from evals.chain_test import MAX_SUPPORT, chain_case, chi_square_pvalue, entropy_cut, sharpened, simulate
+from evals.chain_test import MAX_SUPPORT, chain_case, chi_square_pvalue, sharpened, simulate
 from evals.fidelity import TeacherForcedStats, cached_scorer, compare_teacher_forced, engine_greedy_logits
 from evals.fidelity import model_scorer as plain_scorer
 from quantize.config import QuantConfig
@@ -42,7 +44,18 @@ SAMPLES = 2000  # speculative runs of the two-token test
 SHARPEN = 0.8  # the named bias the power is stated against: q reported at this temperature
 CHUNK = 500  # speculative rows per batch
 POWER_REPLICATES = 40  # simulated tests of that bias for the stated power
-EXIT_CODES = {"bit-identical": 0, "same math": 0, "same distribution": 0, "approximate": 1, "not lossless": 2}
+MIN_DRAFT_RATE = 0.05  # drafted tokens per sampled run below which a passed test is inconclusive
+PROBE_ROWS = 8  # seeded runs that probe whether a speculator drafts at a candidate context
+PROBE_LIMIT = 64  # candidate contexts probed, most uncertain first
+PROBE_SEED = 1_000_000  # probe rows' seeds are offset from the test's, so choosing a context sees no test sample
+EXIT_CODES = {
+    "bit-identical": 0,
+    "same math": 0,
+    "same distribution": 0,
+    "approximate": 1,
+    "not lossless": 2,
+    "inconclusive": 3,
+}
 
 
 @dataclass
@@ -176,20 +189,45 @@ class TwoTokenTest:
         return SamplingParams(temperature=t, top_k=k, top_p=p, max_tokens=3, ignore_eos=True, seed=self.seed + row)
 
 
-def choose_context(target, prompts: list[list[int]], params: SamplingParams) -> list[int]:
-    """The prompt prefix where the target is least certain with a top-p support of at most MAX_SUPPORT first tokens
-    (the exact joint takes one forward per first token): a near-deterministic context would pass any speculator."""
-    best, best_h = None, -1.0
+def candidate_contexts(target, prompts: list[list[int]], params: SamplingParams, min_tokens: int = 2) -> list:
+    """Every prompt prefix of at least min_tokens whose top-k/top-p support is at most MAX_SUPPORT first tokens (the
+    exact joint takes one forward per first token), most uncertain first: a near-deterministic context would pass
+    any speculator."""
+    scored = []
     for ids in prompts:
-        ctx = ids[: entropy_cut(target, target, ids, params)]
         with torch.no_grad():
-            p = logits_to_probs(target(torch.tensor([ctx]))[0, -1], params).double()
-        h = float(-(p[p > 0] * p[p > 0].log()).sum())
-        if int((p > 0).sum()) <= MAX_SUPPORT and h > best_h:
-            best, best_h = ctx, h
-    if best is None:
+            probs = logits_to_probs(target(torch.tensor([ids]))[0], params).double()  # [T, V]
+        for pos in range(min_tokens - 1, len(ids)):
+            p = probs[pos][probs[pos] > 0]
+            if p.numel() <= MAX_SUPPORT:
+                scored.append((float(-(p * p.log()).sum()), ids[: pos + 1]))
+    if not scored:
         raise ValueError(f"no prompt prefix has a support of at most {MAX_SUPPORT} tokens: lower --top-k or --top-p")
-    return best
+    scored.sort(key=lambda c: -c[0])
+    return [ctx for _, ctx in scored]
+
+
+def probe(target, speculator, context: list[int], test: TwoTokenTest) -> tuple[int, int]:
+    """(drafted, accepted) over PROBE_ROWS short seeded runs at this context (seeds apart from the test's)."""
+    params = [test.params(PROBE_SEED + i) for i in range(PROBE_ROWS)]
+    stats = speculative_generate(target, [context] * len(params), params, speculator).stats
+    return stats.drafted, stats.accepted
+
+
+def choose_context(target, prompts: list[list[int]], params: SamplingParams, speculator=None, test=None) -> list:
+    """The most uncertain candidate context (candidate_contexts); with a speculator, the most uncertain one where it
+    drafts (and has a draft accepted, if any does) among the first PROBE_LIMIT: a test where nothing was proposed
+    tests only plain decoding (a prompt-lookup method drafts only where the context repeats itself)."""
+    candidates = candidate_contexts(target, prompts, params)
+    if speculator is None:
+        return candidates[0]
+    drafting = None
+    for ctx in candidates[:PROBE_LIMIT]:
+        drafted, accepted = probe(target, speculator, ctx, test or TwoTokenTest())
+        if drafted and accepted:
+            return ctx
+        drafting = drafting or (ctx if drafted else None)
+    return drafting or candidates[0]
 
 
 def two_token_test(target, speculator, context: list[int], test: TwoTokenTest) -> dict:
@@ -233,7 +271,10 @@ def two_token_test(target, speculator, context: list[int], test: TwoTokenTest) -
         "impossible_pairs": impossible,
         "tokens_in_play": U,
         "context_tokens": len(context),
+        "context": list(context),
         "empirical_tv": tv,
+        "drafted": drafted,
+        "accepted": accepted,
         "acceptance": accepted / max(drafted, 1),
         "power_vs_sharpened_0.8": power,
         "temperature": test.temperature,
@@ -261,17 +302,23 @@ def speculator_verdict(
 ) -> Verdict:
     """A speculator against plain decoding of its target: the two-token test decides; greedy agreement is a figure."""
     claimed = bool(getattr(speculator, "lossless", True))
-    context = choose_context(target, prompts, test.params(0))
+    context = choose_context(target, prompts, test.params(0), speculator, test)
     figures = {
         **two_token_test(target, speculator, context, test),
         **greedy_match(target, speculator, prompts, greedy_tokens),
     }
     figures["speculator"] = speculator.describe()
-    if figures["passed"]:
-        verdict = "same distribution"
-    else:
-        verdict = "not lossless" if claimed else "approximate"
+    verdict = speculator_class(figures, claimed)
     return Verdict(f"speculator {name}", "plain decoding of the target", verdict, claimed, figures)
+
+
+def speculator_class(figures: dict, claimed: bool) -> str:
+    """A failed test is decisive whatever was drafted; a pass only says something if drafts were proposed."""
+    if not figures["passed"]:
+        return "not lossless" if claimed else "approximate"
+    if figures["drafted"] < MIN_DRAFT_RATE * figures["samples"]:
+        return "inconclusive"
+    return "same distribution"
 
 
 # ---- one verdict, as the CLI asks for it ---------------------------------------------------------------------
@@ -285,6 +332,8 @@ PROMPTS = [  # short English prompts: the speculators' contexts and the engine's
     "My favourite season of the year is",
     "The history of the Roman Empire began",
     "To make a good cup of coffee, you need",
+    # its tail repeats an earlier span: where prompt lookup (and any copy-based method) proposes drafts
+    "Roses are red, violets are blue, sugar is sweet, and so are you. Roses are red, violets are",
 ]
 
 
@@ -297,6 +346,7 @@ class Request:
     kv_cache_dtype: str | None = None
     engine_batch: int | None = None
     test: TwoTokenTest = field(default_factory=TwoTokenTest)
+    random_heads: bool = False  # medusa / eagle with seeded random heads (the smoke build): judges the method alone
     windows: int = 8  # teacher-forced wiki eval windows (quantizer, KV)
     seqlen: int = 256
     greedy_tokens: int = 32  # engine batch: greedy tokens per prompt
@@ -312,7 +362,7 @@ class Request:
 def judge(req: Request, model, tokenizer, path) -> Verdict:
     prompts = [tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS]
     if req.speculator is not None:
-        spec = build_speculator(req.speculator, model, BuildContext(target_path=path))
+        spec = build_speculator(req.speculator, model, BuildContext(target_path=path, smoke=req.random_heads))
         return speculator_verdict(model, spec, req.speculator, prompts, req.test)
     if req.engine_batch is not None:
         return engine_batch_verdict(model, tokenizer, prompts[: req.engine_batch], req.engine_batch, req.greedy_tokens)

@@ -18,7 +18,7 @@ from dataclasses import replace
 import torch
 
 from evals.chain_test import sharpened
-from evals.lossless import ALPHA, TwoTokenTest, choose_context, greedy_match, two_token_test
+from evals.lossless import ALPHA, MIN_DRAFT_RATE, TwoTokenTest, choose_context, greedy_match, two_token_test
 from runtime.config import ModelConfig
 from runtime.model import Transformer, random_model
 from speculate.base import Proposal, SpecState, Speculator
@@ -54,15 +54,22 @@ def assert_same_distribution(
     for a lossless speculator over fresh seeds; with the seed fixed, the outcome is reproducible. Power: the
     returned figures state it against a draft equal to the target reporting q at temperature 0.8 (the broken
     control ``sharpened_draft`` is rejected on the tiny target at the default budget: tests/test_plugin_example.py).
-    Returns the figures; raises AssertionError naming the p-value when the test rejects."""
+    Returns the figures; raises AssertionError naming the p-value when the test rejects, and when the speculator
+    proposed fewer than MIN_DRAFT_RATE drafts per run (inconclusive: the context is chosen among the prompts'
+    prefixes, most uncertain first, where a probe of the speculator drafts)."""
     target = target if target is not None else tiny_target()
     test = TwoTokenTest(samples=samples, alpha=alpha, temperature=1.0, top_k=0, top_p=1.0, seed=seed)
-    context = choose_context(target, tiny_prompts(), test.params(0))
-    figures = two_token_test(target, speculator_factory(target), context, test)
+    speculator = speculator_factory(target)
+    context = choose_context(target, tiny_prompts(), test.params(0), speculator, test)
+    figures = two_token_test(target, speculator, context, test)
     assert figures["passed"], (
         f"speculative output is not distributed as the target's: chi-square p = {figures['p_value']:.3g} < alpha "
         f"{alpha} over {samples} runs (empirical TV {figures['empirical_tv']:.4f}, "
         f"{figures['impossible_pairs']} impossible pairs)"
+    )
+    assert figures["drafted"] >= MIN_DRAFT_RATE * samples, (
+        f"inconclusive: the speculator proposed {figures['drafted']} drafts in {samples} runs at the most uncertain "
+        "context where it drafts at all, so the test only saw plain decoding"
     )
     return figures
 

@@ -3,12 +3,16 @@ or not lossless (evals.lossless says how each is decided). One JSON line on stdo
 
     python -m evals.verdict --speculator ngram                    # vs plain decoding
     python -m evals.verdict --speculator my_pkg.mod:MySpec:k=3    # a plug-in
+    python -m evals.verdict --speculator eagle --random-heads     # the method with untrained heads
     python -m evals.verdict --quantizer int8                      # weight-only int8 vs the model
     python -m evals.verdict --kv-cache-dtype int8                 # vs the full-precision KV cache
     python -m evals.verdict --engine-batch 8                      # engine greedy, batch 8 vs batch 1
 
 Exit status: 0 bit-identical / same math / same distribution; 1 approximate; 2 not lossless where claimed lossless
-(2 is also a usage error, which prints one line on stderr and no JSON).
+(2 is also a usage error, which prints one line on stderr and no JSON); 3 inconclusive: the speculator proposed (almost)
+no drafts in the sampled runs, so passing the test says nothing about it. The record counts drafted / accepted.
+Medusa / EAGLE without trained heads in $QSPEC_HOME: one line naming where they were looked for; --random-heads
+judges them with seeded random heads (losslessness does not depend on head quality; acceptance does).
 """
 
 import json
@@ -35,10 +39,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top-k", type=int, default=50, help="the test needs a support of at most 64 tokens")
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--random-heads", action="store_true", help="medusa / eagle: seeded random heads, not trained")
     args = ap.parse_args(argv)
     check_model_arg(ap, args.model)
     test = TwoTokenTest(args.samples, args.alpha, args.temperature, args.top_k, args.top_p, args.seed)
-    req = Request(args.speculator, args.quantizer, args.kv_cache_dtype, args.engine_batch, test)
+    req = Request(args.speculator, args.quantizer, args.kv_cache_dtype, args.engine_batch, test, args.random_heads)
     try:
         req.check()  # a bad method is one line before any model loads
     except ValueError as err:
