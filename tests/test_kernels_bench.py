@@ -66,7 +66,7 @@ def test_tiny_run_reports_every_variant_with_ratios(tmp_path, capsys):
     paths = {(r["variant"], r["layer"]): r["path"] for r in record["layers"]}
     assert paths[("int4", "layers.0.mlp.down_proj")] == "cpu"
     assert paths[("int8", "layers.0.mlp.down_proj")] == "cpu"
-    assert paths[("w8a8", "layers.0.mlp.down_proj")] == "cpu_w8a8"
+    assert paths[("w8a8", "layers.0.mlp.down_proj")] == "cpu"  # the step's integer kernels (issue 39)
     memory = {(r["variant"], r["quantized"]): r for r in record["weight_memory"]}
     assert set(memory) == {("fp32", "none (dense)"), ("bf16", "none (dense)")} | {
         (v, scope) for v in ("int8", "w8a8", "int4") for scope in ("decoder linears", "+ lm_head")
