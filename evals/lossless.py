@@ -20,7 +20,7 @@ distribution; 1 approximate (and not claimed lossless); 2 not lossless where cla
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -173,9 +173,12 @@ def engine_batch_verdict(model, tokenizer, prompts, batch: int, max_tokens: int)
 
 @dataclass
 class TwoTokenTest:
-    """n speculative runs of 3 tokens on one fixed context, each row seeded (seed + row); their first two tokens are
-    compared with the target's exact joint p(t1) p(t2 | t1) by chi-square (cells expected < 5 pooled). The first
-    step may draft 2 tokens, and a step that emitted one token drafts again, so two draft positions are tested."""
+    """n speculative runs of ``max_tokens`` tokens on one fixed context, each row seeded (seed + row); their first
+    two tokens are compared with the target's exact joint p(t1) p(t2 | t1) by chi-square (cells expected < 5
+    pooled). Later tokens are not tested: they only let the steps that produce t1 and t2 draft. A chain is cut to
+    the tokens left, so 3 tokens suffice (the first step may draft 2 tokens, and a step that emitted one token
+    drafts again: two draft positions are tested); a tree is withdrawn where it is deeper than the tokens left,
+    so a tree speculator's runs are 2 + its depth long (``run_tokens``)."""
 
     samples: int = SAMPLES
     alpha: float = ALPHA
@@ -183,10 +186,19 @@ class TwoTokenTest:
     top_k: int = 50  # a finite support (exact joint: one forward per first token); top-k is cheaper than top-p
     top_p: float = 1.0
     seed: int = 0
+    max_tokens: int = 3
 
     def params(self, row: int) -> SamplingParams:
-        t, k, p = self.temperature, self.top_k, self.top_p
-        return SamplingParams(temperature=t, top_k=k, top_p=p, max_tokens=3, ignore_eos=True, seed=self.seed + row)
+        t, k, p, n = self.temperature, self.top_k, self.top_p, self.max_tokens
+        return SamplingParams(temperature=t, top_k=k, top_p=p, max_tokens=n, ignore_eos=True, seed=self.seed + row)
+
+
+def run_tokens(speculator) -> int:
+    """Tokens per run of the two-token test (TwoTokenTest): 3, or 2 + the tree's depth for a tree speculator
+    (speculate.base.Speculator.proposes_trees / draft_depth), so that its trees are verified, not withdrawn."""
+    if not getattr(speculator, "proposes_trees", False):
+        return 3
+    return max(3, 2 + speculator.draft_depth())
 
 
 def candidate_contexts(target, prompts: list[list[int]], params: SamplingParams, min_tokens: int = 2) -> list:
@@ -268,6 +280,7 @@ def two_token_test(target, speculator, context: list[int], test: TwoTokenTest) -
         "alpha": test.alpha,
         "passed": p_value >= test.alpha,
         "samples": test.samples,
+        "run_tokens": test.max_tokens,
         "impossible_pairs": impossible,
         "tokens_in_play": U,
         "context_tokens": len(context),
@@ -302,6 +315,7 @@ def speculator_verdict(
 ) -> Verdict:
     """A speculator against plain decoding of its target: the two-token test decides; greedy agreement is a figure."""
     claimed = bool(getattr(speculator, "lossless", True))
+    test = replace(test, max_tokens=max(test.max_tokens, run_tokens(speculator)))
     context = choose_context(target, prompts, test.params(0), speculator, test)
     figures = {
         **two_token_test(target, speculator, context, test),

@@ -18,7 +18,15 @@ from dataclasses import replace
 import torch
 
 from evals.chain_test import sharpened
-from evals.lossless import ALPHA, MIN_DRAFT_RATE, TwoTokenTest, choose_context, greedy_match, two_token_test
+from evals.lossless import (
+    ALPHA,
+    MIN_DRAFT_RATE,
+    TwoTokenTest,
+    choose_context,
+    greedy_match,
+    run_tokens,
+    two_token_test,
+)
 from runtime.config import ModelConfig
 from runtime.model import Transformer, random_model
 from speculate.base import Proposal, SpecState, Speculator
@@ -58,8 +66,10 @@ def assert_same_distribution(
     proposed fewer than MIN_DRAFT_RATE drafts per run (inconclusive: the context is chosen among the prompts'
     prefixes, most uncertain first, where a probe of the speculator drafts)."""
     target = target if target is not None else tiny_target()
-    test = TwoTokenTest(samples=samples, alpha=alpha, temperature=1.0, top_k=0, top_p=1.0, seed=seed)
     speculator = speculator_factory(target)
+    test = TwoTokenTest(
+        samples, alpha, temperature=1.0, top_k=0, top_p=1.0, seed=seed, max_tokens=run_tokens(speculator)
+    )
     context = choose_context(target, tiny_prompts(), test.params(0), speculator, test)
     figures = two_token_test(target, speculator, context, test)
     assert figures["passed"], (

@@ -71,6 +71,9 @@ class EvalSection:
     # torch threads outside timed sections: 0 = every core (an idle machine); 1 lets several runs share one
     threads: int = 0
     humaneval: HumanEvalSection | None = None  # set: HumanEval pass@1 (95% CI) of every evaluated row
+    # speculator rows' "lossless?" column: evals.lossless's two-token test with this many sampled runs (evals.verdict's
+    # default is 2000); 0: not tested, the column shows the row's claim. Model changes are classified for free.
+    verdict_samples: int = 0
 
 
 @dataclass

@@ -11,6 +11,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import FuncFormatter  # noqa: E402
 
+from evals.lossless import deterministic_class
 from experiments.config import ExperimentConfig, expand_grid, from_dict
 
 CLASS_COLORS = {"exact": "tab:green", "same math": "tab:blue", "same distribution": "tab:purple"}
@@ -33,6 +34,7 @@ def table_rows(records: list[dict]) -> list[dict]:
             "class": r["row"]["lossless_class"],
             "status": r["status"],
             "check": res.get("claim_check", r.get("reason", "")),
+            "verdict": measured_class(r["row"]["lossless_class"], res),
             "greedy_match_pct": None if greedy is None else 100 * greedy["match_rate"],
             "max_abs_dlogprob": None if fid is None else fid["max_abs_dlogprob"],
             "mean_kl": None if fid is None else fid["mean_kl"],
@@ -268,6 +270,40 @@ def kv_section(records: list[dict]) -> list[str]:
     return lines
 
 
+def measured_class(claim: str, res: dict) -> str | None:
+    """The row's class as evals.lossless decides it: the record's verdict (experiments.table.row_verdict); for a
+    record from before verdicts, a model change's teacher-forced figures classified the same way; None: untested
+    (a speculator without a distribution test)."""
+    if res.get("verdict"):
+        return res["verdict"]["verdict"]
+    fid = res.get("fidelity")
+    if fid is None or "speculator" in res or "bit_identical" not in fid:
+        return None
+    return deterministic_class(fid["bit_identical"], fid["max_abs_dlogprob"], claimed=claim != "approximate")
+
+
+VERDICT_WORDS = {
+    "bit-identical": "yes (bit-identical)",
+    "same math": "yes (same math)",
+    "same distribution": "yes (same distribution)",
+    "approximate": "no (approximate)",
+    "not lossless": "NO: not lossless",
+    "inconclusive": "inconclusive",
+}
+
+
+def lossless_words(r: dict) -> str:
+    """The "lossless?" column: the class evals.lossless measured for the row (experiments.table.row_verdict), with
+    the row's claim where they differ; a row that was not tested shows its claim as a claim."""
+    claim = "no (approximate)" if r["class"] == "approximate" else f"yes ({r['class']})"
+    if r.get("verdict") is None:
+        return f"{claim}, claimed (untested)" if r["class"] != "approximate" else claim
+    words = VERDICT_WORDS.get(r["verdict"], r["verdict"])
+    agrees = (r["verdict"] == "approximate") == (r["class"] == "approximate") and r["verdict"] in VERDICT_WORDS
+    agrees = agrees and r["verdict"] not in ("not lossless", "inconclusive")
+    return words if agrees else f"{words} (claimed {r['class']})"
+
+
 def render_summary(rows: list[dict]) -> str:
     """The short form (README): lossless or not, what it buys here, what it costs. A row measured greedy and
     sampled ("X (greedy)", "X (sampled)") is one line with both speedups."""
@@ -287,7 +323,7 @@ def render_summary(rows: list[dict]) -> str:
     for i, r in enumerate(ok):
         if i in skip:
             continue
-        lossless = "no (approximate)" if r["class"] == "approximate" else f"yes ({r['class']})"
+        lossless = lossless_words(r)
         name, sp = (
             r["row"],
             "baseline" if r["speedup"] is None else f"{r['speedup']:.2f}x ({short_baseline(r['baseline'])})",

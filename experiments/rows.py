@@ -103,6 +103,7 @@ class Variant:
     # set where the row's model is one checkpoint-backed model that plain decoding runs (its own HumanEval pass@1);
     # None: the row changes how the reference decodes (engine, cache, speculation), not the model
     source: ModelSource | None = None
+    speculator: object = None  # a speculator row's speculator (its verdict is a distribution test, not its logits)
 
 
 def weight_bytes(model) -> int:
@@ -575,6 +576,7 @@ def speculative_row(ctx, params: dict) -> Variant:
         scorer=model_scorer(m),
         model=m,
         extra={"speculator": spec.name, "k": k, "temperature": temperature, "lossless": spec.lossless},
+        speculator=spec,
     )
 
 
@@ -630,6 +632,7 @@ def specbench_row(ctx, params: dict) -> Variant:
             "suite": [r for r in result["rows"] if r["method"] == method],
             "suite_not_identical": result["not_identical"],
         },
+        speculator=spec,
     )
 
 

@@ -20,6 +20,7 @@ from evals.humaneval_eval import Cache, GenSettings, checkpoint_identity, evalua
 from evals.humaneval_problems import load_problems, score_line, select
 from evals.humaneval_sandbox import Limits
 from evals.lm_eval_tasks import run_tasks
+from evals.lossless import TwoTokenTest, deterministic_class, speculator_verdict
 from experiments.bench import bench_section, log
 from experiments.config import ConfigError, ExperimentConfig, Row
 from experiments.rows import (
@@ -264,6 +265,29 @@ def humaneval_by_claim(row: Row, res: dict) -> dict:
     return {"same_as_reference": True, "why": f"{why}; HumanEval is greedy, so its pass@1 is the reference's"}
 
 
+def row_verdict(ctx: Context, row: Row, variant, fid: dict | None) -> dict | None:
+    """The row's class as evals.verdict decides it (evals.lossless), for the "lossless?" column: a speculator by the
+    two-token distribution test of its sampled output (evals.verdict_samples runs; once per speculator, whatever
+    the row's temperature); a model or decoding change by its teacher-forced logits against the reference
+    (bit-identical / same math / approximate, "not lossless" where the row claims lossless). None: not tested."""
+    claimed = row.lossless_class != "approximate"
+    if variant.speculator is not None:
+        samples = ctx.cfg.evals.verdict_samples
+        if samples <= 0:
+            return None
+        key = "verdict:" + repr(sorted(variant.speculator.describe().items()))
+        if key not in ctx.cache:
+            log(f"row {row.name}: verdict (two-token test, {samples} runs)")
+            test = TwoTokenTest(samples=samples, seed=ctx.cfg.seed)
+            spec = variant.speculator
+            ctx.cache[key] = speculator_verdict(ctx.model, spec, row.name, ctx.greedy_prompts, test).to_dict()
+        return ctx.cache[key]
+    if fid is None:
+        return None
+    verdict = deterministic_class(fid["bit_identical"], fid["max_abs_dlogprob"], claimed)
+    return {"verdict": verdict, "claimed_lossless": claimed, "max_abs_dlogprob": fid["max_abs_dlogprob"]}
+
+
 def run_row(ctx: Context, row: Row) -> dict:
     cfg = ctx.cfg
     started = time.time()
@@ -289,6 +313,8 @@ def run_row(ctx: Context, row: Row) -> dict:
             res["speculation_timed"] = ctx.spec_stats
             ctx.spec_stats = None
     res["claim_check"] = check_claim(row.lossless_class, fid, greedy)
+    if row.run_evals:
+        res["verdict"] = row_verdict(ctx, row, variant, fid)
     if row.run_evals and row.run_humaneval and cfg.evals.humaneval is not None:
         res["humaneval"] = humaneval(ctx, row, variant, res)
     res["row_seconds"] = time.time() - started

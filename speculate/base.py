@@ -28,6 +28,9 @@ class Speculator:
     # "rejection": the lossless verifier (greedy when temperature 0). "typical": Medusa typical acceptance,
     # APPROXIMATE (the output distribution is not the target's).
     acceptance = "rejection"
+    # a tree speculator's proposals are withdrawn (not cut) where a row has fewer tokens left than the tree is
+    # deep (runtime.speculation.Proposal.within): a run that must see its trees verified needs draft_depth() left
+    proposes_trees = False
 
     @property
     def lossless(self) -> bool:
@@ -36,6 +39,10 @@ class Speculator:
     def max_tokens_per_step(self) -> int:
         """Upper bound on tokens fed to the target per step (sizes the KV cache headroom)."""
         raise NotImplementedError
+
+    def draft_depth(self) -> int:
+        """The most draft positions one proposal offers past the last committed token (a chain's k, a tree's depth)."""
+        return self.max_tokens_per_step() - 1
 
     def propose(self, state: SpecState) -> Proposal:
         raise NotImplementedError

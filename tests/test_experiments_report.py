@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from experiments.report import main, short_baseline, table_rows
+from experiments.report import lossless_words, main, measured_class, short_baseline, table_rows
 
 RECORDS = Path(__file__).resolve().parent.parent / "notes" / "issue-7" / "lossless_records.jsonl"
 
@@ -26,7 +26,9 @@ def test_report_from_records(tmp_path):
             assert f"{r['perplexity_delta']:+.3f} ({r['perplexity']:.3f})" in line
         if r["speedup"] is not None:  # every speedup names its own baseline
             assert f"{r['speedup']:.2f}x ({r['baseline']})" in line
-    assert "| fp32 reference | yes (exact) | baseline |" in summary
+    # the column is evals.lossless's class: measured for model changes, the claim marked untested for speculators
+    # recorded before their distribution test ran in the config
+    assert "| fp32 reference | yes (bit-identical) | baseline |" in summary
     gptq = rows["GPTQ4 g128"]
     assert (
         f"| GPTQ4 g128 | no (approximate) | {gptq['speedup']:.2f}x (bf16 model) | {gptq['perplexity_delta']:+.3f}"
@@ -34,10 +36,27 @@ def test_report_from_records(tmp_path):
     )
     n_greedy = rows["spec n-gram (greedy)"]["speedup"]
     n_sampled = rows["spec n-gram (sampled)"]["speedup"]
-    assert f"| spec n-gram (greedy / sampled) | yes (same distribution) | {n_greedy:.2f}x / {n_sampled:.2f}x" in summary
+    claimed = "yes (same distribution), claimed (untested)"
+    line = f"| spec n-gram (greedy / sampled) | {claimed} | {n_greedy:.2f}x / {n_sampled:.2f}x"
+    assert line in summary
 
 
 def test_short_baselines():
     assert short_baseline("full recompute of the sequence every step (no cache)") == "no KV cache"
     assert short_baseline("plain decoding, batch 1, temperature 0.7") == "plain decoding, T=0.7"
     assert short_baseline(None) == ""
+
+
+def test_lossless_column_is_the_measured_class():
+    row = {"class": "same distribution", "verdict": None}
+    assert lossless_words(row) == "yes (same distribution), claimed (untested)"
+    assert lossless_words({**row, "verdict": "same distribution"}) == "yes (same distribution)"
+    assert lossless_words({**row, "verdict": "not lossless"}) == "NO: not lossless (claimed same distribution)"
+    assert lossless_words({**row, "verdict": "inconclusive"}) == "inconclusive (claimed same distribution)"
+    assert lossless_words({"class": "same math", "verdict": "bit-identical"}) == "yes (bit-identical)"
+    assert lossless_words({"class": "approximate", "verdict": "approximate"}) == "no (approximate)"
+    fid = {"bit_identical": False, "max_abs_dlogprob": 0.5}
+    assert measured_class("same math", {"fidelity": fid}) == "not lossless"  # a claim the logits refute
+    assert measured_class("approximate", {"fidelity": fid}) == "approximate"
+    assert measured_class("same distribution", {"fidelity": fid, "speculator": "ngram"}) is None
+    assert measured_class("same math", {"verdict": {"verdict": "same math"}}) == "same math"

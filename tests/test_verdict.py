@@ -16,6 +16,8 @@ from quantize.registry import build as build_quantizer
 from runtime.model import random_model
 from speculate.base import Proposal, Speculator
 from speculate.ngram import NgramSpeculator
+from speculate.registry import BuildContext
+from speculate.registry import build as build_speculator
 from tests.tiny_models import TINY_CONFIGS
 
 SEQUENCES = torch.randint(1, 96, (3, 24), generator=torch.Generator().manual_seed(0)).tolist()
@@ -131,3 +133,17 @@ def test_a_failed_test_is_decisive_whatever_was_drafted():
     assert lossless.speculator_class(figures, claimed=False) == "approximate"
     assert lossless.speculator_class({**figures, "passed": True, "drafted": 4}, True) == "inconclusive"
     assert lossless.speculator_class({**figures, "passed": True, "drafted": 5}, True) == "same distribution"
+
+
+@pytest.mark.parametrize("method", ["medusa", "eagle"])
+def test_tree_speculators_are_judged_on_verified_trees(method):
+    """A tree deeper than the tokens a run has left is withdrawn (Proposal.within): the test's runs are 2 + the
+    tree's depth long, so the trees are verified (with 3-token runs these methods drafted nothing: inconclusive)."""
+    target = tiny_target()
+    spec = build_speculator(method, target, BuildContext(smoke=True))  # seeded random heads: the method alone
+    assert spec.proposes_trees and spec.draft_depth() >= 2
+    assert lossless.run_tokens(spec) == 2 + spec.draft_depth()
+    v = lossless.speculator_verdict(target, spec, method, tiny_prompts(), small_test(), greedy_tokens=8)
+    assert v.figures["run_tokens"] == 2 + spec.draft_depth()
+    assert v.figures["drafted"] >= lossless.MIN_DRAFT_RATE * v.figures["samples"], v.figures
+    assert v.verdict == "same distribution" and v.exit_code == 0, v.figures

@@ -25,6 +25,7 @@ from speculate.eagle.head import EagleHead
 
 class EagleSpeculator(Speculator):
     name = "eagle"
+    proposes_trees = True
 
     def __init__(self, target, head: EagleHead, depth: int = 4, topk: int = 4, frontier: int = 4, tree_size: int = 8):
         for label, v in (("depth", depth), ("topk", topk), ("frontier", frontier), ("tree_size", tree_size)):
@@ -37,6 +38,9 @@ class EagleSpeculator(Speculator):
 
     def max_tokens_per_step(self) -> int:
         return self.tree_size + 1
+
+    def draft_depth(self) -> int:
+        return min(self.depth, self.tree_size)  # a dynamic tree: at most depth levels, at most tree_size nodes
 
     @torch.no_grad()
     def propose(self, state: SpecState) -> Proposal:

@@ -48,6 +48,7 @@ def build_tree(
 
 class MedusaSpeculator(Speculator):
     name = "medusa"
+    proposes_trees = True
 
     def __init__(self, target, heads: MedusaHeads, tree: CandidateTree, acceptance: str = "rejection"):
         if acceptance not in ("rejection", "typical"):
@@ -66,6 +67,9 @@ class MedusaSpeculator(Speculator):
 
     def max_tokens_per_step(self) -> int:
         return len(self.tree)
+
+    def draft_depth(self) -> int:
+        return self.tree.max_depth
 
     @torch.no_grad()
     def propose(self, state: SpecState) -> Proposal:
