@@ -27,6 +27,7 @@ import torch
 from evals.chain_test import MAX_SUPPORT, chain_case, chi_square_pvalue, sharpened, simulate
 from evals.fidelity import TeacherForcedStats, cached_scorer, compare_teacher_forced, engine_greedy_logits
 from evals.fidelity import model_scorer as plain_scorer
+from evals.lm_eval_tasks import run_tasks
 from quantize.config import QuantConfig
 from quantize.registry import build as build_quantizer
 from runtime.data import load_text, token_windows
@@ -114,8 +115,9 @@ def teacher_forced_verdict(name: str, baseline: str, ref, test, sequences, claim
     return Verdict(name, baseline, verdict, claimed, figures)
 
 
-def quantizer_verdict(model, method: str, sequences) -> Verdict:
-    """An in-memory quantizer of quantize.registry (reference path: the quantization error alone) vs the model."""
+def quantizer_verdict(model, method: str, sequences, task: TaskProbe | None = None) -> Verdict:
+    """An in-memory quantizer of quantize.registry (reference path: the quantization error alone) vs the model;
+    with ``task``, an approximate one also reports its task delta."""
     quantizer = build_quantizer(method)
     cfg = quantizer.config(QuantConfig(bits=4, group_size=64))
     quantized = quantizer.quantize_model(copy.deepcopy(model), cfg)
@@ -128,7 +130,38 @@ def quantizer_verdict(model, method: str, sequences) -> Verdict:
         claimed=False,
     )
     v.figures["quant_config"] = cfg.to_dict()
+    if task is not None and v.verdict in ("approximate", "not lossless"):
+        v.figures.update(task_delta(model, quantized, task))
     return v
+
+
+@dataclass
+class TaskProbe:
+    """One offline lm-eval task (evals.wiki_tasks) scored on the baseline and the candidate: the task delta of an
+    approximate verdict (a figure beside KL and perplexity, with both accuracies' standard errors)."""
+
+    tokenizer: object
+    name: str = "qspec_wiki_title"
+    limit: int = 200  # documents
+    seed: int = 0
+
+
+def task_delta(model, candidate, task: TaskProbe) -> dict:
+    """Accuracy of the model and of the candidate on task.name's first task.limit documents; their difference."""
+    from evals.lm_eval_adapter import QspecLM  # lm-eval is imported only when a task delta is asked for
+
+    acc = {}
+    for label, m in (("baseline", model), ("candidate", candidate)):
+        res = run_tasks(QspecLM(m, task.tokenizer), [task.name], limit=task.limit, bootstrap_iters=100, seed=task.seed)
+        acc[label] = res["results"][task.name]["acc"]
+    return {
+        "task": task.name,
+        "task_documents": task.limit,
+        "task_acc_baseline": acc["baseline"]["value"],
+        "task_acc_candidate": acc["candidate"]["value"],
+        "task_acc_stderr": acc["candidate"]["stderr"],
+        "task_delta": acc["candidate"]["value"] - acc["baseline"]["value"],
+    }
 
 
 def kv_verdict(model, dtype: str, sequences) -> Verdict:
@@ -364,6 +397,7 @@ class Request:
     windows: int = 8  # teacher-forced wiki eval windows (quantizer, KV)
     seqlen: int = 256
     greedy_tokens: int = 32  # engine batch: greedy tokens per prompt
+    task_documents: int = 200  # an approximate quantizer's task delta (TaskProbe); 0: none
 
     def check(self) -> None:
         """Refuse a method that does not resolve or meet its contract (one ValueError line) without a model."""
@@ -382,5 +416,6 @@ def judge(req: Request, model, tokenizer, path) -> Verdict:
         return engine_batch_verdict(model, tokenizer, prompts[: req.engine_batch], req.engine_batch, req.greedy_tokens)
     sequences = token_windows(tokenizer, load_text("wiki", "eval"), req.seqlen, req.windows)
     if req.quantizer is not None:
-        return quantizer_verdict(model, req.quantizer, sequences)
+        probe = TaskProbe(tokenizer, limit=req.task_documents) if req.task_documents > 0 else None
+        return quantizer_verdict(model, req.quantizer, sequences, probe)
     return kv_verdict(model, req.kv_cache_dtype, sequences)

@@ -39,11 +39,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top-k", type=int, default=50, help="the test needs a support of at most 64 tokens")
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--task-documents", type=int, default=200, help="an approximate quantizer's task delta; 0: none")
     ap.add_argument("--random-heads", action="store_true", help="medusa / eagle: seeded random heads, not trained")
     args = ap.parse_args(argv)
     check_model_arg(ap, args.model)
     test = TwoTokenTest(args.samples, args.alpha, args.temperature, args.top_k, args.top_p, args.seed)
     req = Request(args.speculator, args.quantizer, args.kv_cache_dtype, args.engine_batch, test, args.random_heads)
+    req.task_documents = args.task_documents
     try:
         req.check()  # a bad method is one line before any model loads
     except ValueError as err:

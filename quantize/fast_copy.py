@@ -20,7 +20,18 @@ from quantize.qlinear import QuantLinear, set_module
 from quantize.rtn_weight import quantize_weight
 
 # the named copies the speed benchmarks time (evals.bench_decode's qspec rows, evals.spec_cost --dtype)
-NAMED_COPIES = ("fp32", "bf16", "bf16-fp32head", "int8", "int4", "int4-int8head", "fp8", "w8a8", "w4a8")
+NAMED_COPIES = (
+    "fp32",
+    "bf16",
+    "bf16-fp32head",
+    "int8",
+    "int4",
+    "int4-int8head",
+    "fp8",
+    "w8a8",
+    "w4a8",
+    "w4a8-int8head",
+)
 INT8_HEAD = QuantConfig(bits=8, group_size=-1, sym=True, modules=(), lm_head=True)  # per-channel symmetric
 
 
@@ -80,7 +91,8 @@ def named_fast_copy(base: nn.Module, name: str) -> nn.Module:
     """The fp32 base model in one of NAMED_COPIES: dense fp32 (the base itself) / bf16 / bf16 with an fp32 head,
     FP8 e4m3 per-channel, or RTN codes on every decoder linear (int8 per-channel symmetric, int4 group 64
     asymmetric; -int8head: the tied head int8 too), all with bf16 activations; w8a8 / w4a8: the int8 / int4 codes
-    with int8 activations (per token, dynamic)."""
+    with int8 activations (per token, dynamic; w4a8-int8head: llama.cpp Q4_K_M's shape, int8 activations into
+    4-bit layers and an 8-bit head)."""
     if name not in NAMED_COPIES:
         raise ValueError(f"unknown copy {name!r}; choose from {', '.join(NAMED_COPIES)}")
     if name == "fp32":
@@ -93,7 +105,8 @@ def named_fast_copy(base: nn.Module, name: str) -> nn.Module:
         fp8 = QuantConfig(bits=8, group_size=-1, sym=True)
         fp8.extra.update(fmt="e4m3")
         return fast_quantized_copy(base, fp8)
-    bits, group = (8, -1) if name in ("int8", "w8a8") else (4, 64)
+    layers = name.removesuffix("-int8head")
+    bits, group = (8, -1) if layers in ("int8", "w8a8") else (4, 64)
     cfg = QuantConfig(bits=bits, group_size=group, sym=bits == 8)
-    head = INT8_HEAD if name.endswith("int8head") else None
-    return fast_quantized_copy(base, cfg, head=head, int8_activations=name in ("w8a8", "w4a8"))
+    head = INT8_HEAD if name.endswith("-int8head") else None
+    return fast_quantized_copy(base, cfg, head=head, int8_activations=layers in ("w8a8", "w4a8"))

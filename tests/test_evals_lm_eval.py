@@ -181,3 +181,27 @@ def test_unknown_task_is_named(tmp_path):
 
     with pytest.raises(ValueError, match="no_such_task"):
         lm_eval_tasks.run_tasks(FakeLM(), ["no_such_task"], tasks_dir=tmp_path, n_docs=5)
+
+
+def test_verdict_task_delta_is_the_difference_of_two_task_runs(tiny_real_vocab, tokenizer):
+    """evals.lossless's task delta (an approximate verdict's figure) against lm-eval run on each model directly."""
+    import copy
+
+    from evals.lm_eval_tasks import run_tasks
+    from evals.lossless import TaskProbe, task_delta
+
+    model, _ = tiny_real_vocab
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(0.5 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
+    probe = TaskProbe(tokenizer, name="qspec_wiki_title", limit=12)
+    figures = task_delta(model, other, probe)
+
+    def acc(m):
+        lm = QspecLM(model=m, tokenizer=tokenizer)
+        return run_tasks(lm, ["qspec_wiki_title"], limit=12, bootstrap_iters=10)["results"]["qspec_wiki_title"]["acc"]
+
+    assert figures["task_acc_baseline"] == acc(model)["value"]
+    assert figures["task_acc_candidate"] == acc(other)["value"]
+    assert figures["task_delta"] == figures["task_acc_candidate"] - figures["task_acc_baseline"]
