@@ -48,6 +48,7 @@ POWER_REPLICATES = 40  # simulated tests of that bias for the stated power
 MIN_DRAFT_RATE = 0.05  # drafted tokens per sampled run below which a passed test is inconclusive
 PROBE_ROWS = 8  # seeded runs that probe whether a speculator drafts at a candidate context
 PROBE_LIMIT = 64  # candidate contexts probed, most uncertain first
+PROBE_BATCH = 8  # contexts probed per batched call (the first batch with an accepted draft ends the search)
 PROBE_SEED = 1_000_000  # probe rows' seeds are offset from the test's, so choosing a context sees no test sample
 EXIT_CODES = {
     "bit-identical": 0,
@@ -252,11 +253,14 @@ def candidate_contexts(target, prompts: list[list[int]], params: SamplingParams,
     return [ctx for _, ctx in scored]
 
 
-def probe(target, speculator, context: list[int], test: TwoTokenTest) -> tuple[int, int]:
-    """(drafted, accepted) over PROBE_ROWS short seeded runs at this context (seeds apart from the test's)."""
-    params = [test.params(PROBE_SEED + i) for i in range(PROBE_ROWS)]
-    stats = speculative_generate(target, [context] * len(params), params, speculator).stats
-    return stats.drafted, stats.accepted
+def probes(target, speculator, contexts: list[list[int]], test: TwoTokenTest) -> list[tuple[int, int]]:
+    """(drafted, accepted) per context over PROBE_ROWS short seeded runs each (seeds apart from the test's), all
+    in one batched call: a row's draws and drafts do not depend on its batch mates (speculate.generate)."""
+    prompts = [ctx for ctx in contexts for _ in range(PROBE_ROWS)]
+    params = [test.params(PROBE_SEED + i) for _ in contexts for i in range(PROBE_ROWS)]
+    out = speculative_generate(target, prompts, params, speculator)
+    rows = range(0, len(prompts), PROBE_ROWS)
+    return [(sum(out.row_drafted[r : r + PROBE_ROWS]), sum(out.row_accepted[r : r + PROBE_ROWS])) for r in rows]
 
 
 def choose_context(target, prompts: list[list[int]], params: SamplingParams, speculator=None, test=None) -> list:
@@ -267,11 +271,13 @@ def choose_context(target, prompts: list[list[int]], params: SamplingParams, spe
     if speculator is None:
         return candidates[0]
     drafting = None
-    for ctx in candidates[:PROBE_LIMIT]:
-        drafted, accepted = probe(target, speculator, ctx, test or TwoTokenTest())
-        if drafted and accepted:
-            return ctx
-        drafting = drafting or (ctx if drafted else None)
+    for start in range(0, min(PROBE_LIMIT, len(candidates)), PROBE_BATCH):
+        batch = candidates[start : min(start + PROBE_BATCH, PROBE_LIMIT)]
+        counts = probes(target, speculator, batch, test or TwoTokenTest())
+        accepting = [ctx for ctx, (drafted, accepted) in zip(batch, counts) if drafted and accepted]
+        if accepting:
+            return accepting[0]
+        drafting = drafting or next((ctx for ctx, (drafted, _) in zip(batch, counts) if drafted), None)
     return drafting or candidates[0]
 
 

@@ -112,6 +112,8 @@ class SpecOutput:
     compile: str = "off"  # what ran the chain verifications: off (eager) | inductor | cudagraphs (runtime.compiled)
     grammar_incomplete: list[bool] = field(default_factory=list)  # as GenerationOutput.grammar_incomplete
     speculator: dict = field(default_factory=dict)
+    row_drafted: list[int] = field(default_factory=list)  # [B] draft positions offered to each row (stats.drafted's)
+    row_accepted: list[int] = field(default_factory=list)  # [B] drafts each row accepted
 
 
 def _record(stats: SpecStats, depth: int, offered: int, accepted: int) -> None:
@@ -269,6 +271,8 @@ def speculative_step(model: Transformer, cache, speculator: Speculator, rows: Sp
         rows.last_hidden[b] = hidden[b, verdict.last[i]]
         stats.row_steps += 1
         _record(stats, depth, verdict.offered[i], len(verdict.tokens[i]) - 1)
+        out.row_drafted[b] += verdict.offered[i]
+        out.row_accepted[b] += len(verdict.tokens[i]) - 1
         rows.commit(b, verdict.tokens[i])
 
 
@@ -309,7 +313,13 @@ def speculative_generate(
         seqs=[list(p) for p in prompts],
         keys=[("speculative_generate", next(_RUNS), b) for b in range(B)],
         lengths=torch.tensor([len(p) for p in prompts], device=device),
-        out=SpecOutput(tokens=[[] for _ in range(B)], finish_reasons=[""] * B, stats=SpecStats(rows=B)),
+        out=SpecOutput(
+            tokens=[[] for _ in range(B)],
+            finish_reasons=[""] * B,
+            stats=SpecStats(rows=B),
+            row_drafted=[0] * B,
+            row_accepted=[0] * B,
+        ),
         clock=clock,
         on_token=on_token,
         active=[True] * B,

@@ -15,6 +15,7 @@ from quantize import int8 as int8_module
 from quantize.registry import build as build_quantizer
 from runtime.model import random_model
 from speculate.base import Proposal, Speculator
+from speculate.generate import speculative_generate
 from speculate.ngram import NgramSpeculator
 from speculate.registry import BuildContext
 from speculate.registry import build as build_speculator
@@ -147,3 +148,16 @@ def test_tree_speculators_are_judged_on_verified_trees(method):
     assert v.figures["run_tokens"] == 2 + spec.draft_depth()
     assert v.figures["drafted"] >= lossless.MIN_DRAFT_RATE * v.figures["samples"], v.figures
     assert v.verdict == "same distribution" and v.exit_code == 0, v.figures
+
+
+def test_batched_probes_count_each_context_as_alone():
+    """choose_context probes every candidate context in one batched call: per-row draft counts (SpecOutput) give
+    each context the counts it gets alone, and they sum to the run's totals."""
+    target, test = tiny_target(), small_test()
+    contexts = lossless.candidate_contexts(target, tiny_prompts(), test.params(0))[:6]
+    spec = NgramSpeculator(k=2)
+    batched = lossless.probes(target, spec, contexts, test)
+    assert batched == [lossless.probes(target, spec, [c], test)[0] for c in contexts]
+    assert any(d for d, _ in batched)  # the tiny prompts repeat spans: prompt lookup proposes somewhere
+    out = speculative_generate(target, contexts, [test.params(i) for i in range(len(contexts))], spec)
+    assert sum(out.row_drafted) == out.stats.drafted and sum(out.row_accepted) == out.stats.accepted
