@@ -56,6 +56,11 @@ class KVCache:
         self.k[:, batch_index, :, dst_start : dst_start + n] = self.k[:, batch_index, :, src_slots]
         self.v[:, batch_index, :, dst_start : dst_start + n] = self.v[:, batch_index, :, src_slots]
 
+    def copy_first_row(self, rows: int, length: int) -> None:
+        """Rows 1..rows-1 take row 0's first ``length`` positions (n samples of one prompt share its prefill)."""
+        self.k[:, 1:rows, :, :length] = self.k[:, :1, :, :length]
+        self.v[:, 1:rows, :, :length] = self.v[:, :1, :, :length]
+
     def nbytes(self) -> int:
         return self.k.numel() * self.k.element_size() * 2
 

@@ -240,7 +240,12 @@ def prefill_rows(model: Transformer, cache, prompts: list[list[int]], rows: Spec
     B, device = len(prompts), rows.lengths.device
     T = int(rows.lengths.max())
     tokens = torch.tensor([p + [0] * (T - len(p)) for p in prompts], device=device)
-    hidden = chunked_prefill(model, tokens, cache)
+    if B > 1 and type(cache) is KVCache and all(p == prompts[0] for p in prompts):
+        # n samples of one prompt (best-of-n, a distribution test): one prefill, each row's cache a copy of it
+        hidden = chunked_prefill(model, tokens[:1], cache).expand(B, -1, -1)
+        cache.copy_first_row(B, T)
+    else:
+        hidden = chunked_prefill(model, tokens, cache)
     rows.last_hidden = hidden[torch.arange(B, device=device), rows.lengths - 1]  # [B, H]
     logits = model.logits(rows.last_hidden)
     probs = torch.stack(

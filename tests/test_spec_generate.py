@@ -433,3 +433,16 @@ def test_cli_bad_input_exits_with_one_clear_error(capsys, tmp_path):
         parse_method("ngrm:k=2")
     with pytest.raises(BenchError, match="must be an integer"):
         parse_method("ngram:k=two")
+
+
+@pytest.mark.parametrize("name", ["ngram", "draft", "medusa"])
+def test_samples_of_one_prompt_share_its_prefill_and_equal_each_run_alone(name):
+    """n seeded samples of one prompt (one prefill, each row's cache a copy: speculate.generate.prefill_rows) give
+    each row the tokens it gets alone."""
+    model = random_model(CFG, seed=0, std=0.3)
+    prompt = repetitive_prompts(4, seed=3)[3]
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=12, ignore_eos=True) for s in range(6)]
+    spec = speculators(model, 3)[name]
+    together = speculative_generate(model, [prompt] * len(params), params, spec).tokens
+    assert together == [speculative_generate(model, [prompt], [p], spec).tokens[0] for p in params]
+    assert len({tuple(t) for t in together}) > 1  # really sampled
