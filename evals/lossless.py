@@ -41,7 +41,8 @@ from speculate.registry import build as build_speculator
 
 SAME_MATH_NATS = 1e-3  # |Δ log p| bound for "same math" (module docstring)
 ALPHA = 1e-3  # false-failure rate of the distribution test (asymptotic chi-square, one test per verdict)
-SAMPLES = 2000  # speculative runs of the two-token test
+SAMPLES = 2000  # speculative runs of the two-token test (the budget, when adaptive)
+SAMPLE_LADDER = (500, 1000)  # the adaptive test's smaller budgets, tried in order
 SHARPEN = 0.8  # the named bias the power is stated against: q reported at this temperature
 CHUNK = 500  # speculative rows per batch
 POWER_REPLICATES = 40  # simulated tests of that bias for the stated power
@@ -221,6 +222,9 @@ class TwoTokenTest:
     top_p: float = 1.0
     seed: int = 0
     max_tokens: int = 3
+    # adaptive: the fewest runs of SAMPLE_LADDER (up to ``samples``) at which all POWER_REPLICATES simulated tests
+    # reject the named bias (power_at == 1): a context that tells distributions apart quickly needs fewer runs
+    adaptive: bool = False
 
     def params(self, row: int) -> SamplingParams:
         t, k, p, n = self.temperature, self.top_k, self.top_p, self.max_tokens
@@ -281,15 +285,28 @@ def choose_context(target, prompts: list[list[int]], params: SamplingParams, spe
     return drafting or candidates[0]
 
 
+def power_at(case, samples: int, test: TwoTokenTest) -> float:
+    """The fraction of POWER_REPLICATES simulated tests of ``samples`` runs (evals.chain_test.simulate, the test's
+    alpha) that reject a draft equal to the target which reports its q at temperature SHARPEN."""
+    rejected = 0
+    for r in range(POWER_REPLICATES):
+        counts = simulate(case, samples, test.seed + 7919 * (r + 1), lambda q: sharpened(q, SHARPEN))
+        rejected += chi_square_pvalue(counts, case.exact_joint()) < test.alpha
+    return rejected / POWER_REPLICATES
+
+
 def two_token_test(target, speculator, context: list[int], test: TwoTokenTest) -> dict:
     """Run the test (class docstring); the figures, with `passed`. Power is stated against a draft equal to the
     target that reports its q at temperature SHARPEN: the fraction of POWER_REPLICATES simulated tests
     (evals.chain_test.simulate, same n, same alpha) that reject it."""
     params0 = test.params(0)
     case = chain_case(target, target, context, params0)  # p1, p2 exact (the "draft" here is the target itself)
+    samples = test.samples
+    if test.adaptive:  # the fewest runs of the ladder at which every simulated test rejects the named bias
+        samples = next((n for n in SAMPLE_LADDER if n < samples and power_at(case, n, test) == 1.0), samples)
     tokens, drafted, accepted = [], 0, 0
-    for start in range(0, test.samples, CHUNK):  # rows are independent of their batch mates: chunks bound memory
-        params = [test.params(i) for i in range(start, min(start + CHUNK, test.samples))]
+    for start in range(0, samples, CHUNK):  # rows are independent of their batch mates: chunks bound memory
+        params = [test.params(i) for i in range(start, min(start + CHUNK, samples))]
         out = speculative_generate(target, [context] * len(params), params, speculator)
         tokens += out.tokens
         drafted, accepted = drafted + out.stats.drafted, accepted + out.stats.accepted
@@ -302,23 +319,15 @@ def two_token_test(target, speculator, context: list[int], test: TwoTokenTest) -
     counts = torch.bincount(ok[:, 0] * U + ok[:, 1], minlength=U * U).reshape(U, U).double()
     p_value = 0.0 if impossible else chi_square_pvalue(counts, case.exact_joint())
     joint = case.exact_joint().flatten()
-    tv = 0.5 * float((counts.flatten() / test.samples - joint).abs().sum())
-    power = (
-        sum(
-            chi_square_pvalue(
-                simulate(case, test.samples, test.seed + 7919 * (r + 1), lambda q: sharpened(q, SHARPEN)),
-                case.exact_joint(),
-            )
-            < test.alpha
-            for r in range(POWER_REPLICATES)
-        )
-        / POWER_REPLICATES
-    )
+    tv = 0.5 * float((counts.flatten() / samples - joint).abs().sum())
+    power = power_at(case, samples, test)
     return {
         "p_value": p_value,
         "alpha": test.alpha,
         "passed": p_value >= test.alpha,
-        "samples": test.samples,
+        "samples": samples,
+        "sample_budget": test.samples,
+        "adaptive_samples": test.adaptive,
         "run_tokens": test.max_tokens,
         "impossible_pairs": impossible,
         "tokens_in_play": U,

@@ -33,7 +33,12 @@ def main(argv: list[str] | None = None) -> int:
     what.add_argument("--quantizer", help="an in-memory quantizer method (quantize.registry)")
     what.add_argument("--kv-cache-dtype", choices=("auto", "int8", "fp8_e4m3", "int4"))
     what.add_argument("--engine-batch", type=int, help="greedy requests the engine batches (vs one at a time)")
-    ap.add_argument("--samples", type=int, default=SAMPLES, help="speculative runs of the two-token test")
+    ap.add_argument(
+        "--samples",
+        type=int,
+        help=f"speculative runs of the two-token test (default: adaptive, 500 / 1000 / {SAMPLES}: the fewest at which "
+        "every simulated test rejects a draft reporting q at temperature 0.8)",
+    )
     ap.add_argument("--alpha", type=float, default=ALPHA, help="false-failure rate of the distribution test")
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--top-k", type=int, default=50, help="the test needs a support of at most 64 tokens")
@@ -43,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--random-heads", action="store_true", help="medusa / eagle: seeded random heads, not trained")
     args = ap.parse_args(argv)
     check_model_arg(ap, args.model)
-    test = TwoTokenTest(args.samples, args.alpha, args.temperature, args.top_k, args.top_p, args.seed)
+    samples, adaptive = (SAMPLES, True) if args.samples is None else (args.samples, False)
+    test = TwoTokenTest(samples, args.alpha, args.temperature, args.top_k, args.top_p, args.seed, adaptive=adaptive)
     req = Request(args.speculator, args.quantizer, args.kv_cache_dtype, args.engine_batch, test, args.random_heads)
     req.task_documents = args.task_documents
     try:

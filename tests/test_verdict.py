@@ -161,3 +161,18 @@ def test_batched_probes_count_each_context_as_alone():
     assert any(d for d, _ in batched)  # the tiny prompts repeat spans: prompt lookup proposes somewhere
     out = speculative_generate(target, contexts, [test.params(i) for i in range(len(contexts))], spec)
     assert sum(out.row_drafted) == out.stats.drafted and sum(out.row_accepted) == out.stats.accepted
+
+
+def test_adaptive_budget_is_the_fewest_runs_with_full_power():
+    """The verdict's default budget: the first of 500 / 1000 / 2000 runs at which every simulated test rejects the
+    named bias (q reported at temperature 0.8); the figures state the runs used and that power."""
+    target, prompts = tiny_target(), tiny_prompts()
+    test = lossless.TwoTokenTest(samples=2000, top_k=0, adaptive=True)
+    v = lossless.speculator_verdict(target, NgramSpeculator(k=2), "ngram", prompts, test, greedy_tokens=4)
+    n, figures = v.figures["samples"], v.figures
+    assert figures["adaptive_samples"] and figures["sample_budget"] == 2000 and n in (500, 1000, 2000)
+    case = lossless.chain_case(target, target, figures["context"], test.params(0))
+    smaller = [m for m in lossless.SAMPLE_LADDER if m < n]
+    assert all(lossless.power_at(case, m, test) < 1.0 for m in smaller)
+    assert n == 2000 or figures["power_vs_sharpened_0.8"] == 1.0
+    assert v.verdict == "same distribution", figures
