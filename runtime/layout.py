@@ -7,7 +7,7 @@ so a new architecture's layout is described here once.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import torch
@@ -85,10 +85,15 @@ def fused_layer_state(cfg: ModelConfig, read: Callable[[str], Tensor], hf_prefix
     return state
 
 
-def unfused_layer_state(cfg: ModelConfig, layer: nn.Module, hf_prefix: str) -> dict[str, Tensor]:
-    """The inverse of fused_layer_state for a dense layer: HF names with the prefix, views of the weights."""
+def unfused_layer_state(
+    cfg: ModelConfig, layer: nn.Module, hf_prefix: str, skip: Collection[str] = ()
+) -> dict[str, Tensor]:
+    """The inverse of fused_layer_state for a dense layer: HF names with the prefix, views of the weights.
+    skip: linears (paths inside the layer, e.g. "mlp.down_proj") left out without reading their ``.weight``."""
     out = {}
     for lin in DECODER_LINEARS:
+        if lin.path in skip:
+            continue
         module = layer.get_submodule(lin.path)
         rows = lin.part_rows(cfg)
         for p, w in zip(lin.parts, module.weight.detach().split(rows)):

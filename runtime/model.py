@@ -12,7 +12,7 @@ an RMSNorm, or the head's row chunking, and decline (None) wherever they do not 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -454,17 +454,20 @@ class Transformer(nn.Module):
         if loaded != expected:
             raise KeyError(f"state dict mismatch: {sorted(expected ^ loaded)[:5]}")
 
-    def hf_state_dict(self) -> dict[str, Tensor]:
-        """Inverse of load_hf_state_dict: unfused HF names (for saving and for HF oracles in tests)."""
+    def hf_state_dict(self, skip: Collection[str] = ()) -> dict[str, Tensor]:
+        """Inverse of load_hf_state_dict: unfused HF names (for saving and for HF oracles in tests).
+
+        skip: module names ("layers.0.mlp.down_proj", "lm_head", "embed_tokens") whose tensors the caller
+        writes itself: left out without reading their ``.weight`` (which a quantized layer would dequantize in
+        full, a second copy of the model in fp32)."""
         cfg = self.config
-        out = {
-            "model.embed_tokens.weight": self.embed_tokens.weight.detach(),
-            "model.norm.weight": self.norm.weight.detach(),
-        }
-        if not cfg.tie_word_embeddings:
+        out = {} if "embed_tokens" in skip else {"model.embed_tokens.weight": self.embed_tokens.weight.detach()}
+        out["model.norm.weight"] = self.norm.weight.detach()
+        if not cfg.tie_word_embeddings and "lm_head" not in skip:
             out["lm_head.weight"] = self.lm_head.weight.detach()
         for i, layer in enumerate(self.layers):
-            out.update(unfused_layer_state(cfg, layer, f"model.layers.{i}."))
+            inside = {name.removeprefix(f"layers.{i}.") for name in skip if name.startswith(f"layers.{i}.")}
+            out.update(unfused_layer_state(cfg, layer, f"model.layers.{i}.", inside))
         return {k: v.contiguous() for k, v in out.items()}
 
 

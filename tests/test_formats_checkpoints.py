@@ -302,3 +302,110 @@ def test_autogptq_era_checkpoint_with_only_quantize_config_json(tmp_path):
     down = model.layers[1].mlp.down_proj
     assert isinstance(down, QuantLinear)
     assert torch.equal(down.qweight().dequantize(), expected["model.layers.1.mlp.down_proj"].dequantize())
+
+
+# ---- the save holds no dequantized copy of the model --------------------------------------------------------
+
+
+def refuse_dequantized_weights(monkeypatch) -> None:
+    """Reading a quantized layer's ``.weight`` (a full fp32 dequantization of it) fails the test: the save used
+    to read every one (a QuantEmbedding's too), holding a second, fp32 copy of the model (the 1.5B: 12.6 GB)."""
+    from quantize.fplinear import FPLinear
+
+    def refuse(self):
+        raise AssertionError(f"{type(self).__name__}.weight: a whole layer dequantized during the save")
+
+    monkeypatch.setattr(QuantLinear, "weight", property(refuse))
+    monkeypatch.setattr(FPLinear, "weight", property(refuse))
+
+
+def packed_reference(model, fmt: str, dense_dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """What a checkpoint of ``model`` holds, built the way the save did before it stopped dequantizing: every
+    HF tensor of the model in dense_dtype, each quantized layer's weight replaced by its packed tensors."""
+    from quantize.formats import awq, gptq, is_symmetric, split_rows
+    from quantize.formats import compressed_tensors as ct
+    from quantize.qembedding import shares_quantized_head
+
+    state = {k: v.to(dense_dtype) for k, v in model.hf_state_dict().items()}
+    if shares_quantized_head(model):
+        del state["model.embed_tokens.weight"]
+    sym = all(is_symmetric(m) for m in model.modules() if isinstance(m, QuantLinear))
+    for name, parts in linear_layout(model):
+        module = model.get_submodule(name)
+        if not isinstance(module, QuantLinear):
+            continue
+        for (prefix, _), qw in zip(parts, split_rows(module.qweight(), [n for _, n in parts])):
+            state.pop(prefix + ".weight", None)
+            state.pop(prefix + ".bias", None)
+            qw.bias = None if qw.bias is None else qw.bias.to(dense_dtype)
+            if fmt == "awq":
+                state.update(awq.to_tensors(prefix, qw))
+            elif fmt == "compressed-tensors":
+                state.update(ct.to_tensors(prefix, qw, sym, module.act_quant))
+            else:
+                state.update(gptq.to_tensors(prefix, qw, checkpoint_format=fmt))
+    return state
+
+
+@pytest.mark.parametrize(
+    "config,fmt,head",
+    [
+        (LLAMA, "gptq_v2", False),
+        (LLAMA, "awq", False),
+        (LLAMA, "compressed-tensors", False),
+        (QWEN2, "gptq", False),  # q/k/v biases, tied embedding
+        (QWEN2, "gptq_v2", True),  # a quantized head shared with the tied embedding: no dense table written
+        (LLAMA, "gptq_v2", True),  # a quantized untied head
+    ],
+    ids=["llama-gptq_v2", "llama-awq", "llama-ct", "qwen2-tied-gptq", "qwen2-tied-head", "llama-head"],
+)
+def test_save_writes_the_same_tensors_without_dequantizing_a_layer(tmp_path, monkeypatch, config, fmt, head):
+    from quantize.qembedding import tie_quantized_embedding
+
+    act_order = fmt.startswith("gptq")  # awq and compressed-tensors have no g_idx
+    model = quantize_model(random_model(config, seed=6), 4, 32, act_order=act_order, min_zero=int(fmt == "gptq"))
+    if head:
+        set_module(model, "lm_head", QuantLinear(rtn_quantize(model.lm_head.weight.detach(), 4, 32)))
+        if config.tie_word_embeddings:
+            tie_quantized_embedding(model)
+    want = packed_reference(model, fmt, torch.bfloat16)  # reads every .weight: before the patch below
+    refuse_dequantized_weights(monkeypatch)
+    out = save_quantized(model, tmp_path / "q", {}, fmt=fmt)
+    saved = load_file(out / "model.safetensors")
+    assert saved.keys() == want.keys()
+    for k in want:
+        assert saved[k].dtype == want[k].dtype and torch.equal(saved[k], want[k]), k
+    assert ("model.embed_tokens.weight" in saved) == (not (head and config.tie_word_embeddings))
+
+
+def test_fp8_save_does_not_dequantize_a_layer(tmp_path, monkeypatch):
+    from quantize import fp8
+
+    refuse_dequantized_weights(monkeypatch)
+    model = fp8.quantize_model(random_model(LLAMA, seed=0), fp8.float_config("e4m3", 0, False))
+    out = save_quantized(model, tmp_path / "fp8", {}, fmt="compressed-tensors")
+    assert any(k.endswith(".weight_scale") for k in load_file(out / "model.safetensors"))
+
+
+def test_quantized_checkpoint_loads_without_a_random_init(tmp_path, monkeypatch):
+    """The reader fills an allocated, uninitialised model: no weight is randomly initialised first (the 1.5B's
+    load built its whole dense fp32 model that way, 7.9 GB peak), and the load is the same."""
+    model = quantize_model(random_model(LLAMA, seed=7), 4, 32, act_order=True)
+    out = save_quantized(model, tmp_path / "q", {}, fmt="gptq_v2")
+    before, _, _ = load_model(str(out))
+
+    def guard(init):
+        def guarded(self):
+            if self.weight.device.type != "meta":
+                raise AssertionError(f"a {type(self).__name__} was randomly initialised to load a quantized checkpoint")
+            init(self)
+
+        return guarded
+
+    for module in (torch.nn.Linear, torch.nn.Embedding):
+        monkeypatch.setattr(module, "reset_parameters", guard(module.reset_parameters))
+    loaded, _, _ = load_model(str(out))
+    tokens = torch.randint(0, LLAMA.vocab_size, (2, 7), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(loaded(tokens), before(tokens))
+    assert dict(loaded.state_dict()).keys() == dict(before.state_dict()).keys()
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), before.state_dict().values()))

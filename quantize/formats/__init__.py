@@ -539,11 +539,15 @@ def save_quantized(
     else:
         check_expressible(model, fmt, quant_config)
         qconfig = quantization_config_for(model, quant_config, fmt)
-    # dense tensors under HF names, in the declared dtype; quantized layers are replaced below
-    state = {k: v.to(dense_dtype) if v.is_floating_point() else v for k, v in model.hf_state_dict().items()}
+    # dense tensors under HF names, in the declared dtype; the quantized layers' packed tensors are added below.
+    # Their modules are skipped, not read: a QuantLinear's (FPLinear's) .weight dequantizes it to a full fp32
+    # matrix, and reading them all held a second, fp32 copy of the model at the save (the 1.5B: 12.6 GB peak).
+    replaced = {name for name, m in model.named_modules() if isinstance(m, QuantLinear | FPLinear)}
     if shares_quantized_head(model):
         # the embedding is the quantized lm_head (written below, lm_head: true): no dense table on disk either
-        del state["model.embed_tokens.weight"]
+        replaced.add("embed_tokens")
+    dense = model.hf_state_dict(skip=replaced)
+    state = {k: v.to(dense_dtype) if v.is_floating_point() else v for k, v in dense.items()}
     sym = all(is_symmetric(m) for _, m in quantized_layers(model))  # one scheme: zero points for all or none
     for module_name, parts in linear_layout(model):
         module = model.get_submodule(module_name)
