@@ -36,10 +36,10 @@ class ModelSection:
 
 @dataclass
 class HumanEvalSection:
-    """HumanEval pass@1 of each evaluated row's model (evals.humaneval: greedy completions of the raw code prompts,
-    each run in its sandbox; completions and results cached per checkpoint and settings under $QSPEC_HOME)."""
+    """HumanEval pass@1 of each evaluated row's model (evals.quality.humaneval: greedy completions of the raw code
+    prompts, each run in its sandbox; completions and results cached per checkpoint and settings under $QSPEC_HOME)."""
 
-    subset: str | None = "quick40"  # a fixed subset (evals.humaneval.SUBSETS); null: all 164 problems
+    subset: str | None = "quick40"  # a fixed subset (evals.quality.humaneval.SUBSETS); null: all 164 problems
     limit: int | None = None  # only the first N problems (of the subset)
     max_new_tokens: int = 384
     batch_size: int = 8  # prompts decoded together (part of the completion cache key)

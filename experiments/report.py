@@ -224,10 +224,10 @@ def humaneval_legend(cfg) -> str:
     which = f"the {he.subset} subset" if he.subset else "all problems"
     which += f", first {he.limit}" if he.limit else ""
     return (
-        f" HumanEval pass@1: {which} (evals.humaneval), greedy, at most {he.max_new_tokens} new tokens, each program "
-        "run in a sandbox; [95% Wilson interval] (passed/problems), Δ vs the reference row on the same problems "
-        "(a Δ inside the intervals is noise at this size). Rows that change how the model decodes, not the model, "
-        "are not rerun: a lossless one whose greedy output matched the reference's carries its pass@1."
+        f" HumanEval pass@1: {which} (evals.quality.humaneval), greedy, at most {he.max_new_tokens} new tokens, each "
+        "program run in a sandbox; [95% Wilson interval] (passed/problems), Δ vs the reference row on the same "
+        "problems (a Δ inside the intervals is noise at this size). Rows that change how the model decodes, not the "
+        "model, are not rerun: a lossless one whose greedy output matched the reference's carries its pass@1."
     )
 
 
