@@ -36,10 +36,10 @@ class ModelSection:
 
 @dataclass
 class HumanEvalSection:
-    """HumanEval pass@1 of each evaluated row's model (evals.humaneval: greedy completions of the raw code prompts,
-    each run in its sandbox; completions and results cached per checkpoint and settings under $QSPEC_HOME)."""
+    """HumanEval pass@1 of each evaluated row's model (evals.quality.humaneval: greedy completions of the raw code
+    prompts, each run in its sandbox; completions and results cached per checkpoint and settings under $QSPEC_HOME)."""
 
-    subset: str | None = "quick40"  # a fixed subset (evals.humaneval.SUBSETS); null: all 164 problems
+    subset: str | None = "quick40"  # a fixed subset (evals.quality.humaneval.SUBSETS); null: all 164 problems
     limit: int | None = None  # only the first N problems (of the subset)
     max_new_tokens: int = 384
     batch_size: int = 8  # prompts decoded together (part of the completion cache key)
@@ -71,8 +71,9 @@ class EvalSection:
     # torch threads outside timed sections: 0 = every core (an idle machine); 1 lets several runs share one
     threads: int = 0
     humaneval: HumanEvalSection | None = None  # set: HumanEval pass@1 (95% CI) of every evaluated row
-    # speculator rows' "lossless?" column: evals.lossless's two-token test with this many sampled runs (evals.verdict's
-    # default is 2000); 0: not tested, the column shows the row's claim. Model changes are classified for free.
+    # speculator rows' "lossless?" column: the two-token test (evals.speculation.lossless) with this many sampled
+    # runs (the verdict's budget is 2000); 0: not tested, the column shows the row's claim. Model changes are
+    # classified for free.
     verdict_samples: int = 0
 
 

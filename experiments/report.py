@@ -11,7 +11,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import FuncFormatter  # noqa: E402
 
-from evals.lossless import deterministic_class
+from evals.speculation.lossless import deterministic_class
 from experiments.config import ExperimentConfig, expand_grid, from_dict
 
 CLASS_COLORS = {"exact": "tab:green", "same math": "tab:blue", "same distribution": "tab:purple"}
@@ -226,10 +226,10 @@ def humaneval_legend(cfg) -> str:
     which = f"the {he.subset} subset" if he.subset else "all problems"
     which += f", first {he.limit}" if he.limit else ""
     return (
-        f" HumanEval pass@1: {which} (evals.humaneval), greedy, at most {he.max_new_tokens} new tokens, each program "
-        "run in a sandbox; [95% Wilson interval] (passed/problems), Δ vs the reference row on the same problems "
-        "(a Δ inside the intervals is noise at this size). Rows that change how the model decodes, not the model, "
-        "are not rerun: a lossless one whose greedy output matched the reference's carries its pass@1."
+        f" HumanEval pass@1: {which} (evals.quality.humaneval), greedy, at most {he.max_new_tokens} new tokens, each "
+        "program run in a sandbox; [95% Wilson interval] (passed/problems), Δ vs the reference row on the same "
+        "problems (a Δ inside the intervals is noise at this size). Rows that change how the model decodes, not the "
+        "model, are not rerun: a lossless one whose greedy output matched the reference's carries its pass@1."
     )
 
 
@@ -271,8 +271,8 @@ def kv_section(records: list[dict]) -> list[str]:
 
 
 def measured_class(claim: str, res: dict) -> str | None:
-    """The row's class as evals.lossless decides it: the record's verdict (experiments.table.row_verdict); for a
-    record from before verdicts, a model change's teacher-forced figures classified the same way; None: untested
+    """The row's class as evals.speculation.lossless decides it: the record's verdict (experiments.table.row_verdict);
+    for a record from before verdicts, a model change's teacher-forced figures classified the same way; None: untested
     (a speculator without a distribution test)."""
     if res.get("verdict"):
         return res["verdict"]["verdict"]
@@ -293,8 +293,9 @@ VERDICT_WORDS = {
 
 
 def lossless_words(r: dict) -> str:
-    """The "lossless?" column: the class evals.lossless measured for the row (experiments.table.row_verdict), with
-    the row's claim where they differ; a row that was not tested shows its claim as a claim."""
+    """The "lossless?" column: the class evals.speculation.lossless measured for the row
+    (experiments.table.row_verdict), with the row's claim where they differ; a row that was not tested shows its
+    claim as a claim."""
     claim = "no (approximate)" if r["class"] == "approximate" else f"yes ({r['class']})"
     if r.get("verdict") is None:
         return f"{claim}, claimed (untested)" if r["class"] != "approximate" else claim

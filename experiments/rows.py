@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from evals.fidelity import (
+from evals.quality.fidelity import (
     Scorer,
     batched_scorer,
     cached_scorer,
@@ -25,9 +25,8 @@ from evals.fidelity import (
     greedy_outputs,
     model_scorer,
 )
-from evals.long_context_measures import capacity, long_context_summary
-from evals.naive_attention import naive_attention
-from evals.specbench_suite import run_suite
+from evals.quality.long_context_measures import capacity, long_context_summary
+from evals.speculation.specbench_suite import run_suite
 from experiments.artifacts import Artifact, BuildError, ensure_built
 from quantize.config import QuantConfig
 from quantize.formats import default_format, refusal
@@ -46,6 +45,7 @@ from runtime.kv_quant import bytes_per_token_head
 from runtime.loader import load_model, resolve
 from runtime.model import Transformer
 from runtime.prompts import build_suite, encode_messages
+from runtime.reference.naive_attention import naive_attention
 from runtime.sampling import SamplingParams
 from speculate.base import SpeculatorError
 from speculate.cli import build_speculator
@@ -72,9 +72,10 @@ def is_timed(row) -> bool:
 
 @dataclass(frozen=True)
 class ModelSource:
-    """Where a row's model (Variant.model) comes from, for evaluations cached per checkpoint (evals.humaneval): the
-    checkpoint directory, the dtype it was loaded in, and what the row did to it in memory after loading ("": nothing,
-    it is the model ``load_model(path, dtype)`` gives, so the cache is shared with ``evals.humaneval --model``)."""
+    """Where a row's model (Variant.model) comes from, for evaluations cached per checkpoint
+    (evals.quality.humaneval): the checkpoint directory, the dtype it was loaded in, and what the row did to it in
+    memory after loading ("": nothing, it is the model ``load_model(path, dtype)`` gives, so the cache is shared with
+    ``evals.quality.humaneval --model``)."""
 
     path: Path
     dtype: str
@@ -147,7 +148,7 @@ def plain_generate(model, batch: int = 1, use_cache: bool = True):
 
 
 def qspec_lm(ctx, model, score_mode: str = "cache", batch_size: int = 8):
-    from evals.lm_eval_adapter import QspecLM
+    from evals.quality.lm_eval_adapter import QspecLM
 
     return lambda: QspecLM(model=model, tokenizer=ctx.tokenizer, batch_size=batch_size, score_mode=score_mode)
 
@@ -228,7 +229,7 @@ def attention_row(ctx, params: dict) -> Variant:
             return greedy_outputs(m, prompts, max_tokens)
 
     def naive_lm():
-        from evals.lm_eval_adapter import QspecLM
+        from evals.quality.lm_eval_adapter import QspecLM
 
         class NaiveLM(QspecLM):
             def score_pairs(self, pairs):
@@ -392,7 +393,7 @@ def float_quant_row(ctx, params: dict) -> Variant:
 
 
 def engine_logits_run(make_engine, ctx, concurrent: bool):
-    """Greedy outputs from the engine plus, per request, the logits its sampler saw (evals.fidelity)."""
+    """Greedy outputs from the engine plus, per request, the logits its sampler saw (evals.quality.fidelity)."""
 
     def run(prompts, max_tokens):
         return engine_greedy_logits(make_engine(), prompts, max_tokens, concurrent)
@@ -490,7 +491,7 @@ def kv_row(ctx, params: dict) -> Variant:
     greedy decoding through it; speed: plain decoding through it against the full-precision cache. What it buys:
     KV bytes per token and the engine's concurrent sequences at a fixed KV budget (results.kv_memory); with
     params.long_context, perplexity at 2k / 4k / 8k, passkey retrieval and long-prompt greedy agreement
-    (evals.long_context; the full-precision cache's figures are computed once per run)."""
+    (evals.quality.long_context; the full-precision cache's figures are computed once per run)."""
     m, kv = ctx.model, kv_spec(params)
 
     def run(spec: KVCacheSpec):
@@ -581,8 +582,8 @@ def speculative_row(ctx, params: dict) -> Variant:
 
 
 def specbench_row(ctx, params: dict) -> Variant:
-    """issue 16: one speculator on the ``evals.specbench`` suite (six chat-templated categories from the wiki
-    eval split, 128+ new tokens), against plain decoding in the same run; the suite's per-category rows (tokens
+    """issue 16: one speculator on the ``evals.speculation.specbench`` suite (six chat-templated categories from the
+    wiki eval split, 128+ new tokens), against plain decoding in the same run; the suite's per-category rows (tokens
     per step, acceptance per position, draft/verify split, speedup, greedy identity) go in the record. The
     suite times itself (set run_bench: false); the greedy column decodes the fidelity prompts as any row."""
 

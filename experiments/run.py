@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from evals.humaneval_problems import SUBSETS, data_file
+from evals.quality.humaneval_problems import SUBSETS, data_file
 from experiments import report, sweeps
 from experiments.bench import DEFAULT_THREADS, EVAL_THREADS, LOCKING, log
 from experiments.config import ConfigError, ExperimentConfig, Row, load_config

@@ -1,5 +1,5 @@
 """Curves: TTFT/TPOT vs prompt length, the throughput-latency frontier vs concurrency, acceptance and
-speedup vs k. Latency statistics come from evals.metrics (the serving benchmarks' definitions)."""
+speedup vs k. Latency statistics come from evals.serving.metrics (the serving benchmarks' definitions)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import torch
 
-from evals.metrics import RequestRecord, distribution, summarize
-from evals.serving_load import WorkItem, run_load
+from evals.serving.metrics import RequestRecord, distribution, summarize
+from evals.serving.serving_load import WorkItem, run_load
 from experiments.bench import bench_section, log
 from experiments.config import ConfigError
 from experiments.records import append_jsonl
@@ -83,7 +83,7 @@ def concurrency_workload(ctx, series: dict, concurrency: int) -> tuple[list[list
 
 
 def latency_results(s: dict) -> dict:
-    """Percentiles (ms) of TTFT, TPOT, ITL and E2E and the throughputs of an evals.metrics summary."""
+    """Percentiles (ms) of TTFT, TPOT, ITL and E2E and the throughputs of an evals.serving.metrics summary."""
     out = {"output_tokens_per_s": s["output_token_throughput"], "requests_per_s": s["request_throughput"]}
     for key, name in (("ttft_s", "ttft"), ("tpot_s", "tpot"), ("itl_s", "itl"), ("e2e_s", "e2e")):
         out.update({f"{name}_ms_{p}": 1e3 * s[key][p] for p in ("mean", "p50", "p90", "p99")})
@@ -102,7 +102,7 @@ SERVER_SERIES_KEYS = {
 
 
 def server_concurrency_point(ctx, series: dict, concurrency: int) -> dict:
-    """The same workload against any OpenAI-compatible server (series ``url``), through evals.loadgen: a
+    """The same workload against any OpenAI-compatible server (series ``url``), through evals.serving.loadgen: a
     closed loop of `concurrency` streaming requests; metrics as ``vllm bench serve`` defines them."""
     import asyncio
     import os

@@ -15,12 +15,12 @@ from pathlib import Path
 
 import torch
 
-from evals.fidelity import FidelityAccumulator, compare_teacher_forced, model_scorer, token_match
-from evals.humaneval_eval import Cache, GenSettings, checkpoint_identity, evaluate
-from evals.humaneval_problems import load_problems, score_line, select
-from evals.humaneval_sandbox import Limits
-from evals.lm_eval_tasks import run_tasks
-from evals.lossless import TwoTokenTest, deterministic_class, speculator_verdict
+from evals.quality.fidelity import FidelityAccumulator, compare_teacher_forced, model_scorer, token_match
+from evals.quality.humaneval_eval import Cache, GenSettings, checkpoint_identity, evaluate
+from evals.quality.humaneval_problems import load_problems, score_line, select
+from evals.quality.humaneval_sandbox import Limits
+from evals.quality.lm_eval_tasks import run_tasks
+from evals.speculation.lossless import TwoTokenTest, deterministic_class, speculator_verdict
 from experiments.bench import bench_section, log
 from experiments.config import ConfigError, ExperimentConfig, Row
 from experiments.rows import (
@@ -166,7 +166,7 @@ def check_claim(claim: str, fid: dict | None, greedy: dict | None) -> str:
 
 
 def on_device(scorer, device: str):
-    """A scorer fed token batches built on the CPU (evals.fidelity builds them there) that runs on the model's
+    """A scorer fed token batches built on the CPU (evals.quality.fidelity builds them there) that runs on the model's
     device and returns its logits to the CPU."""
     return scorer if device == "cpu" else lambda tokens: scorer(tokens.to(device)).cpu()
 
@@ -215,7 +215,7 @@ def quality(ctx: Context, row: Row, variant: Variant, res: dict) -> tuple[dict, 
 
 
 def humaneval(ctx: Context, row: Row, variant: Variant, res: dict) -> dict:
-    """HumanEval pass@1 with its 95% Wilson interval (evals.humaneval) of the row's own model, where it is one
+    """HumanEval pass@1 with its 95% Wilson interval (evals.quality.humaneval) of the row's own model, where it is one
     checkpoint-backed model run by plain decoding; completions and results are cached per checkpoint, in-memory
     recipe and settings, so a rerun recomputes nothing. Other rows: why they carry the reference's figure or none."""
     if variant.source is None:
@@ -254,7 +254,8 @@ def humaneval_by_claim(row: Row, res: dict) -> dict:
     """A row that changes how the reference decodes, not its model: a lossless one whose greedy output matched the
     reference's here has the reference's pass@1 (HumanEval is greedy), not recomputed; any other is not measured."""
     if row.lossless_class == "approximate":
-        why = f"a {row.kind} row changes how the model decodes, not its checkpoint; evals.humaneval decodes plainly"
+        why = f"a {row.kind} row changes how the model decodes, not its checkpoint; "
+        why += "evals.quality.humaneval decodes plainly"
         return {"not_measured": why}
     claim, match = res.get("claim_check", ""), (res.get("greedy") or {}).get("match_rate")
     if match != 1.0 or claim.startswith("REFUTED") or res.get("suite_not_identical"):
@@ -266,10 +267,11 @@ def humaneval_by_claim(row: Row, res: dict) -> dict:
 
 
 def row_verdict(ctx: Context, row: Row, variant, fid: dict | None) -> dict | None:
-    """The row's class as evals.verdict decides it (evals.lossless), for the "lossless?" column: a speculator by the
-    two-token distribution test of its sampled output (evals.verdict_samples runs; once per speculator, whatever
-    the row's temperature); a model or decoding change by its teacher-forced logits against the reference
-    (bit-identical / same math / approximate, "not lossless" where the row claims lossless). None: not tested."""
+    """The row's class as evals.speculation.verdict decides it (evals.speculation.lossless), for "lossless?": a
+    speculator by the two-token distribution test of its sampled output (evals.verdict_samples runs; once per
+    speculator, whatever the row's temperature); a model or decoding change by its teacher-forced logits against
+    the reference (bit-identical / same math / approximate, "not lossless" where the row claims lossless).
+    None: not tested."""
     claimed = row.lossless_class != "approximate"
     if variant.speculator is not None:
         samples = ctx.cfg.evals.verdict_samples

@@ -576,7 +576,7 @@ def write_record(record: dict, path: str | None) -> None:
 
 
 def evaluate(model, tokenizer, texts: str, default_windows: int) -> dict:
-    """Perplexity (evals.perplexity protocol: eval split, 512-token windows, no BOS) on 'wiki:64,wiki-fr:32'
+    """Perplexity (evals.quality.perplexity protocol: eval split, 512-token windows, no BOS) on 'wiki:64,wiki-fr:32'
     style text lists, keeping each window's summed NLL so any prefix of the windows can be re-scored."""
     import math
 

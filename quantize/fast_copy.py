@@ -19,7 +19,8 @@ from quantize.qembedding import tie_quantized_embedding
 from quantize.qlinear import QuantLinear, set_module
 from quantize.rtn_weight import quantize_weight
 
-# the named copies the speed benchmarks time (evals.bench_decode's qspec rows, evals.spec_cost --dtype)
+# the named copies the speed benchmarks time (evals.speed.bench_decode's qspec rows,
+# evals.speculation.spec_cost --dtype)
 NAMED_COPIES = (
     "fp32",
     "bf16",

@@ -16,7 +16,7 @@ Formats (``--kv-cache-dtype``), quantized when a token's k/v is written, dequant
   Values need no group: they are quantized per token as they are written, so the residual holds keys only
   (KIVI keeps the residual's values in full precision too; here that would double the residual's memory).
 
-Memory per token and KV head with head_dim D (what the engine's block budget and ``evals.calculator`` count):
+Memory per token and KV head with head_dim D (what the engine's block budget and ``evals.speed.calculator`` count):
 auto 2 * D * itemsize; int8 / fp8 2 * (D + 2); int4 D + 4 + 4 * D / G (codes, value scale/min, key scale/min
 shared by G tokens), plus, per running sequence, the residual: ``1 + ceil(lookahead / G)`` blocks of keys
 in the compute dtype.

@@ -349,7 +349,7 @@ def triton_decode_wins(dtype: torch.dtype, batch: int, kv_len: int) -> bool:
 
     16-bit: SDPA (measured on an H200, issue 13: the kernel ran at 0.30-0.44x of gather + SDPA in bf16/fp16 at
     4k context and at batch 64; no shape class where it won). fp32: the kernel (SDPA has no flash kernel for
-    fp32 and the gather copies twice the bytes; unmeasured). ``python -m evals.gpu_check`` times both on a grid
+    fp32 and the gather copies twice the bytes; unmeasured). ``python -m evals.speed.gpu_check`` times both on a grid
     of batch and context and prints, per cell, the faster one and whether this rule picked it."""
     return dtype == torch.float32
 

@@ -1,5 +1,5 @@
 """Chat-templated task prompts built offline from the shipped wiki summaries: the workload categories of
-``evals.specbench`` (summarization, passage QA, rewriting, translation, multi-turn chat, continuation).
+``evals.speculation.specbench`` (summarization, passage QA, rewriting, translation, multi-turn chat, continuation).
 
 One builder serves both sides of a split: the suite draws its prompts from the *evaluation* split (documents
 < 5000), and the draft-head trainers draw theirs from the *training* split (``speculate.training``'s

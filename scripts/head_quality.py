@@ -10,7 +10,7 @@ import json
 
 import torch
 
-from evals.perplexity import windows_perplexity
+from evals.quality.perplexity import windows_perplexity
 from quantize.fast_copy import INT8_HEAD, fast_quantized_copy, named_fast_copy
 from runtime.data import load_text, token_windows
 from runtime.decoding import generate

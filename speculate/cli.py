@@ -87,7 +87,7 @@ def add_speculator_args(ap: argparse.ArgumentParser) -> None:
         "--draft-model",
         default=None,
         help="draft for --speculator draft: a model spec, layers:N, int4, int8 or int4+layers:N (default: the draft "
-        "measured best for this model by evals.spec_cost choose-draft, else int4)",
+        "measured best for this model by evals.speculation.spec_cost choose-draft, else int4)",
     )
     ap.add_argument("--medusa-heads", default=None, help="trained Medusa heads for --speculator medusa")
     ap.add_argument("--eagle-heads", default=None, help="a trained EAGLE head for --speculator eagle")

@@ -291,7 +291,8 @@ class DraftModelSpeculator(Speculator):
         return out if self.min_confidence is None else {**out, "min_confidence": self.min_confidence}
 
 
-DEFAULT_DRAFT_DIR = ("spec", "default_draft")  # under $QSPEC_HOME: {fingerprint}.json, written by evals.spec_cost
+# under $QSPEC_HOME: {fingerprint}.json, written by evals.speculation.spec_cost
+DEFAULT_DRAFT_DIR = ("spec", "default_draft")
 
 
 # The draft for a model with no smaller sibling and no measured choice. On SmolLM2 (notes/issue-16.md) its own
@@ -306,8 +307,8 @@ def default_draft_file(target: Transformer) -> Path:
 
 
 def measured_default_draft(target: Transformer) -> str | None:
-    """The draft chosen for this model by measured acceptance per cost (``python -m evals.spec_cost choose-draft``),
-    or None when it has not been measured."""
+    """The draft chosen for this model by measured acceptance per cost
+    (``python -m evals.speculation.spec_cost choose-draft``), or None when it has not been measured."""
     path = default_draft_file(target)
     if not path.is_file():
         return None
@@ -325,8 +326,8 @@ def parse_draft_spec(
     (both), a model spec (a checkpoint with the target's tokenizer, e.g. qwen2.5-coder-0.5b for the 1.5B, run in
     the target's dtype), or 'int4+SPEC' / 'int8+SPEC' (that model's RTN copy: int4 in groups of 64, int8 per
     channel; its head int8 per channel). None: the draft chosen by measurement for this model when there is one
-    (evals.spec_cost choose-draft), else FALLBACK_DRAFT. target_path: the target's checkpoint, whose tokenizer a
-    separate draft's must equal."""
+    (evals.speculation.spec_cost choose-draft), else FALLBACK_DRAFT. target_path: the target's checkpoint, whose
+    tokenizer a separate draft's must equal."""
     if spec is None:
         spec = measured_default_draft(target) or FALLBACK_DRAFT
     check_draft_spec(spec)

@@ -1,12 +1,12 @@
-"""evals.bench_engine_spec on a tiny random pair: every request's greedy tokens equal its tokens decoded alone,
-in a plain batch and with a draft, and the record's figures are consistent."""
+"""evals.speculation.bench_engine_spec on a tiny random pair: every request's greedy tokens equal its tokens decoded
+alone, in a plain batch and with a draft, and the record's figures are consistent."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from evals import bench_engine_spec as bench
+from evals.speculation import bench_engine_spec as bench
 from runtime.model import random_model
 from runtime.sampling import SamplingParams
 from speculate.draft import DraftModelSpeculator, quantized_draft

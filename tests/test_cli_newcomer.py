@@ -103,25 +103,25 @@ MISSING = "/nonexistent/qspec/out"
         ("runtime.generate", ["--model", "{ckpt}", "--prompt", WORDS_70], "beyond the model's context of 64"),
         ("runtime.generate", ["--model", "{ckpt}", "--prompt", "a b", "--max-tokens", "63"], "that is 65, beyond"),
         ("runtime.generate", ["--model", "{ckpt}", "--prompt", "hi", "--max-tokens", "0"], "--max-tokens must be"),
-        ("evals.perplexity", ["--model", "{ckpt}", "--max-windows", "0"], "--max-windows must be >= 1"),
-        ("evals.perplexity", ["--model", MISSING], f"no such directory: {MISSING}"),
-        ("evals.perplexity", ["--model", "{ckpt}", "--seqlen", "65"], "beyond the model's context of 64"),
-        ("evals.perplexity", ["--model", "{ckpt}", "--data", "nofile.txt"], "neither a text name"),
+        ("evals.quality.perplexity", ["--model", "{ckpt}", "--max-windows", "0"], "--max-windows must be >= 1"),
+        ("evals.quality.perplexity", ["--model", MISSING], f"no such directory: {MISSING}"),
+        ("evals.quality.perplexity", ["--model", "{ckpt}", "--seqlen", "65"], "beyond the model's context of 64"),
+        ("evals.quality.perplexity", ["--model", "{ckpt}", "--data", "nofile.txt"], "neither a text name"),
         ("quantize.rtn", ["--model", MISSING, "--out", "x"], f"no such directory: {MISSING}"),
         ("quantize.rtn", ["--model", "{ckpt}", "--group-size", "48", "--out", "x"], "has no fast kernel"),
         ("quantize.gptq", ["--model", "{ckpt}", "--group-size", "16", "--out", "x"], "has no fast kernel"),
         ("quantize.awq", ["--model", "{ckpt}", "--group-size", "7", "--out", "x"], "--group-size 7 has no fast kernel"),
         ("quantize.int8", ["--model", "no-such-model", "--out", "x"], "unknown model spec"),
         ("quantize.gptq", ["--model", "{ckpt}", "--resume", "--eval", "wiki"], "--resume continues"),
-        ("evals.tasks", ["--model", MISSING, "--tasks", "qspec_wiki"], "no such directory"),
-        ("evals.tasks", ["--model", "{ckpt}", "--tasks", "qspec_wiki", "--limit", "0"], "--limit must be > 0"),
+        ("evals.quality.tasks", ["--model", MISSING, "--tasks", "qspec_wiki"], "no such directory"),
+        ("evals.quality.tasks", ["--model", "{ckpt}", "--tasks", "qspec_wiki", "--limit", "0"], "--limit must be > 0"),
         ("speculate.medusa.train", ["--model", "{ckpt}", "--seqlen", "0"], "--seqlen must be >= 1"),
         ("speculate.medusa.train", ["--model", MISSING], "no such directory"),
-        ("evals.loadgen", ["--model", MISSING], "no such directory"),
-        ("evals.bench_decode", ["--model", MISSING], "no such directory"),
-        ("evals.bench_quant", ["--model", MISSING], "no such directory"),
-        ("evals.bench_spec", ["--model", MISSING], "no such directory"),
-        ("evals.bench_serving", ["--model", MISSING], "no such directory"),
+        ("evals.serving.loadgen", ["--model", MISSING], "no such directory"),
+        ("evals.speed.bench_decode", ["--model", MISSING], "no such directory"),
+        ("evals.speed.bench_quant", ["--model", MISSING], "no such directory"),
+        ("evals.speculation.bench_spec", ["--model", MISSING], "no such directory"),
+        ("evals.serving.bench_serving", ["--model", MISSING], "no such directory"),
         ("experiments.run", ["configs/no-such-config.yaml"], "no-such-config.yaml"),
     ],
 )
@@ -195,7 +195,7 @@ runpy.run_module(module, run_name="__main__", alter_sys=True)
         ("runtime.generate", ["--prompt", ""], "--prompt is empty"),
         ("runtime.generate", ["--model", MISSING, "--prompt", "hi"], "no such directory"),
         ("runtime.generate", ["--prompt", "hi", "--speculator", "eagel"], "unknown speculator 'eagel'; choose from"),
-        ("evals.perplexity", ["--max-windows", "0"], "--max-windows must be >= 1"),
+        ("evals.quality.perplexity", ["--max-windows", "0"], "--max-windows must be >= 1"),
         ("quantize.rtn", ["--model", "./not-here", "--out", "x"], "no such directory: ./not-here"),
     ],
 )
@@ -217,7 +217,7 @@ DRIVER = """
 import sys, time, zlib
 from types import SimpleNamespace
 import torch
-import runtime.data, runtime.loader, evals.perplexity
+import runtime.data, runtime.loader, evals.quality.perplexity
 from quantize import gptq, rtn
 from quantize.cli import EXPECTED_ERRORS
 from runtime import cliutil

@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from evals.perplexity import perplexity
+from evals.quality.perplexity import perplexity
 from runtime.data import wiki_split, wiki_text
 from runtime.decoding import generate
 from runtime.sampling import SamplingParams

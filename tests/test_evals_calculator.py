@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from evals.calculator import (
+from evals.speed.calculator import (
     CalculatorError,
     Hardware,
     Shapes,

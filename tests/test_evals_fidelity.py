@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from evals.fidelity import (
+from evals.quality.fidelity import (
     batched_scorer,
     cached_scorer,
     compare_teacher_forced,
@@ -15,8 +15,8 @@ from evals.fidelity import (
     model_scorer,
     token_match,
 )
-from evals.naive_attention import NaiveAttention, naive_attention, naive_sdpa
 from runtime.model import Attention, random_model
+from runtime.reference.naive_attention import NaiveAttention, naive_attention, naive_sdpa
 from tests.tiny_models import TINY_CONFIGS
 
 

@@ -18,9 +18,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from evals import humaneval, humaneval_eval
-from evals.humaneval_eval import Cache, GenSettings, checkpoint_identity, evaluate, evaluate_canonical
-from evals.humaneval_problems import (
+from evals.quality import humaneval, humaneval_eval
+from evals.quality.humaneval_eval import Cache, GenSettings, checkpoint_identity, evaluate, evaluate_canonical
+from evals.quality.humaneval_problems import (
     CHAT_INSTRUCTION,
     CHAT_MAX_NEW_TOKENS,
     CHAT_RESPONSE_PREFIX,
@@ -40,7 +40,7 @@ from evals.humaneval_problems import (
     truncate,
     wilson_interval,
 )
-from evals.humaneval_sandbox import STATUSES, Limits, Outcome, run_program, sandbox_prefix, unshare_path
+from evals.quality.humaneval_sandbox import STATUSES, Limits, Outcome, run_program, sandbox_prefix, unshare_path
 from runtime.decoding import GenerationOutput, encode_prompt
 from runtime.loader import load_tokenizer, save_checkpoint
 from runtime.model import random_model
@@ -444,7 +444,7 @@ def test_cli_generates_through_the_real_loop_then_reuses_the_cache(tiny_checkpoi
     assert [p["task_id"] for p in rec["problems"]] == ["HumanEval/0", "HumanEval/1"]
     assert all(isinstance(p["completion"], str) and p["status"] in STATUSES for p in rec["problems"])
     assert rec["problems"] and rec["ci95"][0] <= rec["pass_at_1"] <= rec["ci95"][1]
-    assert rec["provenance"]["command"].startswith("python -m evals.humaneval") and rec["checkpoint"]
+    assert rec["provenance"]["command"].startswith("python -m evals.quality.humaneval") and rec["checkpoint"]
     assert rec["prompt_style"] == "completion" and rec["settings"] == asdict(GenSettings(8, device="cpu"))
     calls = []
     real = humaneval_eval.generate

@@ -8,8 +8,8 @@ import pytest
 import torch
 from lm_eval.api.instance import Instance
 
-from evals.lm_eval_adapter import QspecLM
-from evals.wiki_tasks import TASKS, build_tasks, mask_title
+from evals.quality.lm_eval_adapter import QspecLM
+from evals.quality.wiki_tasks import TASKS, build_tasks, mask_title
 from runtime.loader import save_checkpoint
 from runtime.model import random_model
 from tests.tiny_models import tiny_model_config
@@ -152,7 +152,7 @@ def test_offline_tasks_are_reproducible_and_from_eval_split(tmp_path):
 
 
 def test_run_tasks_on_tiny_model_with_stderr(tiny_real_vocab, tokenizer, tmp_path):
-    from evals.lm_eval_tasks import run_tasks
+    from evals.quality.lm_eval_tasks import run_tasks
 
     model, _ = tiny_real_vocab
     lm = QspecLM(model=model, tokenizer=tokenizer, batch_size=8, max_length=256)
@@ -165,7 +165,7 @@ def test_run_tasks_on_tiny_model_with_stderr(tiny_real_vocab, tokenizer, tmp_pat
 
 
 def test_cli_rejects_bad_model_and_unknown_task(tmp_path, capsys, monkeypatch):
-    from evals import tasks
+    from evals.quality import tasks
 
     with pytest.raises(SystemExit) as exit_:
         tasks.main(["--model", str(tmp_path / "nope"), "--tasks", "qspec_wiki_topic"])
@@ -174,7 +174,7 @@ def test_cli_rejects_bad_model_and_unknown_task(tmp_path, capsys, monkeypatch):
 
 @pytest.mark.slow  # an unknown name makes lm-eval index its thousands of bundled task YAMLs (minutes here)
 def test_unknown_task_is_named(tmp_path):
-    from evals import lm_eval_tasks
+    from evals.quality import lm_eval_tasks
 
     class FakeLM:  # never reached: the task name is checked before any scoring
         pass
@@ -184,11 +184,11 @@ def test_unknown_task_is_named(tmp_path):
 
 
 def test_verdict_task_delta_is_the_difference_of_two_task_runs(tiny_real_vocab, tokenizer):
-    """evals.lossless's task delta (an approximate verdict's figure) against lm-eval run on each model directly."""
+    """evals.speculation.lossless's task delta (an approximate verdict's figure) against lm-eval run on each model."""
     import copy
 
-    from evals.lm_eval_tasks import run_tasks
-    from evals.lossless import TaskProbe, task_delta
+    from evals.quality.lm_eval_tasks import run_tasks
+    from evals.speculation.lossless import TaskProbe, task_delta
 
     model, _ = tiny_real_vocab
     other = copy.deepcopy(model)

@@ -1,4 +1,4 @@
-"""evals.ood: recipe files merge per text, and the table's gap closed is (RTN - x) / (RTN - fp32) on the
+"""evals.quality.ood: recipe files merge per text, and the table's gap closed is (RTN - x) / (RTN - fp32) on the
 windows every recipe has."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import math
 
-from evals.ood import gap_closed, load_results, main, ppl_of
+from evals.quality.ood import gap_closed, load_results, main, ppl_of
 
 
 def write(path, **texts):

@@ -1,5 +1,5 @@
-"""HumanEval pass@1 as an experiment evaluation (evals.humaneval through the runner), the Qwen2.5-Coder 1.5B flagship
-config (loads, and every row plans without loading the model), and specbench's draft:model=SPEC method."""
+"""HumanEval pass@1 as an experiment evaluation (evals.quality.humaneval through the runner), the Qwen2.5-Coder 1.5B
+flagship config (loads, and every row plans without loading the model), and specbench's draft:model=SPEC method."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import pytest
 import torch
 import yaml
 
-from evals import humaneval_eval
-from evals.humaneval_problems import load_problems, wilson_interval
-from evals.specbench_suite import build_method, parse_method
+from evals.quality import humaneval_eval
+from evals.quality.humaneval_problems import load_problems, wilson_interval
+from evals.speculation.specbench_suite import build_method, parse_method
 from experiments.config import ConfigError, load_config
 from experiments.records import read_jsonl
 from experiments.rows import ROWS, plan_row

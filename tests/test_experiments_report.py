@@ -26,8 +26,8 @@ def test_report_from_records(tmp_path):
             assert f"{r['perplexity_delta']:+.3f} ({r['perplexity']:.3f})" in line
         if r["speedup"] is not None:  # every speedup names its own baseline
             assert f"{r['speedup']:.2f}x ({r['baseline']})" in line
-    # the column is evals.lossless's class: measured for model changes, the claim marked untested for speculators
-    # recorded before their distribution test ran in the config
+    # the column is evals.speculation.lossless's class: measured for model changes, the claim marked untested for
+    # speculators recorded before their distribution test ran in the config
     assert "| fp32 reference | yes (bit-identical) | baseline |" in summary
     gptq = rows["GPTQ4 g128"]
     assert (

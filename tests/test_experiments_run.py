@@ -57,7 +57,7 @@ def test_tiny_run_writes_records_table_and_plot(tiny_run):
     assert ok["bf16"]["results"]["weight_bytes"] < ref["weight_bytes"]
     spec = next(r for r in records if r["row"]["kind"] == "speculative")
     assert spec["status"] in ("ok", "wired, not run")
-    # the "lossless?" column is evals.lossless's measured class: logits for model changes, the two-token
+    # the "lossless?" column is evals.speculation.lossless's measured class: logits for model changes, the two-token
     # distribution test for the speculator (prompt lookup may propose nothing on random text: inconclusive)
     assert ref["verdict"]["verdict"] == "bit-identical" and kv["verdict"]["verdict"] == "approximate"
     if spec["status"] == "ok":

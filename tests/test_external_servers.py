@@ -1,4 +1,4 @@
-"""evals.loadgen and experiments.run against OpenAI-compatible servers: a stub with known latencies (the load
+"""evals.serving.loadgen and experiments.run against OpenAI-compatible servers: a stub with known latencies (the load
 generator must measure them back within 5 %) and qspec's own server."""
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import yaml
 
 pytest.importorskip("aiohttp")
 
-from evals.metrics import summarize  # noqa: E402
-from evals.serving_load import WorkItem, run_load  # noqa: E402
+from evals.serving.metrics import summarize  # noqa: E402
+from evals.serving.serving_load import WorkItem, run_load  # noqa: E402
 from experiments.run import main as run_experiment  # noqa: E402
 from tests.conftest import patch_everywhere  # noqa: E402
 from tests.test_serve_server import server  # noqa: E402, F401  (fixture: qspec's server)
@@ -35,7 +35,7 @@ def free_port() -> int:
 
 def start_stub(*args: str):
     port = free_port()
-    cmd = [sys.executable, "-m", "evals.stub_server", "--port", str(port), *args]
+    cmd = [sys.executable, "-m", "evals.serving.stub_server", "--port", str(port), *args]
     proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)  # fmt: skip
     deadline = time.time() + 60
@@ -118,7 +118,7 @@ def test_bundled_chunks_without_usage_follow_vllm_definitions(bundling_stub):
 
 
 def test_loadgen_cli_against_the_stub(stub, tmp_path, capsys):
-    from evals import loadgen
+    from evals.serving import loadgen
 
     out = tmp_path / "stub.json"
     loadgen.main(["--url", stub, "--num-requests", "4", "--concurrency", "2", "--output-tokens", "6",

@@ -18,7 +18,7 @@ import pytest
 import torch
 from formats_helpers import rtn_quantize
 
-from evals.perplexity import window_nlls
+from evals.quality.perplexity import window_nlls
 from quantize import rtn
 from quantize.formats import linear_layout, save_quantized
 from quantize.qlinear import QuantLinear, set_module

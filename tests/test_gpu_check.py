@@ -1,4 +1,4 @@
-"""``python -m evals.gpu_check --smoke``: the GPU check on tiny shapes on CPU, so it cannot rot between GPU runs.
+"""``python -m evals.speed.gpu_check --smoke``: the GPU check on tiny shapes on CPU, so it cannot rot between GPU runs.
 
 Its timings mean nothing here; what is checked is that every section runs, that the exactness checks hold
 (fp32 greedy identical to HF transformers, speculation and engine identical to plain decoding) and that the
@@ -22,7 +22,7 @@ CORE = "bandwidth,exactness,decode,quant,speculation,engine,paths,paged"
 def run_smoke(tmp_path: Path, sections: str | None) -> dict:
     out = tmp_path / "gpu_check.json"
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "evals.gpu_check", "--smoke", "--device", "cpu", "--out", str(out)]
+    cmd = [sys.executable, "-m", "evals.speed.gpu_check", "--smoke", "--device", "cpu", "--out", str(out)]
     if sections:
         cmd += ["--sections", sections]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
@@ -35,7 +35,7 @@ def check_record(record: dict, sections: list[str]) -> None:
     failed = {k: v.get("error") for k, v in record["sections"].items() if v["status"] != "ok"}
     assert not failed, failed
     assert sorted(record["sections"]) == sorted(sections)
-    assert record["smoke"] is True and record["command"].startswith("python -m evals.gpu_check")
+    assert record["smoke"] is True and record["command"].startswith("python -m evals.speed.gpu_check")
     assert record["git_sha"] and "torch" in record["versions"]
     assert len(record["bars"]) == 8 and all(b["status"] for b in record["bars"])
 
@@ -55,7 +55,7 @@ def test_gpu_check_smoke_core(tmp_path):
 
 @pytest.mark.slow
 def test_gpu_check_smoke_all_sections(tmp_path):
-    from evals.gpu_check import SECTIONS
+    from evals.speed.gpu_check import SECTIONS
 
     record = run_smoke(tmp_path, None)
     check_record(record, [name for name, *_ in SECTIONS])
@@ -65,7 +65,7 @@ def test_gpu_check_smoke_all_sections(tmp_path):
 
 
 def test_bad_arguments_are_named(capsys):
-    from evals.gpu_check import main
+    from evals.speed.gpu_check import main
 
     with pytest.raises(SystemExit):
         main(["--smoke", "--sections", "decode,warp-drive"])

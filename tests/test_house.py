@@ -34,6 +34,9 @@ LIBRARIES_WITH_A_COMMAND = {
     "runtime.data",  # the datasets every layer reads; its command prints and caches them
     "experiments.report",  # the table renderer; its command re-renders a results directory
 }
+# evals/ is grouped by what it measures; a group may use another's libraries only along these directions.
+EVALS_GROUPS = ("quality", "speculation", "serving", "speed")
+EVALS_GROUP_IMPORTS = {("speculation", "quality")}  # fidelity and the HumanEval problems
 DOCS = ("README.md", "notes/README.md", "docs/*.md")
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 
@@ -63,6 +66,32 @@ def test_no_module_imports_a_command():
 def test_the_allowed_libraries_still_have_their_commands():
     graph = import_graph.build()
     assert LIBRARIES_WITH_A_COMMAND <= command_modules(graph)  # a stale entry would hide nothing: drop it
+
+
+def evals_group(module: str) -> str | None:
+    """The group of an evals module (evals.quality.perplexity: quality); None outside evals or at its top level."""
+    parts = module.split(".")
+    return parts[1] if parts[0] == "evals" and len(parts) > 2 else None
+
+
+def test_evals_is_grouped_by_what_it_measures():
+    graph = import_graph.build()
+    evals = [name for name in graph.modules if name.startswith("evals.")]
+    assert len(evals) > 30  # the checker saw the real tree
+    ungrouped = [name for name in evals if name.split(".")[1] not in EVALS_GROUPS]
+    assert ungrouped == [], "evals modules outside quality / speculation / serving / speed: " + ", ".join(ungrouped)
+    for group in EVALS_GROUPS:  # each group's docstring says what it measures and lists its commands
+        doc = ast.get_docstring(ast.parse(graph.modules[f"evals.{group}"].read_text())) or ""
+        listed = set(re.findall(rf"evals\.{group}\.(\w+)", doc))
+        commands = {name.rsplit(".", 1)[1] for name in command_modules(graph) if evals_group(name) == group}
+        assert commands and commands <= listed, f"evals.{group}'s docstring does not list {sorted(commands - listed)}"
+    crossing = {(evals_group(i.source), evals_group(i.target), i.source, i.target) for i in graph.imports}
+    bad = sorted(
+        f"{source} -> {target}"
+        for a, b, source, target in crossing
+        if a and b and a != b and (a, b) not in EVALS_GROUP_IMPORTS
+    )
+    assert bad == [], "imports between evals groups against their direction:\n" + "\n".join(bad)
 
 
 def test_notes_hold_no_dated_work_logs():

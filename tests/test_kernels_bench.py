@@ -1,4 +1,4 @@
-"""evals.bench_quant: argument errors, and a full run on a tiny checkpoint (numbers are not asserted,
+"""evals.speed.bench_quant: argument errors, and a full run on a tiny checkpoint (numbers are not asserted,
 only their presence, ratios and the memory accounting)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from evals import bench_quant
+from evals.speed import bench_quant
 from quantize.qembedding import QuantEmbedding
 from runtime.config import ModelConfig
 from runtime.loader import save_checkpoint
@@ -51,7 +51,7 @@ def test_tiny_run_reports_every_variant_with_ratios(tmp_path, capsys):
         + ["--layer-iters", "1", "--group-size", "128", "--random-prompts", "--out", str(out)]
     )
     record = json.loads(out.read_text())
-    assert record["command"].startswith("python -m evals.bench_quant --model")
+    assert record["command"].startswith("python -m evals.speed.bench_quant --model")
     assert record["git_sha"] and record["versions"]["torch"] and record["seed"] == 0
     mem = record["weight_bytes"]
     # int4 g128 on the "cpu" path: 0.5 byte codes + fp32 kernel scale and zero tables (tiles of 16 rows, K padded to

@@ -11,8 +11,8 @@ import math
 import pytest
 import torch
 
-from evals.fidelity import cached_scorer
-from evals.long_context_measures import capacity, engine_holds, parse_spec, passkey_prompt
+from evals.quality.fidelity import cached_scorer
+from evals.quality.long_context_measures import capacity, engine_holds, parse_spec, passkey_prompt
 from runtime.decoding import generate
 from runtime.engine import EngineConfig, LLMEngine
 from runtime.kernels import cpu_step

@@ -65,9 +65,9 @@ def test_checker_allows_upward_imports_only_in_entry_points_nobody_imports(tmp_p
     plant(
         tmp_path,
         {
-            "evals/perplexity.py": "X = 1\n",
-            "runtime/cli.py": "from evals.perplexity import X\n" + main_block,
-            "runtime/imported_cli.py": "from evals.perplexity import X\n" + main_block,
+            "evals/quality/perplexity.py": "X = 1\n",
+            "runtime/cli.py": "from evals.quality.perplexity import X\n" + main_block,
+            "runtime/imported_cli.py": "from evals.quality.perplexity import X\n" + main_block,
             "runtime/user.py": "from runtime.imported_cli import X\n",
         },
     )

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from evals.testing import assert_lossless, assert_same_distribution, sharpened_draft, tiny_target
+from evals.speculation.testing import assert_lossless, assert_same_distribution, sharpened_draft, tiny_target
 from quantize import plugin as quant_plugin
 from quantize import registry as qreg
 from quantize.qlinear import QuantLinear
@@ -66,7 +66,7 @@ def test_broken_control_is_rejected_and_the_honest_draft_passes():
     with pytest.raises(AssertionError, match="not distributed as the target's"):
         assert_same_distribution(lambda t: sharpened_draft(t, SMOKE, k=2, layers=1))
     # by name, like any plug-in
-    assert check_method("evals.testing:sharpened_draft:layers=1").options == {"layers": 1}
+    assert check_method("evals.speculation.testing:sharpened_draft:layers=1").options == {"layers": 1}
 
 
 def absmax_oracle(w: torch.Tensor, bits: int, group: int) -> torch.Tensor:

@@ -132,7 +132,7 @@ def test_server_serves_a_completion_with_an_outside_speculator(outside, tiny_che
 
 
 def test_specbench_smoke_runs_an_outside_speculator(outside, tmp_path):
-    from evals.specbench import main
+    from evals.speculation.specbench import main
 
     out = tmp_path / "s.json"
     main(["--smoke", "--per-category", "1", "--batch-sizes", "1", "--max-tokens", "6", "--warmup", "0",

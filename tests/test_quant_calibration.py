@@ -153,7 +153,7 @@ def test_sharded_source_refuses_a_non_checkpoint(tmp_path):
 def test_default_model_gptq_beats_rtn(default_model):
     """On SmolLM2-135M, 4-bit g128 asym: GPTQ with act-order has lower perplexity than RTN (small protocol:
     8 calibration windows of 256 tokens, 2 evaluation windows of 512)."""
-    from evals.perplexity import perplexity
+    from evals.quality.perplexity import perplexity
     from quantize.rtn import quantize_model as rtn_quantize
     from runtime.data import calibration_windows, wiki_text
 

@@ -303,7 +303,7 @@ def test_cli_refuses_what_the_format_cannot_hold_before_loading(
 
 def test_rotated_w8a8_saves_and_reloads_to_the_in_memory_perplexity(tiny_checkpoint, tmp_path, capsys):
     """The README's W8A8 recipe, `quantize.int8 --w8a8 --rotate --out DIR` (it exited 2 before saving): qspec's
-    format holds int8 activations and the online Hadamards, and `evals.perplexity --model DIR` gives the figure
+    format holds int8 activations and the online Hadamards, and `evals.quality.perplexity --model DIR` gives the figure
     the quantizer measured in memory exactly. Nothing is left to a tolerance: the scales are fp16 before any code
     is computed (quantize.grid), the quantizer measures with the unquantized tensors (the rotated embedding, the
     norms) rounded to the --dense-dtype the file stores them in (bf16 here), and the reloaded model's cpu_w8a8
@@ -311,7 +311,7 @@ def test_rotated_w8a8_saves_and_reloads_to_the_in_memory_perplexity(tiny_checkpo
     NLL is equal bit for bit, and so is the printed perplexity. (Before, the reference summed q * dequantized
     weight in float: last-bit differences that the next layer's activation rounding turned into whole int8 steps,
     1.3e-4 in perplexity on Zen 4.)"""
-    from evals import perplexity
+    from evals.quality import perplexity
     from runtime.data import token_windows, wiki_text
     from runtime.scoring import window_nlls
 

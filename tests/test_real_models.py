@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from evals.humaneval_problems import load_problems
+from evals.quality.humaneval_problems import load_problems
 from runtime.decoding import generate
 from runtime.loader import REGISTRY, load_model, load_tokenizer
 from runtime.sampling import SamplingParams

@@ -1,4 +1,4 @@
-"""evals.metrics against numpy and hand-computed definitions; CLI argument errors of the serving tools."""
+"""evals.serving.metrics against numpy and hand-computed definitions; CLI argument errors of the serving tools."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import random
 import numpy as np
 import pytest
 
-from evals.metrics import SLO, RequestRecord, distribution, format_summary, percentile, summarize
+from evals.serving.metrics import SLO, RequestRecord, distribution, format_summary, percentile, summarize
 
 
 def test_percentile_matches_numpy_linear():
@@ -53,10 +53,10 @@ def test_summary_throughput_and_goodput():
 @pytest.mark.parametrize(
     "module,args,needle",
     [
-        ("evals.loadgen", ["--arrival", "poisson"], "--rate > 0"),
-        ("evals.loadgen", ["--num-requests", "0"], "--num-requests must be >= 1"),
-        ("evals.loadgen", ["--min-output-tokens", "50", "--max-output-tokens", "10"], "--min-output-tokens"),
-        ("evals.bench_serving", ["--concurrency", "0"], "--concurrency values must be >= 1"),
+        ("evals.serving.loadgen", ["--arrival", "poisson"], "--rate > 0"),
+        ("evals.serving.loadgen", ["--num-requests", "0"], "--num-requests must be >= 1"),
+        ("evals.serving.loadgen", ["--min-output-tokens", "50", "--max-output-tokens", "10"], "--min-output-tokens"),
+        ("evals.serving.bench_serving", ["--concurrency", "0"], "--concurrency values must be >= 1"),
         ("runtime.server", ["--port", "0"], "--port must be >= 1"),
         ("runtime.server", ["--kv-cache-gb", "-1"], "--kv-cache-gb must be > 0"),
     ],

@@ -215,7 +215,7 @@ def check_quantized_engine_triton_equals_torch() -> None:
 
 
 def check_gpu_script_smoke() -> None:
-    from evals.bench_paged_decode import main
+    from evals.speed.bench_paged_decode import main
 
     main(["--smoke", "--device", "cpu"])
 

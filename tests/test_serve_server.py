@@ -225,7 +225,7 @@ def test_bounded_fuzz_of_malformed_requests_and_disconnects(server, oracle):
 
 
 def test_loadgen_cli_against_the_server(server, tiny_checkpoint, tmp_path, capsys):
-    from evals import loadgen
+    from evals.serving import loadgen
 
     out = tmp_path / "load.json"
     loadgen.main(["--url", server, "--model", str(tiny_checkpoint), "--num-requests", "6", "--arrival", "poisson",

@@ -1,4 +1,4 @@
-"""evals.spec_cost: the speedup formula, curve interpolation and the roofline against hand arithmetic,
+"""evals.speculation.spec_cost: the speedup formula, curve interpolation and the roofline against hand arithmetic,
 profile files (measured and gpu_check), and a tiny measured curve."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 
-from evals.spec_cost import (
+from evals.speculation.spec_cost import (
     GPU,
     CostError,
     FixedDrafts,
@@ -23,7 +23,7 @@ from evals.spec_cost import (
     predict_speedup,
     predict_suite,
 )
-from evals.specbench_suite import SMOKE_CONFIG, build_method
+from evals.speculation.specbench_suite import SMOKE_CONFIG, build_method
 from quantize.qlinear import QuantLinear
 from runtime.decoding import generate
 from runtime.loader import load_model

@@ -408,7 +408,7 @@ def test_sampled_two_token_continuations_match_plain_sampling(kind, loop):
 def test_cli_bad_input_exits_with_one_clear_error(capsys, tmp_path):
     from argparse import Namespace
 
-    from evals.bench_spec import BenchError, parse_method
+    from evals.speculation.bench_spec import BenchError, parse_method
     from speculate.cli import build_speculator, generate_speculative
 
     model = random_model(CFG, seed=0)

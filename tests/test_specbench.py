@@ -1,4 +1,4 @@
-"""evals.specbench: the offline suite's categories (translation only where the parallel summaries share a
+"""evals.speculation.specbench: the offline suite's categories (translation only where the parallel summaries share a
 title; the rewriting input is the extract with seeded typos), and a run of every speculator
 on the tiny random model whose greedy outputs must equal plain decoding."""
 
@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from evals.specbench import main
-from evals.specbench_suite import SMOKE_CONFIG, parse_method, run_suite, smoke_suite
+from evals.speculation.specbench import main
+from evals.speculation.specbench_suite import SMOKE_CONFIG, parse_method, run_suite, smoke_suite
 from runtime.data import wiki_docs, wiki_split
 from runtime.model import random_model
 from runtime.prompts import CATEGORIES, SuiteError, add_typos, build_suite

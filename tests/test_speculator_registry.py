@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from evals.specbench import main as specbench_main
+from evals.speculation.specbench import main as specbench_main
 from runtime.decoding import generate
 from runtime.generate import main as generate_main
 from runtime.model import random_model

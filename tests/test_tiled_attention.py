@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from evals.tiled_attention import (
+from runtime.reference.tiled_attention import (
     DenseCase,
     check_random_shapes,
     check_runtime_paged_kernels,
@@ -98,7 +98,8 @@ def test_torch_paged_reference_agrees_with_numpy():
 def test_triton_paged_kernel_agrees_with_numpy_under_interpreter():
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "evals.tiled_attention", "--shapes", "2", "--lengths", "32", "--kernels", "--triton"]
+    args = ["--shapes", "2", "--lengths", "32", "--kernels", "--triton"]
+    cmd = [sys.executable, "-m", "runtime.reference.tiled_attention", *args]
     proc = subprocess.run(cmd + ["--kernel-cases", "3"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "triton float32" in proc.stdout and "triton float16" in proc.stdout, proc.stdout

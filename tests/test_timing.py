@@ -8,8 +8,8 @@ import time
 import pytest
 import torch
 
-from evals.metrics import RequestRecord
-from evals.spec_cost import FixedDrafts
+from evals.serving.metrics import RequestRecord
+from evals.speculation.spec_cost import FixedDrafts
 from runtime import timing
 from runtime.decoding import generate
 from runtime.engine import EngineConfig, LLMEngine

@@ -1,4 +1,5 @@
-"""evals.lossless / evals.verdict: each class is decided by what it claims, on tiny random models (seconds)."""
+"""evals.speculation.lossless / evals.speculation.verdict: each class is decided by what it claims, on tiny random
+models (seconds)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,10 @@ import copy
 import pytest
 import torch
 
-from evals import lossless
-from evals.fidelity import model_scorer
-from evals.testing import assert_same_distribution, tiny_prompts, tiny_target
-from evals.verdict import main as verdict_main
+from evals.quality.fidelity import model_scorer
+from evals.speculation import lossless
+from evals.speculation.testing import assert_same_distribution, tiny_prompts, tiny_target
+from evals.speculation.verdict import main as verdict_main
 from quantize import int8 as int8_module
 from quantize.registry import build as build_quantizer
 from runtime.model import random_model
@@ -79,7 +80,7 @@ def test_kv_verdicts(tiny):
 
 @pytest.mark.parametrize("flag", ["--speculator", "--quantizer"])
 def test_verdict_cli_refuses_a_bad_method_before_loading(flag, capsys, monkeypatch):
-    monkeypatch.setattr("evals.verdict.load_model", lambda *a, **k: pytest.fail("loaded a model"))
+    monkeypatch.setattr("evals.speculation.verdict.load_model", lambda *a, **k: pytest.fail("loaded a model"))
     with pytest.raises(SystemExit) as exc:
         verdict_main([flag, "nosuch"])
     assert exc.value.code == 2

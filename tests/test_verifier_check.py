@@ -1,4 +1,4 @@
-"""evals.verifier_check: the exact two-token test of rejection sampling, and its broken controls.
+"""evals.speculation.verifier_check: the exact two-token test of rejection sampling, and its broken controls.
 
 Seeds are fixed; each check of a correct verifier uses alpha = 1e-3 (false-failure rate <= 1e-3 per context for a
 fresh seed, asymptotic chi-square)."""
@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from evals import chain_test as ct
-from evals import verifier_check as vc
+from evals.speculation import chain_test as ct
+from evals.speculation import verifier_check as vc
 from runtime.sampling import SamplingParams
 
 

@@ -1,0 +1,733 @@
+"""Speedup of speculative decoding per hardware: measured acceptance x a hardware cost profile.
+
+    speedup = tokens_per_step x (c(1) + o_plain) / (draft_cost + E[c(T)] + o_spec)
+
+c(T): seconds of one target forward over T new tokens per row (c(1) is one plain decode step); T per step
+is the histogram of tokens each verify step fed the target (``fed_tokens_hist`` of ``evals.speculation.specbench``:
+k + 1 for a chain, the tree size for a tree), so E[c(T)] = sum_T n_T c(T) / sum_T n_T. tokens_per_step and
+the T histogram are hardware-independent (measured on the suite); c and draft_cost come from a profile:
+
+- ``measured``: this machine's curve, from ``python -m evals.speculation.spec_cost measure`` (c(T) for T = 1..32 at a
+  fixed context, and each draft method's propose() call; ``--tree-Ts``: a second curve for steps that verify a T-node
+  candidate tree, which Medusa and EAGLE rows use: on this CPU trees run eager under a tree mask), a JSON file.
+  By default (``--timing loop``) c(T) is a step of the real loops (c(1) a plain decoding step, c(T) a
+  speculative step feeding T tokens), so their host work is in the curve and o_plain = o_spec = 0;
+  ``--timing forward`` times bare forwards and the overheads apart;
+- ``roofline``: a named GPU (``h200``: 4.2 TB/s measured copy bandwidth of the 4.8 nominal, 990 TFLOP/s bf16
+  dense, a per-forward + per-layer launch overhead) and the model's shapes: c(T) = max(bytes / BW,
+  FLOPs / peak) + overhead; ``h200-eager`` uses the launch overhead measured with eager PyTorch
+  (docs/methodology.md, machine numbers: ~13 ms per SmolLM2 step, ~0.43 ms per layer);
+- ``gpu_check``: a measured GPU curve, the JSON record of ``evals.speed.gpu_check`` (issue 13). Read fields (to be
+  agreed with that record): ``verify_curve_s`` {T: seconds} or ``verify_curve_ms`` {T: ms} (T = new tokens
+  per row, batch 1, the record's context), optional ``draft_s`` {method label: seconds per propose()} and
+  ``device``, ``batch`` (default 1). Anything else is ignored; a record without a curve is an error.
+
+o_plain and o_spec: the host work each loop adds per step beyond its target forward and propose() (sampling,
+acceptance, cache bookkeeping, stop checks). ``measure --timing forward`` times both loops for real (plain
+decoding, and a speculative loop whose drafts are fixed at k random tokens, so every step feeds T = k + 1) and
+subtracts the forward; on this CPU o_spec was ~6 ms, a fifth of c(1), which a forward-only model misses.
+Roofline profiles assume 0 (captured steps); a gpu_check record may carry ``decode_overhead_s`` / ``step_overhead_s``.
+
+Between measured T the curve is interpolated linearly, beyond the last point extrapolated from the last two.
+The prediction is of the decode phase (after the first token), so ``predict`` checks it against the suite's
+``decode_speedup_vs_plain``: the prefill is the same for every method (a draft model adds its own) and is no
+term of this model.
+
+    python -m evals.speculation.spec_cost measure --out results/cpu_profile.json        # this machine's curve (quiet!)
+    python -m evals.speculation.spec_cost predict --suite results/specbench.json --profile results/cpu_profile.json
+    python -m evals.speculation.spec_cost predict --suite results/specbench.json --profile h200
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from evals.speculation.specbench_suite import (
+    DEFAULT_METHODS,
+    SMOKE_CONFIG,
+    SMOKE_METHODS,
+    TimedSpeculator,
+    plain_decode,
+)
+from quantize.fast_copy import named_fast_copy
+from runtime.config import DTYPES
+from runtime.kv_cache import KVCache
+from runtime.loader import DEFAULT_MODEL, load_model
+from runtime.model import prefill_meta, random_model
+from runtime.provenance import module_command, provenance
+from runtime.sampling import SamplingParams
+from runtime.speculation import CandidateTree
+from speculate.base import Proposal, SpecState, Speculator, SpeculatorError, check_k
+from speculate.draft import default_draft_file
+from speculate.generate import chain_metadata, speculative_generate
+from speculate.registry import BuildContext, build, check_method
+
+
+class CostError(ValueError):
+    pass
+
+
+@dataclass
+class Profile:
+    name: str
+    kind: str  # "measured" | "roofline" | "gpu_check"
+    verify_s: dict[int, float]  # T -> seconds of one target forward over T new tokens per row
+    draft_s: dict[str, float] = field(default_factory=dict)  # method label -> seconds per propose() call
+    notes: str = ""
+    batch: int = 1  # rows per forward the curve was measured at: predictions are for suite rows of this batch
+    decode_overhead_s: float = 0.0  # o_plain: a plain decode step's host work beyond c(1)
+    step_overhead_s: float = 0.0  # o_spec: a speculative step's host work beyond its forward and propose()
+    # T -> seconds of a speculative step that verifies a T-node candidate tree (tree attention mask; the CPU
+    # loop runs trees eager where chains use the compiled step); empty: trees cost what chains do (roofline)
+    tree_verify_s: dict[int, float] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if not self.verify_s or 1 not in self.verify_s:
+            raise CostError(f"profile {self.name!r} needs the cost of a one-token forward (T = 1)")
+        for curve in (self.verify_s, self.tree_verify_s):
+            if any(t < 1 or s <= 0 for t, s in curve.items()):
+                raise CostError(f"profile {self.name!r}: every T must be >= 1 and every cost > 0")
+
+    def verify(self, T: float, tree: bool = False) -> float:
+        """c(T) of a chain (or, with ``tree`` and a tree curve, of a T-node tree): linear between measured points,
+        beyond the last one extended along the last two's slope, never below the last point (measured curves
+        are noisy: a falling last segment would extrapolate to nothing)."""
+        pts = sorted((self.tree_verify_s if tree and self.tree_verify_s else self.verify_s).items())
+        if T <= pts[0][0]:
+            return pts[0][1]
+        for (t0, c0), (t1, c1) in zip(pts, pts[1:]):
+            if T <= t1:
+                return c0 + (c1 - c0) * (T - t0) / (t1 - t0)
+        if len(pts) == 1:
+            return pts[0][1]
+        (t0, c0), (t1, c1) = pts[-2], pts[-1]
+        return c1 + max(c1 - c0, 0.0) * (T - t1) / (t1 - t0)
+
+
+def predict_speedup(
+    tokens_per_step: float, fed_hist: dict, draft_s: float, profile: Profile, tree: bool = False
+) -> float:
+    """tokens_per_step x (c(1) + o_plain) / (draft_s + E[c(T)] + o_spec), T distributed as fed_hist {T: steps};
+    tree: the steps verify candidate trees (the profile's tree curve where it has one)."""
+    steps = sum(fed_hist.values())
+    if steps <= 0:
+        raise CostError("the fed-token histogram is empty (no speculative steps)")
+    mean_verify = sum(n * profile.verify(int(t), tree) for t, n in fed_hist.items()) / steps
+    plain_step = profile.verify(1) + profile.decode_overhead_s
+    return tokens_per_step * plain_step / (draft_s + mean_verify + profile.step_overhead_s)
+
+
+# ---- roofline profiles ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GPU:
+    name: str
+    bandwidth: float  # bytes/s sustained
+    flops: float  # FLOP/s, bf16 dense
+    per_forward_s: float  # launch/host overhead per forward
+    per_layer_s: float  # and per decoder layer
+
+
+GPUS = {
+    # CUDA graphs / compiled step: a few launches per layer
+    "h200": GPU("h200", bandwidth=4.2e12, flops=990e12, per_forward_s=30e-6, per_layer_s=8e-6),
+    # eager PyTorch: launch-bound (13 ms per SmolLM2 step measured, docs/methodology.md) ~ 0.43 ms per layer
+    "h200-eager": GPU("h200-eager", bandwidth=4.2e12, flops=990e12, per_forward_s=0.1e-3, per_layer_s=0.43e-3),
+}
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """What a forward reads and computes (from a ModelConfig)."""
+
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+
+    @classmethod
+    def of(cls, cfg) -> Shapes:
+        return cls(
+            cfg.hidden_size,
+            cfg.intermediate_size,
+            cfg.num_layers,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            cfg.vocab_size,
+        )
+
+    def layer_params(self) -> int:
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return self.hidden * (q + 2 * kv) + q * self.hidden + 3 * self.hidden * self.intermediate
+
+
+def forward_time(
+    gpu: GPU,
+    s: Shapes,
+    T: int,
+    context: int,
+    layers: int | None = None,
+    bytes_per_weight: float = 2.0,
+    head_rows: int | None = None,
+    batch: int = 1,
+) -> float:
+    """One forward over T new tokens per row (batch rows, ``context`` cached) of ``layers`` decoder layers and
+    the lm_head: max(bytes / bandwidth, FLOPs / peak) + overhead. head_rows: rows through the lm_head
+    (default T x batch)."""
+    n = s.layers if layers is None else layers
+    rows = T * batch
+    head_rows = rows if head_rows is None else head_rows
+    weight_bytes = n * s.layer_params() * bytes_per_weight + s.vocab * s.hidden * 2.0  # lm_head kept 16-bit
+    kv_bytes = 2 * n * s.kv_heads * s.head_dim * (context + T) * batch * 2.0
+    flops = 2 * n * s.layer_params() * rows + 4 * n * s.heads * s.head_dim * (context + T) * rows
+    flops += 2 * s.vocab * s.hidden * head_rows
+    return max((weight_bytes + kv_bytes) / gpu.bandwidth, flops / gpu.flops) + gpu.per_forward_s + gpu.per_layer_s * n
+
+
+def draft_time(gpu: GPU, s: Shapes, method: dict, context: int) -> float | None:
+    """Seconds of one propose() under the roofline, from the suite's speculator description."""
+    name = method.get("name", "")
+    if name.startswith("ngram"):
+        return None  # host-side lookup: the same host work on any device, so the suite's measured seconds
+    if "draft" in name.partition("(")[0]:  # draft(...) and quant-draft(...): a draft model's forwards
+        k = int(method.get("k", 1))
+        layers = int(method.get("draft_layers", s.layers))
+        bits = 4.0 if "int4" in name else 8.0 if "int8" in name else 16.0
+        bpw = bits / 8 + (2.0 / 128 if bits == 4 else 0.0)  # int4: a 16-bit scale per group of 128
+        return forward_time(gpu, s, 2, context, layers, bpw) + (k - 1) * forward_time(gpu, s, 1, context, layers, bpw)
+    if name == "medusa":
+        heads = int(method.get("num_heads", 3))
+        byte = 2.0 * (heads * s.hidden * s.hidden + s.vocab * s.hidden)
+        flops = 2.0 * heads * (s.hidden * s.hidden + s.vocab * s.hidden)
+        return max(byte / gpu.bandwidth, flops / gpu.flops) + gpu.per_forward_s + gpu.per_layer_s * heads
+    if name == "eagle":
+        depth, frontier = int(method.get("depth", 4)), int(method.get("frontier", 4))
+        one = forward_time(gpu, s, depth, 0, 1, 2.0, head_rows=frontier, batch=frontier)
+        fc = 2.0 * 2 * s.hidden * s.hidden / gpu.bandwidth
+        return depth * (one + fc)
+    raise CostError(f"no roofline draft cost for method {name!r}")
+
+
+def roofline_profile(gpu_name: str, cfg, context: int = 512, max_T: int = 128) -> Profile:
+    if gpu_name not in GPUS:
+        raise CostError(f"unknown GPU profile {gpu_name!r}; known: {', '.join(GPUS)}")
+    gpu, s = GPUS[gpu_name], Shapes.of(cfg)
+    curve = {T: forward_time(gpu, s, T, context) for T in range(1, max_T + 1)}
+    return Profile(gpu_name, "roofline", curve, notes=f"{gpu}, context {context}, bf16 weights")
+
+
+# ---- loading profiles ----------------------------------------------------------------------------------
+
+
+def load_profile(spec: str, cfg=None, context: int = 512) -> Profile:
+    """A GPU name (roofline; needs cfg), or a JSON file: a measured profile (``kind`` measured) or a
+    gpu_check record (``verify_curve_s`` / ``verify_curve_ms``)."""
+    if spec in GPUS:
+        if cfg is None:
+            raise CostError("a roofline profile needs the model's config")
+        return roofline_profile(spec, cfg, context)
+    path = Path(spec)
+    if not path.is_file():
+        raise CostError(f"--profile {spec!r} is neither a GPU name ({', '.join(GPUS)}) nor a JSON file")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise CostError(f"{path} is not JSON: {err}") from err
+    if raw.get("kind") == "measured":
+        return Profile(
+            raw.get("name", path.stem),
+            "measured",
+            {int(t): float(c) for t, c in raw["verify_s"].items()},
+            {k: float(v) for k, v in raw.get("draft_s", {}).items()},
+            raw.get("notes", ""),
+            int(raw.get("batch", 1)),
+            float(raw.get("decode_overhead_s", 0.0)),
+            float(raw.get("step_overhead_s", 0.0)),
+            {int(t): float(c) for t, c in raw.get("tree_verify_s", {}).items()},
+        )
+    if "verify_curve_s" in raw or "verify_curve_ms" in raw:
+        scale, curve = (1.0, raw["verify_curve_s"]) if "verify_curve_s" in raw else (1e-3, raw["verify_curve_ms"])
+        return Profile(
+            raw.get("device", path.stem),
+            "gpu_check",
+            {int(t): float(c) * scale for t, c in curve.items()},
+            {k: float(v) for k, v in raw.get("draft_s", {}).items()},
+            batch=int(raw.get("batch", 1)),
+            decode_overhead_s=float(raw.get("decode_overhead_s", 0.0)),
+            step_overhead_s=float(raw.get("step_overhead_s", 0.0)),
+        )
+    raise CostError(f"{path} holds no cost curve (expected kind=measured, verify_curve_s or verify_curve_ms)")
+
+
+# ---- predicting a suite --------------------------------------------------------------------------------
+
+
+def predict_suite(
+    suite: dict, profile: Profile, cfg=None, context: int = 512, draft_from_suite: bool = False
+) -> list[dict]:
+    """One row per (batch, category, method) of an evals.speculation.specbench record: measured and predicted speedup.
+
+    Draft cost: the profile's draft_s[method] when it has one, the roofline's when the profile is one, else
+    (or with draft_from_suite) the suite's own measured draft seconds per step."""
+    describe = suite.get("speculators", {})
+    rows = []
+    for r in suite["rows"]:
+        if r["method"] == "plain" or "fed_tokens_hist" not in r or r["batch"] != profile.batch:
+            continue
+        method = r["method"]
+        draft = None if draft_from_suite else profile_draft_seconds(r, describe, profile, cfg, context)
+        draft = r["draft_s_per_step"] if draft is None else draft
+        tree = "tree_size" in describe.get(method, {})  # Medusa / EAGLE: every step verifies a candidate tree
+        pred = predict_speedup(r["tokens_per_step"], r["fed_tokens_hist"], draft, profile, tree)
+        # the decode phase: what the model predicts (the prefill is no speculation cost); older records: end to end
+        measured = r.get("decode_speedup_vs_plain", r.get("speedup_vs_plain"))
+        rows.append(
+            {
+                "batch": r["batch"],
+                "category": r["category"],
+                "method": method,
+                "profile": profile.name,
+                "tokens_per_step": r["tokens_per_step"],
+                "mean_fed_tokens": r.get("mean_fed_tokens"),
+                "draft_s": draft,
+                "predicted_speedup": round(pred, 4),
+                "measured_speedup": measured if profile.kind == "measured" else None,
+                "error": round(pred / measured - 1, 4) if measured and profile.kind == "measured" else None,
+            }
+        )
+    return rows
+
+
+def profile_draft_seconds(row: dict, describe: dict, profile: Profile, cfg=None, context: int = 512) -> float | None:
+    """A suite row's propose() seconds per step from the profile: its own entry; else, for a draft model the profile
+    timed under another k or confidence rule, that draft's seconds per drafted token times the drafts this row made
+    per step (mean fed tokens - 1: a dynamic k drafts fewer than k); else the roofline's (a GPU profile); None when
+    the profile does not know the method (the suite's own measurement is used)."""
+    method = row["method"]
+    if method in profile.draft_s:
+        return profile.draft_s[method]
+    if profile.kind == "roofline":
+        return draft_time(GPUS[profile.name], Shapes.of(cfg), describe.get(method, {"name": method}), context)
+    for other, seconds in profile.draft_s.items():
+        k = same_draft(method, other)
+        if k and row.get("mean_fed_tokens"):
+            return seconds / k * (row["mean_fed_tokens"] - 1)
+    return None
+
+
+def same_draft(method: str, other: str) -> int | None:
+    """other's k when both name the same draft (model, layers, bits) and differ only in k or the confidence rule."""
+    try:
+        a, b = check_method(method), check_method(other)
+    except SpeculatorError:
+        return None
+    loose = ("k", "conf")
+    model_a = {x: v for x, v in a.options.items() if x not in loose}  # what names the draft (model, layers, bits)
+    model_b = {x: v for x, v in b.options.items() if x not in loose}
+    same = a.name == b.name and model_a and model_a == model_b
+    return int(b.options.get("k", 0)) or None if same else None
+
+
+def draft_label(describe: dict) -> str | None:
+    """'draft(layers:8)' / 'quant-draft(int4+layers:15)' -> the --draft-model spec ('layers:8', 'int4+layers:15')."""
+    name = describe.get("name", "")
+    for prefix in ("draft(", "quant-draft("):
+        if name.startswith(prefix) and name.endswith(")"):
+            return name[len(prefix) : -1]
+    return None
+
+
+def choose_draft(suite: dict, profile: Profile, cfg=None, context: int = 512, batch: int = 1) -> tuple[dict, list]:
+    """The draft-model method with the best predicted speedup (measured acceptance per cost) on the suite
+    overall at ``batch``: (choice {draft, k, method, predicted_speedup}, every candidate's row)."""
+    describe = suite.get("speculators", {})
+    rows = [
+        r
+        for r in predict_suite(suite, profile, cfg, context)
+        if r["category"] == "overall" and r["batch"] == batch and draft_label(describe.get(r["method"], {}))
+    ]
+    if not rows:
+        raise CostError(f"the suite has no draft-model method measured overall at batch {batch}")
+    best = max(rows, key=lambda r: r["predicted_speedup"])
+    d = describe[best["method"]]
+    choice = {
+        "draft": draft_label(d),
+        "k": d.get("k"),
+        "method": best["method"],
+        "predicted_speedup": best["predicted_speedup"],
+        "profile": profile.name,
+    }
+    return choice, rows
+
+
+# ---- measuring this machine ----------------------------------------------------------------------------
+
+
+def measure(
+    model,
+    speculators: dict,
+    context: int,
+    Ts: list[int],
+    repeats: int,
+    batch: int = 1,
+    in_loop: bool = True,
+    tree_Ts: list[int] = (),
+) -> Profile:
+    """This machine's cost curve at ``batch`` rows and ``context`` cached tokens, and each speculator's propose().
+
+    in_loop (the default): c(T) and propose() are timed inside the real loops, so their host work is inside the
+    curve: c(1) is a plain decoding step, c(T > 1) a speculative step whose T - 1 drafts are rejected (FixedDrafts)
+    less its propose(), a draft's cost its propose() per step of a real speculative run; no separate overhead
+    terms; tree_Ts: the same for steps that verify a T-node candidate tree (FixedDrafts with a tree). Otherwise
+    c(T) is a bare target forward over T new tokens, propose() is called alone, and the loops'
+    own overheads are measured apart (loop_overheads)."""
+    gen = torch.Generator().manual_seed(0)
+    capacity = context + max(Ts) + 64
+    tokens = torch.randint(2, model.config.vocab_size, (batch, capacity), generator=gen)
+    prompts = tokens[:, :context]
+    with torch.inference_mode():
+        if in_loop:  # the real loops prefill for themselves
+            verify = {T: loop_step_seconds(model, prompts, T, repeats) for T in Ts}
+            trees = {T: loop_step_seconds(model, prompts, T, repeats, tree=True) for T in tree_Ts}
+            draft = {label: loop_draft_seconds(model, prompts, sp, repeats) for label, sp in speculators.items()}
+            notes = f"in-loop steps of {OVERHEAD_STEPS} from context {context}, batch {batch}, median of {repeats}"
+            return Profile("cpu-measured", "measured", verify, draft, notes, batch, tree_verify_s=trees)
+        cache, hidden = prefill(model, prompts, capacity)  # the drafts' states and the bare forwards read it
+        draft = {}
+        for label, sp in speculators.items():
+            state = SpecState(
+                ids=[("spec_cost", label, b) for b in range(batch)],
+                token_ids=tokens[:, : context + 1].tolist(),
+                hidden=hidden[:, -1],
+                params=[SamplingParams(temperature=0.0)] * batch,
+                generators=[gen] * batch,
+            )
+            draft[label] = median_seconds(lambda sp=sp, state=state: sp.propose(state), repeats)
+        lengths = torch.full((batch,), context + 1)
+        verify = {}
+        for T in Ts:
+            feed = tokens[:, context : context + T]
+            verify[T] = median_seconds(
+                lambda feed=feed, T=T: model.logits(model(feed, chain_metadata(lengths, T), cache, hidden_only=True)),
+                repeats,
+            )
+        notes = f"context {context}, batch {batch}, median of {repeats}"
+        prof = Profile("cpu-measured", "measured", verify, draft, notes, batch)
+        prof.decode_overhead_s, prof.step_overhead_s = loop_overheads(model, prompts, prof.verify, repeats)
+    return prof
+
+
+def prefill(model, prompts: torch.Tensor, capacity: int) -> tuple[KVCache, torch.Tensor]:
+    """A KV cache of ``capacity`` positions per row holding ``prompts`` [B, n], and their hidden states."""
+    batch, n = prompts.shape
+    cache = KVCache(model.config, batch, capacity, model.compute_dtype, torch.device("cpu"))
+    return cache, model(prompts, prefill_meta(batch, n, torch.device("cpu")), cache, hidden_only=True)
+
+
+def median_seconds(fn, repeats: int) -> float:
+    """Median wall seconds of fn() over ``repeats`` calls after one warm-up call."""
+    return median_of(lambda: _seconds(fn), repeats)
+
+
+def median_of(value, repeats: int) -> float:
+    """Median of value() over ``repeats`` calls after one warm-up call."""
+    value()
+    values = sorted(value() for _ in range(repeats))
+    return values[len(values) // 2]
+
+
+def _seconds(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+class FixedDrafts(Speculator):
+    """k random drafts per row, every step: the target rejects them almost surely, so each step feeds T = k + 1
+    tokens and a timed run shows the speculative loop's own per-step work beside the forward it pays for.
+    tree: the drafts as a k-node candidate tree (a chain-shaped CandidateTree), so each step runs the loop's
+    tree verification (tree mask, eager) as Medusa and EAGLE steps do."""
+
+    name = "fixed-drafts"
+
+    def __init__(self, k: int, vocab_size: int, seed: int = 0, tree: bool = False):
+        self.k, self.vocab_size = check_k(k), vocab_size
+        self.generator = torch.Generator().manual_seed(seed)
+        self.tree = CandidateTree.chain(k) if tree else None
+
+    def max_tokens_per_step(self) -> int:
+        return self.k + 1
+
+    def propose(self, state: SpecState) -> Proposal:
+        B = len(state.ids)
+        tokens = torch.randint(2, self.vocab_size, (B, self.k), generator=self.generator).to(state.device)
+        if self.tree is not None:
+            root = torch.tensor([seq[-1] for seq in state.token_ids], device=state.device)[:, None]
+            return Proposal(tokens=torch.cat([root, tokens], 1), tree=self.tree)
+        return Proposal(tokens=tokens, num_drafted=torch.full((B,), self.k, device=state.device))
+
+
+OVERHEAD_K = 4  # drafts per step of the overhead run: T = 5, inside the measured curve
+OVERHEAD_STEPS = 24
+
+
+def plain_step(model, rows: list[list[int]], params: SamplingParams) -> float:
+    """Seconds per step of plain decoding, all its host work included (the suite's decode clock)."""
+    out, decode_s = plain_decode(model, rows, params)
+    return decode_s / max(len(out.timing.step_times_s), 1)
+
+
+def loop_step_seconds(model, prompts: torch.Tensor, T: int, repeats: int, tree: bool = False) -> float:
+    """Seconds per step of the real loop from ``prompts`` (greedy, EOS ignored, OVERHEAD_STEPS steps, median
+    of repeated runs): T = 1 is a plain decoding step (plain_step), T > 1 a speculative step feeding T tokens (T - 1
+    rejected FixedDrafts; tree: a T-node candidate tree) less the drafts' propose()."""
+    rows = prompts.tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=OVERHEAD_STEPS + 1, ignore_eos=True)
+    if T == 1 and not tree:
+        return median_of(lambda: plain_step(model, rows, params), repeats)
+    if T < 2:
+        raise CostError(f"a candidate tree step feeds at least 2 tokens, got T = {T}")
+    drafts = FixedDrafts(T - 1, model.config.vocab_size, tree=tree)
+
+    def spec_step() -> float:
+        out = speculative_generate(model, rows, params, drafts, compile="off")
+        return out.timing.decode_s / max(out.stats.steps, 1)
+
+    state = SpecState(
+        ids=list(range(len(rows))), token_ids=rows, hidden=None, params=[params] * len(rows), generators=[None]
+    )
+    return median_of(spec_step, repeats) - median_seconds(lambda: drafts.propose(state), repeats)
+
+
+def loop_draft_seconds(model, prompts: torch.Tensor, speculator: Speculator, repeats: int) -> float:
+    """Seconds of propose() per step inside the real speculative loop (greedy, EOS ignored, OVERHEAD_STEPS
+    tokens, median of repeated runs): the draft runs between target forwards, as in use, with its catch-up feeds.
+    Timed alone it looks cheaper (an int4 self-draft: 45 ms per call alone, 58 ms per step in the suite's loop)."""
+    rows = prompts.tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=OVERHEAD_STEPS + 1, ignore_eos=True)
+
+    def per_step() -> float:
+        timed = TimedSpeculator(speculator)
+        out = speculative_generate(model, rows, params, timed, compile="off")
+        return timed.draft_s / max(out.stats.steps, 1)
+
+    return median_of(per_step, repeats)
+
+
+def loop_overheads(model, prompts: torch.Tensor, cost, repeats: int) -> tuple[float, float]:
+    """(o_plain, o_spec): seconds per step each real loop spends beyond its forward c(T) = ``cost(T)`` (taken
+    from a bare-forward curve)."""
+    plain = loop_step_seconds(model, prompts, 1, repeats)
+    spec = loop_step_seconds(model, prompts, OVERHEAD_K + 1, repeats)
+    return plain - cost(1), spec - cost(OVERHEAD_K + 1)
+
+
+def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
+    ap = argparse.ArgumentParser(prog="python -m evals.speculation.spec_cost", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    m = sub.add_parser("measure", help="this machine's cost curve (run on a quiet machine)")
+    m.add_argument("--model", default=None)
+    m.add_argument("--context", type=int, default=256)
+    m.add_argument("--max-T", type=int, default=32)
+    m.add_argument("--Ts", default=None, help="comma list of T to time (default 1..--max-T)")
+    m.add_argument(
+        "--tree-Ts",
+        default="",
+        help="comma list of candidate-tree sizes T (nodes incl. the root) to time as tree steps (Medusa / EAGLE)",
+    )
+    m.add_argument(
+        "--timing",
+        choices=("loop", "forward"),
+        default="loop",
+        help="loop: c(T) timed as steps of the real loops (their host work included); forward: bare forwards "
+        "plus separately measured loop overheads",
+    )
+    m.add_argument("--repeats", type=int, default=7)
+    m.add_argument("--batch", type=int, default=1, help="rows per forward (predicts the suite's rows of this batch)")
+    m.add_argument(
+        "--methods", nargs="*", default=None, help="draft methods to time (evals.speculation.specbench syntax)"
+    )
+    m.add_argument("--smoke", action="store_true", help="tiny random model")
+    m.add_argument("--threads", type=int, default=None)
+    m.add_argument(
+        "--dtype",
+        choices=("fp32", "bf16", "int8", "int4"),
+        default="fp32",
+        help="target weights: fp32 / bf16 dense, or RTN int8 per-channel / int4 g64 codes with bf16 activations "
+        "(evals.speed.bench_decode's rows)",
+    )
+    m.add_argument("--out", required=True)
+    c = sub.add_parser("choose-draft", help="the default draft for this model, by measured acceptance per cost")
+    c.add_argument("--suite", required=True)
+    c.add_argument("--profile", required=True)
+    c.add_argument("--model", default=None)
+    c.add_argument("--context", type=int, default=512)
+    c.add_argument("--write", action="store_true", help="save it as the model's default draft ($QSPEC_HOME)")
+    p = sub.add_parser("predict", help="predicted vs measured speedup per (batch, category, method)")
+    p.add_argument("--suite", required=True, help="an evals.speculation.specbench JSON record")
+    p.add_argument("--profile", required=True, help=f"a profile JSON (measured / gpu_check) or one of {list(GPUS)}")
+    p.add_argument("--model", default=None, help="model whose shapes a roofline profile uses (default: the suite's)")
+    p.add_argument("--context", type=int, default=512)
+    p.add_argument("--draft-from-suite", action="store_true", help="draft cost = the suite's measured seconds")
+    p.add_argument("--out", default=None)
+    return ap, ap.parse_args(argv)
+
+
+def step_sizes(ap: argparse.ArgumentParser, args) -> tuple[list[int], list[int]]:
+    """(chain T, tree T) to time, from --Ts / --max-T and --tree-Ts."""
+    try:
+        Ts = sorted({int(t) for t in args.Ts.split(",")}) if args.Ts else list(range(1, args.max_T + 1))
+    except ValueError:
+        ap.error(f"--Ts {args.Ts!r}: a comma list of token counts, e.g. 1,2,4,8")
+    if Ts[0] != 1:
+        ap.error(f"--Ts must include T = 1 (a plain step) and no T < 1, got {Ts}")
+    try:
+        tree_Ts = sorted({int(t) for t in args.tree_Ts.split(",") if t.strip()})
+    except ValueError:
+        ap.error(f"--tree-Ts {args.tree_Ts!r}: a comma list of tree sizes, e.g. 9,16,32")
+    if tree_Ts and (tree_Ts[0] < 2 or args.timing != "loop"):
+        ap.error("--tree-Ts: tree sizes >= 2, timed in the real loop (--timing loop)")
+    return Ts, tree_Ts
+
+
+def measured_target(args) -> tuple[object, BuildContext]:
+    """The model --dtype asks for, and where its speculators' heads come from."""
+    if args.smoke:
+        return random_model(SMOKE_CONFIG), BuildContext(smoke=True)
+    quantized = args.dtype in ("int8", "int4")
+    dtype = torch.float32 if quantized else DTYPES[args.dtype]  # codes come from the fp32 weights
+    model, _, path = load_model(args.model or DEFAULT_MODEL, dtype=dtype)
+    if quantized:
+        model = named_fast_copy(model, args.dtype)
+    return model, BuildContext(target_path=path)  # heads from $QSPEC_HOME/<kind>/MODEL
+
+
+def speculators(methods: list[str], model, context: BuildContext) -> dict[str, Speculator]:
+    """Each method that builds here (one that cannot, for want of heads, is skipped with a line)."""
+    sps = {}
+    for spec in methods:
+        if spec == "plain":
+            continue
+        try:
+            sps[spec] = build(spec, model, context)
+        except SpeculatorError as err:
+            print(f"[spec_cost] skipping {spec}: {err}", file=sys.stderr)
+    return sps
+
+
+def print_profile(prof: Profile) -> None:
+    c1 = prof.verify_s[1]
+    print(" ".join(f"T={t}:{c / c1:.2f}" for t, c in prof.verify_s.items()), file=sys.stderr)
+    if prof.tree_verify_s:
+        print("trees " + " ".join(f"T={t}:{c / c1:.2f}" for t, c in prof.tree_verify_s.items()), file=sys.stderr)
+    print(
+        f"c(1) {c1 * 1e3:.1f} ms; loop overhead per step: plain {prof.decode_overhead_s * 1e3:.2f} ms, "
+        f"speculative {prof.step_overhead_s * 1e3:.2f} ms",
+        file=sys.stderr,
+    )
+
+
+def measure_command(ap: argparse.ArgumentParser, args, argv: list[str] | None) -> None:
+    """``measure``: this machine's cost curve, written to --out."""
+    methods = args.methods if args.methods is not None else (SMOKE_METHODS if args.smoke else DEFAULT_METHODS)
+    try:  # before the model loads: a bad method is one line
+        [check_method(spec) for spec in methods if spec != "plain"]
+    except SpeculatorError as err:
+        ap.error(str(err))
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, context = measured_target(args)
+    Ts, tree_Ts = step_sizes(ap, args)
+    sps = speculators(methods, model, context)
+    in_loop = args.timing == "loop"
+    prof = measure(model, sps, args.context, Ts, args.repeats, args.batch, in_loop=in_loop, tree_Ts=tree_Ts)
+    record = {
+        **provenance(command=module_command("evals.speculation.spec_cost", argv)),
+        "kind": "measured",
+        "name": prof.name,
+        "verify_s": prof.verify_s,
+        "tree_verify_s": prof.tree_verify_s,
+        "draft_s": prof.draft_s,
+        "notes": prof.notes,
+        "batch": prof.batch,
+        "decode_overhead_s": prof.decode_overhead_s,
+        "step_overhead_s": prof.step_overhead_s,
+        "dtype": args.dtype,
+        "timing": args.timing,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(record, indent=2))
+    print_profile(prof)
+
+
+def choose_draft_command(ap: argparse.ArgumentParser, args) -> None:
+    """``choose-draft``: the method with the best predicted speedup; --write keeps it as the model's default."""
+    suite = json.loads(Path(args.suite).read_text())
+    model, cfg, _ = load_model(args.model or DEFAULT_MODEL, dtype=torch.float32)
+    try:
+        choice, rows = choose_draft(suite, load_profile(args.profile, cfg, args.context), cfg, args.context)
+    except CostError as err:
+        ap.error(str(err))
+    for r in rows:
+        print(
+            f"{r['method']:40s} {r['tokens_per_step']:6.2f} tok/step  predicted {r['predicted_speedup']:.3f}x",
+            file=sys.stderr,
+        )
+    print(json.dumps(choice))
+    if args.write:
+        path = default_draft_file(model)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({**choice, "evidence": rows, "suite": args.suite}, indent=2))
+        print(f"[spec_cost] default draft for this model -> {path}", file=sys.stderr)
+
+
+def predict_command(ap: argparse.ArgumentParser, args) -> None:
+    """``predict``: predicted against measured speedup per (batch, category, method) of a suite record."""
+    suite = json.loads(Path(args.suite).read_text())
+    cfg = load_model(args.model or DEFAULT_MODEL, dtype=torch.float32)[1] if args.profile in GPUS else None
+    try:
+        profile = load_profile(args.profile, cfg, args.context)
+        rows = predict_suite(suite, profile, cfg, args.context, args.draft_from_suite)
+    except CostError as err:
+        ap.error(str(err))
+    print(
+        f"{'batch':>5s} {'category':14s} {'method':34s} {'tok/step':>8s} {'predicted':>9s} {'measured':>8s} error",
+        file=sys.stderr,
+    )
+    for r in rows:
+        meas = "" if r["measured_speedup"] is None else f"{r['measured_speedup']:7.2f}x"
+        err = "" if r["error"] is None else f"{100 * r['error']:+.1f}%"
+        print(
+            f"{r['batch']:5d} {r['category']:14s} {r['method']:34s} {r['tokens_per_step']:8.2f} "
+            f"{r['predicted_speedup']:8.2f}x {meas:>8s} {err}",
+            file=sys.stderr,
+        )
+    if args.out:
+        record = {**provenance(), "suite": args.suite, "profile": profile.name, "kind": profile.kind, "rows": rows}
+        Path(args.out).write_text(json.dumps(record, indent=2))
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap, args = parse_args(argv)
+    if args.cmd == "measure":
+        measure_command(ap, args, argv)
+    elif args.cmd == "choose-draft":
+        choose_draft_command(ap, args)
+    else:
+        predict_command(ap, args)
+
+
+if __name__ == "__main__":
+    main()
