@@ -122,6 +122,15 @@ def test_inputs_that_track_gradients():  # a model's activations under grad mode
     assert layer(x).shape == (ROWS, layer.out_features)
 
 
+def test_under_inference_mode_as_generation_runs_it():  # the cores' GEMMs write y in the caller's modes
+    layer = make("int4-g64", torch.bfloat16)
+    x = torch.randn(ROWS, layer.in_features, generator=torch.Generator().manual_seed(5)).bfloat16()
+    plain = layer(x)
+    with torch.inference_mode():
+        inside = layer(x)
+    assert torch.equal(inside, plain)
+
+
 @pytest.mark.parametrize("name", ["int4-g64-act-order", "fp8-channel"])
 def test_switch_off_keeps_the_exact_kernels(monkeypatch, name):
     layer = make(name, torch.bfloat16)

@@ -263,10 +263,10 @@ def linear(weight, x: Tensor) -> Tensor:
 # ---- prefill: many rows per call through a GEMM on the dequantized weight -----------------------------------------
 
 # from this many rows a quantized layer takes prefill_linear: the bars' shortest prompt (the crossover with the
-# exact kernels between 65 and 127 rows is not measured yet); output rows dequantized per GEMM: the best of
-# 128..all in one noisy kernel run (notes/issue-39-prefill.md)
+# exact kernels between 65 and 127 rows is not measured yet); output rows per core and GEMM: 128 keeps a block of
+# K = 1536 (the 1.5B's) in L2 and was the best of 64..512 at 128 / 512 / 2048 rows (notes/issue-39.md)
 PREFILL_MIN_ROWS = 128
-PREFILL_BLOCK_ROWS = 4096
+PREFILL_BLOCK_ROWS = 128
 
 
 def prefill_gemm_enabled() -> bool:
@@ -279,10 +279,11 @@ def uses_prefill_gemm(rows: int) -> bool:
 
 
 def prefill_linear(weight: KernelWeight, x: Tensor) -> Tensor:
-    """y = x @ W^T (+ bias) for x [M, K] with many rows: the weight dequantized PREFILL_BLOCK_ROWS output rows at a
-    time (cpu_step.cpp, ``prefill_linear``) and multiplied by torch's GEMM, in the layer's activation dtype (bf16
-    or fp32; the output too). APPROXIMATE in the last bits, as a dense bf16 layer's prefill (F.linear): the weight
-    is rounded to that dtype and the GEMM's summation order depends on the shape."""
+    """y = x @ W^T (+ bias) for x [M, K] with many rows: each core dequantizes PREFILL_BLOCK_ROWS output rows at a
+    time into its own scratch (cpu_step.cpp, ``prefill_linear``) and multiplies them by torch's GEMM, in the
+    layer's activation dtype (bf16 or fp32; the output too). APPROXIMATE in the last bits, as a dense bf16
+    layer's prefill (F.linear): the weight is rounded to that dtype and the GEMM's summation order depends on the
+    shape."""
     dtype = torch.bfloat16 if weight.bf16_activations else torch.float32
     rows = x.detach().reshape(-1, x.shape[-1]).to(dtype)  # no autograd through the kernels (as ``linear``)
     y = extension().prefill_linear(weight.handle(), rows, PREFILL_BLOCK_ROWS)
