@@ -344,13 +344,16 @@ class LLMEngine:
         keep what the speculator's verifier accepts. Up to the forward a failure is retried row by row;
         after it each row is verified on its own, so an exception fails only its own request."""
         outputs: list[RequestOutput | None] = []
-        for part, state, proposal, hidden in self._isolated(self._propose_and_score, seqs, outputs):
+        for part, state, proposal, hidden, raw in self._isolated(self._propose_and_score, seqs, outputs):
             for b, seq in enumerate(part):
-                outputs.append(self._guarded(seq, self._verify_and_append, seq, state, proposal, hidden, b))
+                outputs.append(self._guarded(seq, self._verify_and_append, seq, state, proposal, hidden, raw[b], b))
         return outputs
 
     def _propose_and_score(self, seqs: list[Sequence]) -> list[tuple]:
-        """-> [(seqs, SpecState, Proposal, hidden [B, T, H] of the verification forward)]."""
+        """-> [(seqs, SpecState, Proposal, hidden [B, T, H] of the verification forward, each row's logits
+        [fed, V])]. Every row's fed positions go through the head in one call: it reads the head's weights once
+        per step, not once per request (the head's kernels are row-invariant, so a row's logits are the same bits
+        alone or beside the others)."""
         spec = self.speculator
         hidden = [s.last_hidden for s in seqs]
         state = SpecState(
@@ -384,17 +387,19 @@ class LLMEngine:
                 rows_pos.append(index)
                 local.append(None)
             rows_index.append(index)
-        return [(seqs, state, proposal, self._run(seqs, rows_tokens, rows_pos, rows_index, local))]
+        hidden = self._run(seqs, rows_tokens, rows_pos, rows_index, local)
+        fed = proposal.fed()
+        raw = self.model.logits(torch.cat([hidden[b, :n] for b, n in enumerate(fed)])).split(fed)
+        return [(seqs, state, proposal, hidden, raw)]
 
     def _verify_and_append(
-        self, seq: Sequence, state: SpecState, proposal: Proposal, hidden: Tensor, b: int
+        self, seq: Sequence, state: SpecState, proposal: Proposal, hidden: Tensor, raw: Tensor, b: int
     ) -> RequestOutput | None:
         """Row b of a speculative step: its logits (with the request's adjustments at each fed position,
         seeing the drafts before it as generated tokens, so penalties stay exact) -> the speculator's
         verify on this row alone -> the accepted tokens appended, and a tree's accepted KV made consecutive."""
         p = seq.params
-        fed = proposal.fed()[b]
-        raw = self.model.logits(hidden[b, :fed])  # [fed, V] the model's own (reported as logprobs)
+        fed = proposal.fed()[b]  # raw: [fed, V] the model's own logits (reported as logprobs)
         row_tokens = proposal.tokens[b].tolist()
         if proposal.tree is not None and proposal.drafted()[b] > 0:
             tree = proposal.tree

@@ -242,6 +242,26 @@ def test_speculative_hook_keeps_greedy_outputs(model, workload):
     assert sorted(spec.released) == sorted(f"req-{i}" for i in range(len(prompts)))  # every request released
 
 
+def test_speculative_step_scores_every_row_in_one_head_call(model, workload, monkeypatch):
+    """The verification logits of all rows come from one head call per step (the head's weights read once, not
+    once per request), with the outputs of each request alone."""
+    prompts, params, ref = workload
+    lengths = [len(p) for p in prompts]
+    keep = [i for i in range(len(prompts)) if lengths.count(lengths[i]) == 1][:6]
+    prompts, params, ref = [prompts[i] for i in keep], [params[i] for i in keep], [ref[i] for i in keep]
+    spec = OracleDrafts({tuple(p): r for p, r in zip(prompts, ref)}, model.config.vocab_size, k=3)
+    engine = LLMEngine(model, config=small(block_size=4), speculator=spec)
+    head_rows, real = [], model.logits
+    monkeypatch.setattr(model, "logits", lambda h: head_rows.append(h.numel() // h.shape[-1]) or real(h))
+    verify_rows = []
+    real_verify = engine._verify_and_append
+    monkeypatch.setattr(engine, "_verify_and_append", lambda *a: verify_rows.append(a[4].shape[0]) or real_verify(*a))
+    outs = [o.output_ids for o in engine.generate(prompts, params)]
+    assert outs == ref
+    assert verify_rows and max(head_rows) > max(verify_rows)  # some head call scored several requests' rows
+    assert len(head_rows) <= 2 * engine.num_steps  # one verification call and one plain-sampling call per step
+
+
 def test_ngram_speculation_in_the_engine_keeps_greedy_outputs(model):
     """The engine step with the shared contract and verifier: sequences of one batch accept different
     numbers of drafts, and greedy outputs equal the plain reference."""
