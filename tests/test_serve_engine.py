@@ -228,13 +228,19 @@ class OracleDrafts(Speculator):
         self.released += ids
 
 
-def test_speculative_hook_keeps_greedy_outputs(model, workload):
+def oracle_engine(model, workload, n: int):
+    """(prompts, params, greedy references, OracleDrafts, engine) for n of the workload's requests whose prompt
+    lengths are unique (OracleDrafts finds a row's continuation by its prompt)."""
     prompts, params, ref = workload
     lengths = [len(p) for p in prompts]
-    keep = [i for i in range(len(prompts)) if lengths.count(lengths[i]) == 1][:8]
+    keep = [i for i in range(len(prompts)) if lengths.count(lengths[i]) == 1][:n]
     prompts, params, ref = [prompts[i] for i in keep], [params[i] for i in keep], [ref[i] for i in keep]
     spec = OracleDrafts({tuple(p): r for p, r in zip(prompts, ref)}, model.config.vocab_size, k=3)
-    engine = LLMEngine(model, config=small(block_size=4), speculator=spec)
+    return prompts, params, ref, spec, LLMEngine(model, config=small(block_size=4), speculator=spec)
+
+
+def test_speculative_hook_keeps_greedy_outputs(model, workload):
+    prompts, params, ref, spec, engine = oracle_engine(model, workload, 8)
     outs = [o.output_ids for o in engine.generate(prompts, params)]
     assert outs == ref
     assert engine.num_spec_accepted > 0 and engine.num_spec_accepted < engine.num_spec_proposed
@@ -245,12 +251,7 @@ def test_speculative_hook_keeps_greedy_outputs(model, workload):
 def test_speculative_step_scores_every_row_in_one_head_call(model, workload, monkeypatch):
     """The verification logits of all rows come from one head call per step (the head's weights read once, not
     once per request), with the outputs of each request alone."""
-    prompts, params, ref = workload
-    lengths = [len(p) for p in prompts]
-    keep = [i for i in range(len(prompts)) if lengths.count(lengths[i]) == 1][:6]
-    prompts, params, ref = [prompts[i] for i in keep], [params[i] for i in keep], [ref[i] for i in keep]
-    spec = OracleDrafts({tuple(p): r for p, r in zip(prompts, ref)}, model.config.vocab_size, k=3)
-    engine = LLMEngine(model, config=small(block_size=4), speculator=spec)
+    prompts, params, ref, _, engine = oracle_engine(model, workload, 6)
     head_rows, real = [], model.logits
     monkeypatch.setattr(model, "logits", lambda h: head_rows.append(h.numel() // h.shape[-1]) or real(h))
     verify_rows = []

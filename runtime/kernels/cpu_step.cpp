@@ -2403,11 +2403,12 @@ at::Tensor dequantize_t(const Weight& w, bool bf16) {
   return wt.narrow(1, 0, w.N);
 }
 
-// y [M, N] = x [M, K] @ W^T (+ bias) in x's dtype (fp32 or bf16). Each core takes whole blocks of block_rows output
-// rows: it dequantizes a block into its own scratch (K x block_rows, sized to stay in its L2) and multiplies it there
-// with a one-thread GEMM into y's columns. No barrier per block: a shared block dequantized by both cores and then
-// multiplied by both left L2 and cost 1.8x a bf16 layer's GEMM on the 1.5B's layers at 128 rows, this 1.2x
-// (notes/issue-39.md). x's columns are gathered by perm first (act-order). APPROXIMATE (the section's header).
+// y [M, N] = x [M, K] @ W^T (+ bias) in x's dtype (fp32 or bf16). Each core takes whole blocks of block_rows
+// output rows: it dequantizes a block into its own scratch (K x block_rows: in L2 for K up to ~2k at 128 rows) and
+// multiplies it there with a one-thread GEMM into y's columns. No barrier per block: a shared block dequantized by
+// both cores and then multiplied by both left L2 and cost 1.8x a bf16 layer's GEMM on the 1.5B's layers at 128 rows,
+// this 1.2x (notes/issue-39.md). x's columns are gathered by perm first (act-order). APPROXIMATE (the section's
+// header).
 at::Tensor prefill_linear(const Weight& w, at::Tensor x, int64_t block_rows) {
   TORCH_CHECK(w.quantized() && x.dim() == 2 && x.size(1) == w.K, "prefill_linear: a quantized weight, x [M, K]");
   const bool bf16 = x.scalar_type() == at::kBFloat16;
