@@ -197,7 +197,7 @@ class QuantLinear(nn.Module):
             self.register_buffer("kernel_data", cpu_step.pack_codes(ordered.cpu(), self.bits))
             self.register_buffer("kernel_scales", cpu_step.group_table(self.scales.cpu(), n))
             zeros = self.zeros.float().cpu() - (128 if self.bits == 8 else 0)
-            self.register_buffer("kernel_zeros", cpu_step.group_table(zeros, n))
+            self.register_buffer("kernel_zeros", cpu_step.zero_table(zeros, n))
             return
         if path == "cuda_int4":  # converted once, here; forward only calls the kernel
             perm_dev = None if perm is None else perm.to(codes.device)

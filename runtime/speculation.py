@@ -120,10 +120,20 @@ class SpecState:
 
     def row(self, b: int) -> SpecState:
         """Sequence b alone (a batch of one)."""
-        hidden = None if self.hidden is None else self.hidden[b : b + 1]
-        constraints = None if self.constraints is None else [self.constraints[b]]
+        return self.select([b])
+
+    def select(self, rows: list[int]) -> SpecState:
+        """The sequences at these rows, in this order."""
+        hidden = None if self.hidden is None else self.hidden[rows]
+        constraints = None if self.constraints is None else [self.constraints[b] for b in rows]
         return SpecState(
-            [self.ids[b]], [self.token_ids[b]], hidden, [self.params[b]], [self.generators[b]], self.device, constraints
+            [self.ids[b] for b in rows],
+            [self.token_ids[b] for b in rows],
+            hidden,
+            [self.params[b] for b in rows],
+            [self.generators[b] for b in rows],
+            self.device,
+            constraints,
         )
 
 

@@ -34,6 +34,7 @@ def cli_method(
     quant_bits: int = 8,
     quant_group_size: int | None = None,
     ngram_fixed: bool = False,
+    lookup: int | None = None,
 ) -> Method:
     """The registry method the CLI's flags describe: each flag is the option of that name for the speculators
     that take it, ignored by the others (a plug-in that takes any option gets -k)."""
@@ -48,6 +49,7 @@ def cli_method(
         "bits": quant_bits,
         "group": quant_group_size,
         "fixed": ngram_fixed,
+        "lookup": lookup,
     }
     wanted = {"k"} if takes is None else takes
     return check_method(Method(name, {key: v for key, v in flags.items() if key in wanted and v is not None}))
@@ -66,10 +68,11 @@ def build_speculator(
     quant_bits: int = 8,
     quant_group_size: int | None = None,
     ngram_fixed: bool = False,
+    lookup: int | None = None,
 ) -> Speculator:
     """A speculator by name (speculate.registry) from the CLI's settings; every argument error is a
     SpeculatorError naming the problem."""
-    method = cli_method(name, k, draft_model, tree_size, acceptance, quant_bits, quant_group_size, ngram_fixed)
+    method = cli_method(name, k, draft_model, tree_size, acceptance, quant_bits, quant_group_size, ngram_fixed, lookup)
     context = BuildContext(target_path=model_path, heads={"medusa": medusa_heads, "eagle": eagle_heads})
     return build(method, model, context)
 
@@ -102,6 +105,14 @@ def add_speculator_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
         "--ngram-fixed", action="store_true", help="n-gram: always draft k tokens (default: up to 2**match length)"
     )
+    ap.add_argument(
+        "--lookup-first",
+        type=int,
+        default=None,
+        metavar="N",
+        help="draft / quant-draft: prompt lookup first; a sequence whose last N tokens occurred before drafts what "
+        "followed them, the draft model drafts the others (lossless either way)",
+    )
 
 
 def args_method(args) -> Method:
@@ -114,6 +125,7 @@ def args_method(args) -> Method:
         acceptance="typical" if getattr(args, "typical_acceptance", False) else "rejection",
         quant_bits=getattr(args, "quant_bits", 8),
         ngram_fixed=getattr(args, "ngram_fixed", False),
+        lookup=getattr(args, "lookup_first", None),
     )
 
 

@@ -29,6 +29,7 @@ from speculate.base import Speculator, SpeculatorError, check_k
 from speculate.draft import DraftModelSpeculator, check_draft_spec, layer_skip_draft, parse_draft_spec, quantized_draft
 from speculate.eagle.head import EagleCheckpointError, EagleConfig, EagleHead, load_eagle
 from speculate.eagle.speculator import EagleSpeculator
+from speculate.lookup_first import LookupFirstSpeculator
 from speculate.medusa.heads import MedusaCheckpointError, MedusaConfig, MedusaHeads, load_medusa
 from speculate.medusa.speculator import MedusaSpeculator, build_tree
 from speculate.ngram import NgramSpeculator
@@ -111,12 +112,19 @@ def build_draft(
     layers: int | None = None,
     model: str | None = None,
     conf: float | None = None,
+    lookup: int | None = None,
 ) -> Speculator:
     """A draft model: layers=L (layer skip), or model= any --draft-model spec (layers:N, int4, int8, int4+layers:N, a
-    checkpoint, int4+SPEC); neither: the draft measured best for this target, else int4. conf: dynamic k."""
+    checkpoint, int4+SPEC); neither: the draft measured best for this target, else int4. conf: dynamic k.
+    lookup=N: prompt lookup first (a row whose last N tokens occurred before drafts what followed them; the draft
+    model drafts the other rows, speculate.lookup_first)."""
     spec = f"layers:{layers}" if layers is not None else model
     draft, label = parse_draft_spec(spec, target, context.target_path or None)
-    return DraftModelSpeculator(target, draft, k=k, name=f"draft({label})", min_confidence=conf)
+    return lookup_first(DraftModelSpeculator(target, draft, k=k, name=f"draft({label})", min_confidence=conf), lookup)
+
+
+def lookup_first(spec: DraftModelSpeculator, lookup: int | None) -> Speculator:
+    return spec if lookup is None else LookupFirstSpeculator(spec, min_ngram=lookup)
 
 
 def check_quant_draft(*, bits: int = 4, **counts) -> None:
@@ -134,14 +142,18 @@ def build_quant_draft(
     layers: int | None = None,
     group: int | None = None,
     conf: float | None = None,
+    lookup: int | None = None,
 ) -> Speculator:
-    """The target's own RTN copy (of its first L layers with layers=), in groups of `group` columns."""
+    """The target's own RTN copy (of its first L layers with layers=), in groups of `group` columns; lookup=N:
+    prompt lookup first (as draft's)."""
     base = target if layers is None else layer_skip_draft(target, layers)
     if group is None and context.smoke:
         group = SMOKE_GROUP_SIZE
     label = f"int{bits}" + ("" if layers is None else f"+layers:{layers}")
     draft = quantized_draft(base, bits, group)
-    return DraftModelSpeculator(target, draft, k=k, name=f"quant-draft({label})", min_confidence=conf)
+    return lookup_first(
+        DraftModelSpeculator(target, draft, k=k, name=f"quant-draft({label})", min_confidence=conf), lookup
+    )
 
 
 def check_medusa(*, acceptance: str = "rejection", **counts) -> None:

@@ -101,6 +101,37 @@ def test_int_codes(family, N, K, bits, group, bf16_act):
     assert_row_independent(handle, rows(11, K, 3))
 
 
+@pytest.mark.parametrize("bits,group", [(4, 64), (4, 32), (8, -1)])
+@pytest.mark.parametrize("act", ["fp32", "bf16", "int8"])
+def test_int8_zero_tables_give_the_fp32_tables_bits(family, bits, group, act):
+    """Integer zero points are stored as int8 (a quarter of the bytes a decode step streams beside the codes); every
+    kernel that reads them (exact rows, the prefill GEMM's dequantization, integer activations) returns the same bits
+    as with the fp32 table. Fractional zero points keep the fp32 table."""
+    N, K = 37, 192
+    group = K if group == -1 else group
+    codes, scales, zeros = quantized(N, K, bits, group, seed=3)
+    stored = zeros - 128 if bits == 8 else zeros
+    table8 = cpu_step.zero_table(stored, N)
+    assert table8.dtype == torch.int8 and torch.equal(table8.float(), cpu_step.group_table(stored, N))
+    assert cpu_step.zero_table(stored + 0.5, N).dtype == torch.float32
+
+    def weight(zero_table):
+        return cpu_step.KernelWeight(
+            "i8" if bits == 8 else "i4", N, K, group, cpu_step.pack_codes(codes, bits),
+            cpu_step.group_table(scales, N), zero_table, bf16_activations=act == "bf16",
+            int8_activations=act == "int8",
+        )  # fmt: skip
+
+    wide, narrow = weight(cpu_step.group_table(stored, N)), weight(table8)
+    for M in (1, 5, 64):
+        x = rows(M, K, M)
+        assert torch.equal(ext.linear(narrow.handle(), x), ext.linear(wide.handle(), x))
+    if act != "int8":  # the prefill GEMM dequantizes through the same table
+        x = rows(cpu_step.PREFILL_MIN_ROWS + 3, K)
+        assert torch.equal(cpu_step.prefill_linear(narrow, x), cpu_step.prefill_linear(wide, x))
+        assert torch.equal(cpu_step.dequantize(narrow), cpu_step.dequantize(wide))
+
+
 def test_int_codes_round_trip():
     for bits in (2, 4, 8):
         codes, _, _ = quantized(37, 90, bits, 32)

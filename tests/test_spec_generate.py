@@ -18,6 +18,7 @@ from runtime.speculation import SpecState
 from speculate.base import SpeculatorError
 from speculate.draft import DraftModelSpeculator, layer_skip_draft, quantized_draft
 from speculate.generate import speculative_generate, tree_metadata
+from speculate.lookup_first import LookupFirstSpeculator
 from speculate.medusa.heads import MedusaConfig, MedusaHeads
 from speculate.medusa.speculator import MedusaSpeculator, build_tree
 from speculate.ngram import NgramSpeculator, lookup
@@ -40,8 +41,9 @@ def run_loop(loop: str, model, prompts, params, spec, **engine_config) -> tuple[
     engine = LLMEngine(model, config=EngineConfig(**settings), speculator=spec)
     outs = engine.generate(prompts, params)
     assert engine.block_manager.num_used_blocks == 0, "target KV blocks leaked"
-    if isinstance(spec, DraftModelSpeculator):
-        assert not spec.seqs and spec.blocks.num_used_blocks == 0, "draft KV state leaked"
+    inner = spec.inner if isinstance(spec, LookupFirstSpeculator) else spec
+    if isinstance(inner, DraftModelSpeculator):
+        assert not inner.seqs and inner.blocks.num_used_blocks == 0, "draft KV state leaked"
     rate = engine.num_spec_accepted / max(engine.num_spec_proposed, 1)
     return [o.output_ids for o in outs], [o.finish_reason for o in outs], rate
 
@@ -73,13 +75,16 @@ def speculators(model, k: int):
         "ngram-fixed": NgramSpeculator(k=k, scaled=False),
         "draft": DraftModelSpeculator(model, random_model(CFG, seed=5), k=k),
         "layer-skip": DraftModelSpeculator(model, layer_skip_draft(model, 1), k=k),
+        "draft+lookup": LookupFirstSpeculator(DraftModelSpeculator(model, random_model(CFG, seed=5), k=k), 2),
         "medusa": MedusaSpeculator(model, random_heads(model), tree),
         "medusa-chain": MedusaSpeculator(model, random_heads(model), CandidateTree.chain(3)),
     }
 
 
 @pytest.mark.parametrize("loop", LOOPS)
-@pytest.mark.parametrize("name", ["ngram", "ngram-fixed", "draft", "layer-skip", "medusa", "medusa-chain"])
+@pytest.mark.parametrize(
+    "name", ["ngram", "ngram-fixed", "draft", "layer-skip", "draft+lookup", "medusa", "medusa-chain"]
+)
 def test_greedy_output_equals_plain_greedy(name, loop):
     model = random_model(CFG, seed=0)
     params = SamplingParams(max_tokens=40, ignore_eos=True)
@@ -261,6 +266,31 @@ def test_ngram_lookup():
     assert lookup(seq, 8, 3, 1, scaled=False).tolist() == [4, 5, 6, 7, 8, 9, 3]
 
 
+def test_lookup_first_drafts_by_lookup_where_it_matches_and_asks_the_draft_only_for_the_rest():
+    """Row 0 repeats its last two tokens (lookup drafts what followed them, q one-hot, no draft forward for it);
+    row 1 repeats nothing (its drafts and q are exactly the draft model's proposal for it alone)."""
+    model = random_model(CFG, seed=0)
+    draft = DraftModelSpeculator(model, random_model(CFG, seed=5), k=3)
+    spec = LookupFirstSpeculator(draft, min_ngram=2)
+    seqs = [[9, 4, 7, 8, 5, 4, 7], [2, 3, 4, 5, 6]]
+    state = SpecState(["a", "b"], seqs, None, [SamplingParams(temperature=1.0)] * 2,
+                      [torch.Generator().manual_seed(s) for s in (1, 2)])  # fmt: skip
+    fed = []
+    original = draft._forward
+    draft._forward = lambda rows, feeds, index: fed.append(feeds) or original(rows, feeds, index)
+    got = spec.propose(state)
+    assert got.drafted() == [3, 3]
+    assert got.tokens[0].tolist() == [8, 5, 4]  # '4 7' occurred at 1: what followed it, up to min(k, 2**2)
+    assert torch.equal(got.draft_probs[0], torch.nn.functional.one_hot(got.tokens[0], CFG.vocab_size).float())
+    assert all(len(f) == 1 for f in fed) and "a" not in draft.seqs  # the draft saw row 1 alone
+    alone = DraftModelSpeculator(model, random_model(CFG, seed=5), k=3)
+    ref = alone.propose(SpecState(["b"], seqs[1:], None, [SamplingParams(temperature=1.0)],
+                                  [torch.Generator().manual_seed(2)]))  # fmt: skip
+    assert torch.equal(got.tokens[1], ref.tokens[0]) and torch.equal(got.draft_probs[1], ref.draft_probs[0])
+    with pytest.raises(SpeculatorError, match="chain"):
+        LookupFirstSpeculator(MedusaSpeculator(model, random_heads(model), build_tree([[0.5]], 2)))
+
+
 def test_bad_inputs_give_clear_errors():
     model = random_model(CFG, seed=0)
     other_vocab = random_model(TINY_CONFIGS["llama-tied-mha"], seed=0)  # 80 tokens vs 96
@@ -366,17 +396,19 @@ SMALL = TINY_CONFIGS["llama"]
 
 
 @pytest.mark.parametrize("loop", LOOPS)
-@pytest.mark.parametrize("kind", ["draft", "medusa"])
+@pytest.mark.parametrize("kind", ["draft", "draft+lookup", "medusa"])
 def test_sampled_two_token_continuations_match_plain_sampling(kind, loop):
-    """Temperature 1, a tiny random target and a different tiny draft (or random Medusa heads). The target's
+    """Temperature 1, a tiny random target and a different tiny draft (or random Medusa heads, or the draft behind
+    prompt lookup: the prompt ends with a token it holds earlier, so the first step drafts by lookup and the next
+    one mixes lookup rows and draft rows, by each row's first token). The target's
     exact two-token distribution is computed by enumeration (V + 1 forwards); 4000 speculative runs in one
     batch (the engine: 4000 requests) are compared by chi-square (cells with expected count < 5 pooled).
-    alpha = 1e-3 per test, four tests: false-failure rate <= 0.4% per fresh seed (the seeds are fixed)."""
+    alpha = 1e-3 per test, six tests: false-failure rate <= 0.6% per fresh seed (the seeds are fixed)."""
     from runtime.model import Transformer
 
     cfg = SMALL
     target = random_model(cfg, seed=11, std=0.3)  # std 0.3: peaked enough that 2-token cells are populated
-    prompt = [3, 17, 42, 5]
+    prompt = [3, 17, 42, 3] if kind == "draft+lookup" else [3, 17, 42, 5]
     # max_tokens 4: the step after the first token may draft k = 2 (drafts never run past max_tokens); the
     # first two tokens are compared. One seed per row: rows with one seed would draw identically.
     params = [SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True, seed=123 + i) for i in range(4000)]
@@ -385,8 +417,9 @@ def test_sampled_two_token_continuations_match_plain_sampling(kind, loop):
         seqs = torch.tensor([prompt + [t] for t in range(cfg.vocab_size)])
         p2 = torch.softmax(target(seqs)[:, -1].double(), -1)  # [V, V]
     joint = (p1[:, None] * p2).flatten()
-    if kind == "draft":
+    if kind.startswith("draft"):
         spec = DraftModelSpeculator(target, random_model(cfg, seed=12, std=0.3), k=2)
+        spec = LookupFirstSpeculator(spec, min_ngram=1) if kind == "draft+lookup" else spec
     else:
         spec = MedusaSpeculator(
             target, random_heads(target, num_heads=2, seed=3), build_tree([[0.5, 0.3], [0.5, 0.3]], 4)

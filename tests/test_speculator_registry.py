@@ -128,6 +128,7 @@ BUILTIN_CASES = [
     ("ngram:k=5", {"k": 5}),
     ("draft:layers=1,k=2", {"k": 2, "draft_model": "layers:1"}),
     ("draft:model=int8+layers:1,k=3", {"k": 3, "draft_model": "int8+layers:1"}),
+    ("draft:layers=1,k=3,lookup=2", {"k": 3, "draft_model": "layers:1", "lookup": 2}),  # prompt lookup first
     ("quant-draft:bits=4,group=32,k=2", {"k": 2, "quant_bits": 4, "quant_group_size": 32}),
     ("quant-draft:bits=8", {"quant_bits": 8}),
     ("medusa:tree=4", {"tree_size": 4}),
@@ -183,6 +184,7 @@ def test_checked_methods_are_typed():
         ("draft:conf=high", "option conf of method 'draft:conf=high' must be a number"),
         ("ngram:k=0", "k must be an integer >= 1, got 0"),
         ("eagle:tree=0", "option tree must be >= 1, got 0"),
+        ("draft:lookup=0", "option lookup must be >= 1, got 0"),
         ("quant-draft:bits=3", "quant-draft supports 4 or 8 bits, got 3"),
         ("draft:layers=1,model=int4", "layers=L (the target's first L layers) or model=SPEC, not both"),
         ("draft:model=int3+layers:1", "quantized drafts are int4 or int8"),

@@ -63,9 +63,9 @@ from evals.quality.humaneval_eval import (
     Evaluation,
     GenSettings,
     checkpoint_identity,
+    draft_method,
     evaluate,
     evaluate_canonical,
-    parse_draft,
 )
 from evals.quality.humaneval_problems import (
     CHAT_MAX_NEW_TOKENS,
@@ -144,7 +144,7 @@ def parse_args(argv: list[str] | None):
         ap.error("--timeout must be > 0")
     if args.draft:
         try:
-            parse_draft(args.draft)
+            draft_method(args.draft)
         except ValueError as err:
             ap.error(str(err))
     if args.device not in (None, "cpu") and not args.device.startswith("cuda"):

@@ -30,8 +30,9 @@ from evals.quality.humaneval_sandbox import MAX_WORKERS, STATUSES, Limits, Outco
 from runtime.decoding import generate
 from runtime.paths import qspec_home, write_atomic
 from runtime.sampling import SamplingParams
-from speculate.draft import DraftModelSpeculator, parse_draft_spec
+from speculate.base import Speculator, SpeculatorError
 from speculate.generate import speculative_generate
+from speculate.registry import build, check_method
 
 # ---- completions and their cache ------------------------------------------------------------------------
 
@@ -48,7 +49,7 @@ class GenSettings:
     batch_size: int = 1  # batched rows are the same math as batch 1, not bit-identical (docs/methodology.md)
     # a lossless draft speculator generating the completions ("" = plain decoding): its own cache key, so its
     # completions can be compared with plain decoding's (greedy speculation equals plain greedy on the CPU step)
-    draft: str = ""  # e.g. "int4+qwen2.5-coder-0.5b,k=8,conf=0.4" (speculate.draft.parse_draft_spec's SPEC, k, conf)
+    draft: str = ""  # e.g. "int4+qwen2.5-coder-0.5b,k=8,conf=0.4" (draft_method: the registry's draft options)
 
     @classmethod
     def for_style(cls, style: str = "completion", max_new_tokens: int | None = None, **kwargs) -> GenSettings:
@@ -119,30 +120,22 @@ def _end_of_turn(model, tokenizer, prompting: str) -> list[int]:
     return [eos] if prompting == "chat" and eos is not None and eos not in model.config.eos_token_ids else []
 
 
-def parse_draft(text: str) -> tuple[str, int, float | None]:
-    """--draft 'SPEC[,k=K][,conf=C]' -> (SPEC, k, confidence threshold or None); ValueError naming the problem."""
-    spec, *opts = text.split(",")
-    k, conf = 4, None
-    for opt in opts:
-        key, _, value = opt.partition("=")
-        try:
-            if key == "k":
-                k = int(value)
-            elif key == "conf":
-                conf = float(value)
-            else:
-                raise ValueError
-        except ValueError:
-            raise ValueError(f"--draft {text!r}: options are k=INT and conf=FLOAT, got {opt!r}") from None
+def draft_method(text: str) -> str:
+    """--draft 'SPEC[,k=K][,conf=C][,lookup=N]' as the registry's method draft:model=SPEC,...; checked without loading
+    anything (ValueError naming the problem)."""
+    spec = text.split(",")[0]
     if not spec or "=" in spec:
         raise ValueError(f"--draft {text!r}: a draft model spec comes first (e.g. int4+qwen2.5-coder-0.5b,k=8)")
-    return spec, k, conf
+    method = f"draft:model={text}"
+    try:
+        check_method(method)
+    except SpeculatorError as err:
+        raise ValueError(f"--draft {text!r}: {err}") from None
+    return method
 
 
-def draft_speculator(model, text: str) -> DraftModelSpeculator:
-    spec, k, conf = parse_draft(text)
-    draft, label = parse_draft_spec(spec, model)
-    return DraftModelSpeculator(model, draft, k=k, name=f"draft({label})", min_confidence=conf)
+def draft_speculator(model, text: str) -> Speculator:
+    return build(draft_method(text), model)
 
 
 def iter_completions(model, tokenizer, problems: list[Problem], settings: GenSettings) -> Iterator[tuple]:

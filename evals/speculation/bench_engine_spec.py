@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from evals.quality.humaneval_eval import draft_speculator, parse_draft
+from evals.quality.humaneval_eval import draft_method, draft_speculator
 from evals.quality.humaneval_problems import load_problems, prompt_ids, select
 from runtime.cliutil import ArgumentParser, run
 from runtime.config import DTYPES
@@ -91,7 +91,7 @@ def parse_args(argv):
     if min(args.concurrency) < 1 or args.max_tokens < 1 or args.rounds < 1:
         ap.error("--concurrency, --max-tokens and --rounds must be >= 1")
     try:
-        parse_draft(args.draft)
+        draft_method(args.draft)
     except ValueError as err:
         ap.error(str(err))
     check_model_arg(ap, args.model)

@@ -8,8 +8,9 @@
 //   I8  int8 [tiles, K/2, 16, 2] = code - 128;                 zeros = z - 128
 //   I4  uint8 [tiles, K/2, 16] = code(2j) | code(2j + 1) << 4 (2- and 3-bit codes too); zeros = z
 //   FP8 uint8 [tiles, K/2, 16, 2] e4m3 bytes;                  scales = the fp32 scale * 256 (see the decoders)
-//   scales, zeros: fp32 [tiles, groups, 16]; a group is `group` consecutive input columns (even, or all K) after
-//   act-order inputs are gathered by `perm`; K is padded with zero codes to a multiple of 32.
+//   scales, zeros: fp32 [tiles, groups, 16] (zeros int8 where they are integers: ZeroTable); a group is `group`
+//   consecutive input columns (even, or all K) after act-order inputs are gathered by `perm`; K is padded with zero
+//   codes to a multiple of 32.
 // Per group the kernel accumulates a = sum_k code * x, then adds s * (a - z * sum_k x): the dequantized weight
 // (code - z) * s times x, in fp32, in a fixed order: each output's sum runs over k in order whatever M, the
 // batch or the thread split, so a row's result never depends on which other rows share the call.
@@ -87,11 +88,30 @@ struct Weight {
   int64_t kind = F32, N = 0, K = 0, group = 0, ngroups = 1;
   bool bf16_act = false;
   bool int8_act = false;  // activations quantized per token to int8: integer dot products (i8act)
-  at::Tensor data, scales, zeros, perm, bias;
+  at::Tensor data, scales, zeros, perm, bias;  // zeros: fp32, or int8 where every zero point is an integer
 
   int64_t tiles() const { return (N + NR - 1) / NR; }
   bool quantized() const { return kind == I8 || kind == I4 || kind == FP8; }
   int64_t pair_bytes() const { return kind == I4 ? NR : 2 * NR; }  // bytes of one column pair of a tile
+};
+
+// A weight's zero-point table as the kernels read it. Integer zero points (RTN, GPTQ, AWQ codes; FP8's 0) are kept
+// as int8: a decode step streams the table beside the codes, and an int4 g64 tile group's fp32 zeros were 64 of its
+// 640 bytes (int8: 16). Widened to fp32 on load, so a result is the same bits either way.
+struct ZeroTable {
+  const float* f = nullptr;
+  const int8_t* i = nullptr;
+  explicit ZeroTable(const Weight& w) {
+    if (w.zeros.scalar_type() == at::kChar)
+      i = w.zeros.data_ptr<int8_t>();
+    else
+      f = w.zeros.data_ptr<float>();
+  }
+  float operator[](int64_t at) const { return i ? static_cast<float>(i[at]) : f[at]; }
+  __m256 load8(int64_t at) const {
+    if (i) return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(i + at))));
+    return _mm256_loadu_ps(f + at);
+  }
 };
 
 // AMX (tile matmuls) sums each output in another order than the vector kernels (per 32-column k-block, then across
@@ -275,7 +295,7 @@ void quant_block(const Weight& w, const Acts& a, int64_t tile0, int half, int64_
   const float* ax = a.x.data();
   const float* gs = a.gsum.data();
   const float* sc = w.scales.data_ptr<float>();
-  const float* zc = w.zeros.data_ptr<float>();
+  const ZeroTable zc(w);
   const int64_t tile_bytes = (Kp / 2) * w.pair_bytes();
   const uint8_t* base0 = reinterpret_cast<const uint8_t*>(w.data.data_ptr()) + tile0 * tile_bytes;
   __m256 tot[TB][MB];
@@ -303,7 +323,7 @@ void quant_block(const Weight& w, const Acts& a, int64_t tile0, int half, int64_
     }
     _Pragma("GCC unroll 16") for (int t = 0; t < TB; ++t) {
       const int64_t at = ((tile0 + t) * G + g) * NR + 8 * half;
-      const __m256 s = _mm256_loadu_ps(sc + at), z = _mm256_loadu_ps(zc + at);
+      const __m256 s = _mm256_loadu_ps(sc + at), z = zc.load8(at);
       _Pragma("GCC unroll 16") for (int i = 0; i < MB; ++i) {
         const __m256 corr = _mm256_mul_ps(z, _mm256_set1_ps(gs[(m0 + i) * G + g]));
         tot[t][i] = _mm256_fmadd_ps(s, _mm256_sub_ps(acc[t][i], corr), tot[t][i]);
@@ -326,6 +346,10 @@ void quant_block(const Weight& w, const Acts& a, int64_t tile0, int half, int64_
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq")
+inline __m512 load16(const ZeroTable& z, int64_t at) {
+  if (z.i) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(z.i + at))));
+  return _mm512_loadu_ps(z.f + at);
+}
 namespace avx512 {
 
 template <int RB, int MB, bool BF>
@@ -398,7 +422,7 @@ void quant_block(const Weight& w, const Acts& a, int64_t tile0, int64_t m0, floa
   const float* ax = a.x.data();
   const float* gs = a.gsum.data();
   const float* sc = w.scales.data_ptr<float>();
-  const float* zc = w.zeros.data_ptr<float>();
+  const ZeroTable zc(w);
   const int64_t tile_bytes = (Kp / 2) * w.pair_bytes();
   const uint8_t* base0 = reinterpret_cast<const uint8_t*>(w.data.data_ptr()) + tile0 * tile_bytes;
   __m512 tot[TB][MB];
@@ -426,7 +450,7 @@ void quant_block(const Weight& w, const Acts& a, int64_t tile0, int64_t m0, floa
     }
     _Pragma("GCC unroll 16") for (int t = 0; t < TB; ++t) {
       const int64_t at = ((tile0 + t) * G + g) * NR;
-      const __m512 s = _mm512_loadu_ps(sc + at), z = _mm512_loadu_ps(zc + at);
+      const __m512 s = _mm512_loadu_ps(sc + at), z = load16(zc, at);
       _Pragma("GCC unroll 16") for (int i = 0; i < MB; ++i) {
         const __m512 corr = _mm512_mul_ps(z, _mm512_set1_ps(gs[(m0 + i) * G + g]));
         tot[t][i] = _mm512_fmadd_ps(s, _mm512_sub_ps(acc[t][i], corr), tot[t][i]);
@@ -507,7 +531,7 @@ void quant_block(const Weight& w, const Acts& a, int64_t tile0, int64_t m0, floa
   const uint32_t* pairs = reinterpret_cast<const uint32_t*>(a.xb.data());
   const float* gs = a.gsum.data();
   const float* sc = w.scales.data_ptr<float>();
-  const float* zc = w.zeros.data_ptr<float>();
+  const ZeroTable zc(w);
   const int64_t tile_bytes = (Kp / 2) * w.pair_bytes();
   const uint8_t* base0 = reinterpret_cast<const uint8_t*>(w.data.data_ptr()) + tile0 * tile_bytes;
   const __m512 offset = _mm512_set1_ps(KIND == I4 ? 128.0f : 0.0f);
@@ -534,7 +558,7 @@ void quant_block(const Weight& w, const Acts& a, int64_t tile0, int64_t m0, floa
     }
     _Pragma("GCC unroll 16") for (int t = 0; t < TB; ++t) {
       const int64_t at = ((tile0 + t) * G + g) * NR;
-      const __m512 s = _mm512_loadu_ps(sc + at), z = _mm512_add_ps(_mm512_loadu_ps(zc + at), offset);
+      const __m512 s = _mm512_loadu_ps(sc + at), z = _mm512_add_ps(load16(zc, at), offset);
       _Pragma("GCC unroll 16") for (int i = 0; i < MB; ++i) {
         const __m512 corr = _mm512_mul_ps(z, _mm512_set1_ps(gs[(m0 + i) * G + g]));
         tot[t][i] = _mm512_fmadd_ps(s, _mm512_sub_ps(acc[t][i], corr), tot[t][i]);
@@ -626,7 +650,7 @@ void quant(const Weight& w, const Acts& a, int64_t t0, int64_t t1, float* y, int
   const uint16_t* xb = a.xb.data();
   const float* gs = a.gsum.data();
   const float* sc = w.scales.data_ptr<float>();
-  const float* zc = w.zeros.data_ptr<float>();
+  const ZeroTable zc(w);
   const __m512 offset = _mm512_set1_ps(KIND == I4 ? 128.0f : 0.0f);
   alignas(64) __m512i ring[AHEAD + 1][2][16];
   alignas(64) float c[2][16][16];
@@ -666,7 +690,7 @@ void quant(const Weight& w, const Acts& a, int64_t t0, int64_t t1, float* y, int
         if (nt == 2) _tile_stored(1, c[1], 64);
         for (int u = 0; u < nt; ++u) {
           const int64_t at = ((t + u) * G + g) * NR;
-          const __m512 s = _mm512_loadu_ps(sc + at), z = _mm512_add_ps(_mm512_loadu_ps(zc + at), offset);
+          const __m512 s = _mm512_loadu_ps(sc + at), z = _mm512_add_ps(load16(zc, at), offset);
           for (int64_t m = 0; m < rows; ++m) {
             const __m512 corr = _mm512_mul_ps(z, _mm512_set1_ps(gs[(mc * 16 + m) * G + g]));
             tot[u][m] = _mm512_fmadd_ps(s, _mm512_sub_ps(_mm512_load_ps(c[u][m]), corr), tot[u][m]);
@@ -797,7 +821,7 @@ void madd_block2(const Weight& w, const QActs& a, int64_t tile0, int half, int64
   const int64_t Kp = a.Kp, G = w.ngroups, tile_bytes = (Kp / 2) * w.pair_bytes();
   const uint8_t* base0 = reinterpret_cast<const uint8_t*>(w.data.data_ptr()) + tile0 * tile_bytes;
   const float* sc = w.scales.data_ptr<float>();
-  const float* zc = w.zeros.data_ptr<float>();
+  const ZeroTable zc(w);
   __m256 tot[TB][MB];
   for (int64_t g = 0; g < G; ++g) {
     __m256i acc[TB][MB];
@@ -824,7 +848,7 @@ void madd_block2(const Weight& w, const QActs& a, int64_t tile0, int half, int64
     _Pragma("GCC unroll 16") for (int t = 0; t < TB; ++t) {
       const int64_t at = ((tile0 + t) * G + g) * NR + 8 * half;
       const __m256 s = _mm256_loadu_ps(sc + at);
-      const __m256i z = _mm256_cvtps_epi32(_mm256_loadu_ps(zc + at));  // integer zero points (- 128 for int8)
+      const __m256i z = _mm256_cvtps_epi32(zc.load8(at));  // integer zero points (- 128 for int8)
       _Pragma("GCC unroll 16") for (int i = 0; i < MB; ++i) {
         const __m256i qs = _mm256_set1_epi32(a.qsum[(m0 + i) * G + g]);
         const __m256i d = _mm256_sub_epi32(acc[t][i], _mm256_mullo_epi32(z, qs));
@@ -930,7 +954,7 @@ void block(const Weight& w, const QActs& a, int64_t tile0, int64_t m0, float* y,
   const int64_t G = w.ngroups, tile_bytes = (a.Kp / 2) * w.pair_bytes();
   const uint8_t* base0 = reinterpret_cast<const uint8_t*>(w.data.data_ptr()) + tile0 * tile_bytes;
   const float* sc = w.scales.data_ptr<float>();
-  const float* zc = w.zeros.data_ptr<float>();
+  const ZeroTable zc(w);
   // the zero point in the codes' units as read: int8 kernel zeros hold z - 128; VNNI reads int8 codes unsigned
   const __m512i shift = _mm512_set1_epi32(VNNI && KIND == I8 ? 128 : 0);
   __m512 tot[TB][MB];
@@ -943,7 +967,7 @@ void block(const Weight& w, const QActs& a, int64_t tile0, int64_t m0, float* y,
     _Pragma("GCC unroll 16") for (int t = 0; t < TB; ++t) {
       const int64_t at = ((tile0 + t) * G + g) * NR;
       const __m512 s = _mm512_loadu_ps(sc + at);
-      const __m512i z = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_loadu_ps(zc + at)), shift);
+      const __m512i z = _mm512_add_epi32(_mm512_cvtps_epi32(load16(zc, at)), shift);
       _Pragma("GCC unroll 16") for (int i = 0; i < MB; ++i) {
         const __m512i qs = _mm512_set1_epi32(a.qsum[(m0 + i) * G + g]);
         const __m512 part = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[t][i], _mm512_mullo_epi32(z, qs))), s);
@@ -2294,7 +2318,7 @@ template <typename T>
 void dequant_tiles_scalar(const Weight& w, int64_t t0, int64_t t1, int64_t tile_base, T* wt, int64_t ld) {
   const int64_t Kp = (w.K + KB - 1) / KB * KB, G = w.ngroups, tile_bytes = (Kp / 2) * w.pair_bytes();
   const float* sc = w.scales.data_ptr<float>();
-  const float* zc = w.zeros.data_ptr<float>();
+  const ZeroTable zc(w);
   for (int64_t t = t0; t < t1; ++t) {
     const uint8_t* tile = reinterpret_cast<const uint8_t*>(w.data.data_ptr()) + t * tile_bytes;
     for (int64_t k = 0; k < w.K; ++k) {
@@ -2347,12 +2371,12 @@ template <int64_t KIND, bool BF16_OUT>
 void tiles(const Weight& w, int64_t t0, int64_t t1, int64_t tile_base, void* out, int64_t ld) {
   const int64_t Kp = (w.K + KB - 1) / KB * KB, G = w.ngroups, tile_bytes = (Kp / 2) * w.pair_bytes();
   const float* sc = w.scales.data_ptr<float>();
-  const float* zc = w.zeros.data_ptr<float>();
+  const ZeroTable zc(w);
   for (int64_t t = t0; t < t1; ++t) {
     const uint8_t* tile = reinterpret_cast<const uint8_t*>(w.data.data_ptr()) + t * tile_bytes;
     const int64_t col = (t - tile_base) * NR;
     for (int64_t g = 0; g < G; ++g) {
-      const __m512 s = _mm512_loadu_ps(sc + (t * G + g) * NR), z = _mm512_loadu_ps(zc + (t * G + g) * NR);
+      const __m512 s = _mm512_loadu_ps(sc + (t * G + g) * NR), z = load16(zc, (t * G + g) * NR);
       const int64_t kb = g * w.group, ke = std::min(kb + w.group, w.K);
       for (int64_t j = kb / 2; j < (ke + 1) / 2; ++j) {
         __m512 c0, c1;
@@ -2466,9 +2490,9 @@ Weight make_weight(int64_t kind, int64_t N, int64_t K, int64_t group, bool bf16_
     TORCH_CHECK(data.numel() == expect && data.element_size() == 1, "quantized data: ", expect, " bytes expected, got ",
                 data.numel());
     w.scales = scales->to(at::kFloat).contiguous();
-    w.zeros = zeros->to(at::kFloat).contiguous();
+    w.zeros = zeros->scalar_type() == at::kChar ? zeros->contiguous() : zeros->to(at::kFloat).contiguous();
     TORCH_CHECK(w.scales.numel() == w.tiles() * w.ngroups * NR && w.zeros.numel() == w.scales.numel(),
-                "scales / zeros: [tiles, groups, 16] fp32");
+                "scales / zeros: [tiles, groups, 16] (scales fp32, zeros fp32 or int8)");
   }
   if (perm && perm->defined() && perm->numel()) {
     TORCH_CHECK(perm->numel() == K, "perm: one input column per K");

@@ -10,8 +10,8 @@ tile holds, for each of its 16 rows, input columns 2j and 2j + 1):
   i8   int8  [tiles, K_pad / 2, 16, 2] code - 128; zeros hold z - 128
   i4   uint8 [tiles, K_pad / 2, 16]    code(2j) | code(2j + 1) << 4 (2- and 3-bit codes too); zeros hold z
   fp8  uint8 [tiles, K_pad / 2, 16, 2] e4m3 bytes; scales hold scale * 256 (the kernel decodes e4m3 as fp16 bits)
-  scales, zeros: fp32 [tiles, groups, 16]; a group is ``group`` consecutive columns after ``perm`` (act-order),
-  an even number of them (or all K).
+  scales, zeros: fp32 [tiles, groups, 16] (zeros int8 where they are integers: zero_table); a group is ``group``
+  consecutive columns after ``perm`` (act-order), an even number of them (or all K).
 ``int8_activations`` (W8A8, W4A8; i8 / i4 layouts, integer zero points): each input row is quantized per token to
 int8 (quantize.grid.quantize_activations_per_token's math) and the kernels sum integer products exactly (AVX512-VNNI
 vpdpbusd, else vpmaddwd), then scale per group in QuantLinear.w8a8_reference's order: equal to it bit for bit.
@@ -209,6 +209,17 @@ def group_table(values: Tensor, n: int) -> Tensor:
     """Per-row, per-group values [N, G] -> fp32 [tiles, G, 16]."""
     padded = F.pad(values.float(), (0, 0, 0, tiles(n) * TILE - n))
     return padded.view(tiles(n), TILE, -1).transpose(1, 2).contiguous()
+
+
+def zero_table(zeros: Tensor, n: int) -> Tensor:
+    """Per-row, per-group zero points [N, G] -> [tiles, G, 16]: int8 where every one is an integer in int8's range
+    (fewer bytes for a decode step to stream; the kernels widen them to the same fp32 values), fp32 otherwise."""
+    table = group_table(zeros, n)
+    if torch.equal(table, table.round()) and (
+        table.numel() == 0 or -128 <= float(table.min()) <= float(table.max()) <= 127
+    ):
+        return table.to(torch.int8)
+    return table
 
 
 def group_untable(table: Tensor, n: int) -> Tensor:
