@@ -1,5 +1,5 @@
 """Prompt lookup first, a draft model otherwise: each row, each step, proposes what followed the latest earlier
-occurrence of its last n >= min_ngram tokens (speculate.ngram.lookup) when there is one, and asks the wrapped
+occurrence of its last n >= min_ngram tokens (speculate.ngram's prompt lookup) when there is one, and asks the wrapped
 chain speculator (a draft model) only when there is none.
 
 Why: on the 1.5B Qwen target the 0.5B draft and prompt lookup win in different places (notes/issue-37.md:
@@ -19,17 +19,16 @@ from collections.abc import Hashable
 import torch
 
 from speculate.base import Proposal, SpecState, Speculator, SpeculatorError
-from speculate.ngram import lookup
+from speculate.ngram import NgramSpeculator
 
 
 class LookupFirstSpeculator(Speculator):
     def __init__(self, inner: Speculator, min_ngram: int = 2, max_ngram: int = 4):
         if inner.proposes_trees:
             raise SpeculatorError(f"prompt lookup first wraps a chain speculator, not {inner.name}'s trees")
-        if not 1 <= min_ngram:
-            raise SpeculatorError(f"prompt lookup's match length is >= 1, got {min_ngram}")
-        self.inner, self.min_ngram, self.max_ngram = inner, min_ngram, max(max_ngram, min_ngram)
-        self.k = inner.max_tokens_per_step() - 1
+        self.inner = inner
+        # the lookup itself: up to min(k, 2**n) drafts on an n-token match, n >= min_ngram
+        self.ngram = NgramSpeculator(inner.draft_depth(), max(max_ngram, min_ngram), min_ngram, scaled=True)
         self.name = f"{inner.name}+lookup:{min_ngram}"
         self.acceptance = inner.acceptance
 
@@ -42,39 +41,29 @@ class LookupFirstSpeculator(Speculator):
     def release(self, ids: list[Hashable]) -> None:
         self.inner.release(ids)
 
-    def lookups(self, state: SpecState) -> list[list[int]]:
-        """Each row's lookup drafts (a match of n >= min_ngram tokens drafts up to min(k, 2**n)); [] for none."""
-        if state.constraints is not None and any(c is not None for c in state.constraints):
-            return [[] for _ in state.ids]
-        return [
-            lookup(torch.tensor(seq), self.k, self.max_ngram, self.min_ngram, scaled=True).tolist()
-            for seq in state.token_ids
-        ]
-
     def propose(self, state: SpecState) -> Proposal:
-        found = self.lookups(state)
-        asked = [b for b, f in enumerate(found) if not f]
-        if len(asked) == len(found):
+        if state.constraints is not None and any(c is not None for c in state.constraints):
             return self.inner.propose(state)
-        B, k = len(found), self.k
-        tokens = torch.zeros(B, k, dtype=torch.long)
-        num = torch.tensor([len(f) for f in found], dtype=torch.long)
-        for b, f in enumerate(found):
-            tokens[b, : len(f)] = torch.tensor(f, dtype=torch.long)
-        tokens, num = tokens.to(state.device), num.to(state.device)
+        found = self.ngram.propose(state)  # num_drafted 0: no match
+        lengths = found.drafted()
+        asked = [b for b, n in enumerate(lengths) if n == 0]
+        if len(asked) == len(lengths):
+            return self.inner.propose(state)
         if not asked:
-            return Proposal(tokens=tokens, num_drafted=num)
+            return found
+        tokens, num = found.tokens.clone(), found.num_drafted.clone()
         sub = self.inner.propose(state.select(asked))
         at = torch.tensor(asked, device=state.device)
         tokens[at] = sub.tokens
         num[at] = torch.tensor(sub.drafted(), dtype=torch.long, device=state.device)
         probs = None
         if sub.draft_probs is not None:  # a lookup's q is one-hot at its drafts (positions past them: never read)
-            probs = torch.zeros(B, k, sub.draft_probs.shape[-1], dtype=sub.draft_probs.dtype, device=state.device)
+            B, k, V = len(lengths), tokens.shape[1], sub.draft_probs.shape[-1]
+            probs = torch.zeros(B, k, V, dtype=sub.draft_probs.dtype, device=state.device)
             probs[at] = sub.draft_probs
-            for b, f in enumerate(found):
-                probs[b, torch.arange(len(f)), tokens[b, : len(f)]] = 1.0
+            for b, n in enumerate(lengths):
+                probs[b, torch.arange(n), tokens[b, :n]] = 1.0
         return Proposal(tokens=tokens, num_drafted=num, draft_probs=probs)
 
     def describe(self) -> dict:
-        return {**self.inner.describe(), "name": self.name, "lookup_min_ngram": self.min_ngram}
+        return {**self.inner.describe(), "name": self.name, "lookup_min_ngram": self.ngram.min_ngram}
