@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from quantize import cli
-from quantize.calibration import LayerAlgorithm, Stage, calibrate, run_layer
+from quantize.calibration import LayerAlgorithm, Stage, run_layer
 from quantize.config import QuantConfig
 from quantize.gptq import GPTQ, add_gptq_args, gptq_config
 from quantize.grid import expand_groups, fake_quantize, find_params, group_bounds
@@ -176,6 +176,19 @@ class AWQ(LayerAlgorithm):
         qw = quantize_weight(linear.weight, self.qcfg, linear.bias, name=stage.full_name)
         set_module(stage.owner, stage.path, quant_linear(qw, self.qcfg.act_quant, linear))
 
+    # A kept layer's stats hold GPTQ's entries too, wrapped as {"gptq": entry}, so --resume restores both lists.
+    def stats_mark(self):
+        return len(self.stats), len(self.gptq.stats) if self.gptq is not None else 0
+
+    def stats_since(self, mark) -> list[dict]:
+        awq, gptq = mark
+        return self.stats[awq:] + ([{"gptq": s} for s in self.gptq.stats[gptq:]] if self.gptq is not None else [])
+
+    def restore_layer(self, layer_idx, layer, stats) -> None:
+        self.stats.extend(s for s in stats if "gptq" not in s)
+        if self.gptq is not None:
+            self.gptq.restore_layer(layer_idx, layer, [s["gptq"] for s in stats if "gptq" in s])
+
     def record(self) -> dict:
         out = {"quant_method": "awq", "awq": asdict(self.acfg)}
         if self.gptq is not None:
@@ -225,6 +238,7 @@ def main(argv: list[str] | None = None) -> None:
     g.add_argument("--no-clip", action="store_true", help="skip the clipping search")
     g.add_argument("--gptq", action="store_true", help="quantize the scaled weights with GPTQ instead of RTN")
     add_gptq_args(ap)
+    cli.add_resume_arg(ap)
     args = ap.parse_args(argv)
     qcfg = cli.quant_config(ap, args)
     try:
@@ -238,14 +252,13 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(str(err))
     gptq = GPTQ(qcfg, gptq_config(ap, args), log=cli.log) if args.gptq else None
     model, tokenizer, path, source = cli.load(ap, args, qcfg)
+    store = cli.layer_store(args, "quantize.awq")  # after every argument check: a bad one leaves nothing behind
     tokens = cli.calibration_tokens(ap, args, tokenizer)
     algo = AWQ(qcfg, acfg, gptq, batch_size=args.batch_size, log=cli.log)
-    start = time.perf_counter()
-    calibrate(model, tokens, algo, args.batch_size, qcfg.lm_head, source, progress=lambda m: cli.log(f"awq {m}"))
-    seconds = time.perf_counter() - start
+    seconds = cli.run_calibration(args, model, tokens, algo, qcfg, source, store, "awq")
     qcfg.extra.update(algo.record(), calib=args.calib, nsamples=args.nsamples, seqlen=args.seqlen, seed=args.seed)
     stats = {"quantize_seconds": round(seconds, 1), "awq_layers": algo.stats, "gptq_layers": gptq.stats if gptq else []}
-    cli.finish(args, model, tokenizer, path, qcfg, "quantize.awq", stats, argv)
+    cli.finish(args, model, tokenizer, path, qcfg, "quantize.awq", stats, argv, store=store)
 
 
 if __name__ == "__main__":

@@ -94,6 +94,14 @@ class LayerAlgorithm:
     def quantize_stage(self, stage: Stage) -> None:
         """Replace stage.linear in stage.owner (quantize.qlinear.set_module), typically using stage.inputs."""
 
+    def stats_mark(self):
+        """Where this algorithm's per-layer stats stand before a layer (stats_since takes the layer's share)."""
+        return len(getattr(self, "stats", []))
+
+    def stats_since(self, mark) -> list[dict]:
+        """The stats recorded since stats_mark(): what LayerStore keeps with a finished layer."""
+        return getattr(self, "stats", [])[mark:]
+
     def restore_layer(self, layer_idx: int, layer: DecoderLayer, stats: list[dict]) -> None:
         """A layer kept by an interrupted run (LayerStore) was restored instead of quantized: take its stats."""
         if isinstance(getattr(self, "stats", None), list):
@@ -183,11 +191,11 @@ def calibrate(
             if progress is not None:
                 progress(f"layer {i + 1}/{n_layers} restored from {store.dir}")
             continue
-        n_stats = len(getattr(algorithm, "stats", []))
+        mark = algorithm.stats_mark()
         algorithm.prepare_layer(i, layer, xs, rope)
         xs = run_layer(layer, xs, rope, algorithm.quantize_stage, layer_idx=i)
         if store is not None:
-            store.save(i, layer, getattr(algorithm, "stats", [])[n_stats:])
+            store.save(i, layer, algorithm.stats_since(mark))
         worked += time.perf_counter() - t_layer
         quantized += 1
         if progress is not None:

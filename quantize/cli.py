@@ -416,6 +416,16 @@ class CachedTokenizer:
         return len(self.tokenizer)
 
 
+def add_resume_arg(ap: argparse.ArgumentParser) -> None:
+    """--resume for a calibration quantizer that keeps finished layers (layer_store)."""
+    ap.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue an interrupted run with the same arguments: its finished layers (kept in OUT.layers.partial) "
+        "are restored, not recomputed; the result equals an uninterrupted run's",
+    )
+
+
 NOT_SETTINGS = ("resume", "eval", "eval_windows", "record", "out", "layer_by_layer", "batch_size")
 
 
@@ -432,6 +442,28 @@ def layer_store(args, module: str):
         kept = store.kept_layers()
         log(f"--resume: {kept} finished layers kept in {store.dir}" if kept else "--resume: none kept; starting")
     return store
+
+
+def run_calibration(args, model, tokens, algorithm, qcfg, source, store, name: str) -> float:
+    """The layer-by-layer pass of a calibration quantizer (GPTQ, AWQ) with its finished layers kept in store;
+    Ctrl-C ends it with one line saying what was kept. Returns the pass's seconds."""
+    from quantize.calibration import calibrate
+
+    start = time.perf_counter()
+    try:
+        calibrate(
+            model,
+            tokens,
+            algorithm,
+            args.batch_size,
+            qcfg.lm_head,
+            source,
+            progress=lambda m: log(f"{name} {m}"),
+            store=store,
+        )
+    except KeyboardInterrupt:
+        interrupted_calibration(store, len(model.layers))
+    return time.perf_counter() - start
 
 
 def interrupted_calibration(store, n_layers: int) -> None:

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from quantize import cli
-from quantize.calibration import LayerAlgorithm, Stage, calibrate
+from quantize.calibration import LayerAlgorithm, Stage
 from quantize.config import QuantConfig
 from quantize.grid import find_params, group_params, quantize_codes
 from quantize.qlinear import QuantizedWeight, QuantLinear, quant_linear, set_module
@@ -351,12 +351,7 @@ def main(argv: list[str] | None = None) -> None:
 
     ap = cli.parser("quantize.gptq", __doc__)
     add_gptq_args(ap)
-    ap.add_argument(
-        "--resume",
-        action="store_true",
-        help="continue an interrupted run with the same arguments: its finished layers (kept in OUT.layers.partial) "
-        "are restored, not recomputed; the result equals an uninterrupted run's",
-    )
+    cli.add_resume_arg(ap)
     args = ap.parse_args(argv)
     qcfg = cli.quant_config(ap, args)
     gcfg = gptq_config(ap, args)
@@ -364,21 +359,7 @@ def main(argv: list[str] | None = None) -> None:
     store = cli.layer_store(args, "quantize.gptq")  # after every argument check: a bad one leaves nothing behind
     tokens = cli.calibration_tokens(ap, args, tokenizer)
     algo = GPTQ(qcfg, gcfg, log=cli.log)
-    start = time.perf_counter()
-    try:
-        calibrate(
-            model,
-            tokens,
-            algo,
-            args.batch_size,
-            qcfg.lm_head,
-            source,
-            progress=lambda m: cli.log(f"gptq {m}"),
-            store=store,
-        )
-    except KeyboardInterrupt:
-        cli.interrupted_calibration(store, len(model.layers))
-    seconds = time.perf_counter() - start
+    seconds = cli.run_calibration(args, model, tokens, algo, qcfg, source, store, "gptq")
     qcfg.extra.update(algo.record(), calib=args.calib, nsamples=args.nsamples, seqlen=args.seqlen, seed=args.seed)
     stats = {"quantize_seconds": round(seconds, 1), "layers": algo.stats}
     cli.finish(args, model, tokenizer, path, qcfg, "quantize.gptq", stats, argv, store=store)

@@ -218,7 +218,7 @@ import sys, time, zlib
 from types import SimpleNamespace
 import torch
 import runtime.data, runtime.loader, evals.quality.perplexity
-from quantize import gptq, rtn
+from quantize import awq, gptq, rtn
 from quantize.cli import EXPECTED_ERRORS
 from runtime import cliutil
 
@@ -253,7 +253,13 @@ if mode == "slow-save":  # the interrupt lands while the safetensors file is bei
         print("[test] safetensors written", file=sys.stderr, flush=True)
         time.sleep(60)
     safetensors.torch.save_file = slow_save
-main = gptq.main if mode.endswith("gptq") else rtn.main
+if mode == "slow-awq":
+    prepare_layer = awq.AWQ.prepare_layer
+    def slow_awq(self, *args):
+        prepare_layer(self, *args)
+        time.sleep(0.15)
+    awq.AWQ.prepare_layer = slow_awq
+main = {"gptq": gptq.main, "awq": awq.main}.get(mode.split("-")[-1], rtn.main)
 cliutil.run(main, argv, expected=EXPECTED_ERRORS)
 """
 
@@ -298,15 +304,24 @@ def tensors(path: Path) -> dict[str, torch.Tensor]:
     return load_file(path / "model.safetensors")
 
 
-def test_gptq_ctrl_c_keeps_layers_and_resume_equals_uninterrupted(tmp_path):
+CALIBRATED_RUNS = {
+    "gptq": ["--act-order"],
+    "awq": ["--search-windows", "2", "--grid", "4"],
+    "awq+gptq": ["--gptq", "--search-windows", "2", "--grid", "4"],  # the GPTQ stats inside AWQ's kept layers
+}
+
+
+@pytest.mark.parametrize("method", list(CALIBRATED_RUNS))
+def test_ctrl_c_keeps_layers_and_resume_equals_uninterrupted(tmp_path, method):
+    tool = method.split("+")[0]
     ckpt = save_checkpoint(random_model(SIX_LAYERS, seed=0), tmp_path / "ckpt")
-    common = ["--model", str(ckpt), "--bits", "4", "--group-size", "32", "--act-order"]
+    common = ["--model", str(ckpt), "--bits", "4", "--group-size", "32", *CALIBRATED_RUNS[method]]
     common += ["--nsamples", "4", "--seqlen", "32", "--batch-size", "2"]
-    ref = start(tmp_path, "gptq", [*common, "--out", str(tmp_path / "ref")])
+    ref = start(tmp_path, tool, [*common, "--out", str(tmp_path / "ref"), "--record", str(tmp_path / "ref.json")])
     assert ref.wait(timeout=300) == 0, ref.stderr.read()
 
     out = tmp_path / "q"
-    seconds, err = interrupt_when(start(tmp_path, "slow-gptq", [*common, "--out", str(out)]), "layer 2/6 done")
+    seconds, err = interrupt_when(start(tmp_path, f"slow-{tool}", [*common, "--out", str(out)]), "layer 2/6 done")
     assert seconds < 5, err
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
     last = err.strip().splitlines()[-1]
@@ -315,7 +330,7 @@ def test_gptq_ctrl_c_keeps_layers_and_resume_equals_uninterrupted(tmp_path):
     kept = sorted((tmp_path / "q.layers.partial").glob("layer_*.pt"))
     assert 2 <= len(kept) < 6, err
 
-    resumed = start(tmp_path, "gptq", [*common, "--out", str(out), "--resume"])
+    resumed = start(tmp_path, tool, [*common, "--out", str(out), "--resume", "--record", str(tmp_path / "q.json")])
     _, err = resumed.communicate(timeout=300)
     assert resumed.returncode == 0, err
     assert f"--resume: {len(kept)} finished layers kept" in err
@@ -325,6 +340,13 @@ def test_gptq_ctrl_c_keeps_layers_and_resume_equals_uninterrupted(tmp_path):
     assert a.keys() == b.keys()
     for name in a:
         assert torch.equal(a[name], b[name]), name
+    ref_stats, resumed_stats = (json.loads((tmp_path / f).read_text())["stats"] for f in ("ref.json", "q.json"))
+    for key in set(ref_stats) - {"quantize_seconds"}:  # every layer's stats, restored ones included
+        assert [drop_seconds(s) for s in ref_stats[key]] == [drop_seconds(s) for s in resumed_stats[key]], key
+
+
+def drop_seconds(entry: dict) -> dict:
+    return {k: v for k, v in entry.items() if k != "seconds"}
 
 
 def test_resume_with_other_settings_is_refused(tmp_path):

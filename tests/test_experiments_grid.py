@@ -158,6 +158,37 @@ def test_failed_build_leaves_nothing(tmp_path, tiny_model):
     assert builds(tmp_path) == []
 
 
+def test_an_interrupted_calibration_build_resumes_to_the_same_checkpoint(tmp_path, tiny_model, monkeypatch):
+    from quantize import gptq
+
+    recipe = {"method": "gptq", "bits": 4, "group_size": 32, "args": ["--nsamples", "4", "--seqlen", "32"]}
+    artifact = quantized_artifact(str(tiny_model), recipe)
+    reference, built = ensure_built(artifact, tmp_path / "fresh")
+    assert built
+
+    # the same build stopped by Ctrl-C in layer 1: layer 0 stays in OUT.layers.partial beside the partial output
+    store = tmp_path / "stopped"
+    partial = artifact.path(store).with_name(artifact.path(store).name + ".building")
+    quantize_stage = gptq.GPTQ.quantize_stage
+
+    def stop_in_layer_1(self, stage):
+        if stage.layer_idx == 1:
+            raise KeyboardInterrupt
+        quantize_stage(self, stage)
+
+    monkeypatch.setattr(gptq.GPTQ, "quantize_stage", stop_in_layer_1)
+    with pytest.raises(SystemExit):
+        gptq.main(["--model", str(tiny_model), *artifact.args, "--out", str(partial)])
+    monkeypatch.setattr(gptq.GPTQ, "quantize_stage", quantize_stage)
+    assert not partial.exists() and len(list(store.glob("quantized/*.layers.partial/layer_*.pt"))) == 1
+
+    logged = []
+    path, built = ensure_built(artifact, store, log=logged.append)
+    assert built and any("kept 1 finished layers; resuming" in m for m in logged), logged
+    assert list(store.glob("quantized/*.layers.partial")) == []  # the finished checkpoint replaces the kept layers
+    assert (path / "model.safetensors").read_bytes() == (reference / "model.safetensors").read_bytes()
+
+
 GRID_RECORDS = ROOT / "notes" / "issue-31" / "quant_grid_small_records.jsonl"
 
 
