@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from quantize.calibration import LayerStore, ShardedCheckpoint
+from quantize.calibration import LayerStore, ShardedCheckpoint, calibrate
 from quantize.config import DECODER_LINEARS, QuantConfig, QuantConfigError
 from quantize.formats import (
     CT_LAYOUT,
@@ -447,8 +447,6 @@ def layer_store(args, module: str):
 def run_calibration(args, model, tokens, algorithm, qcfg, source, store, name: str) -> float:
     """The layer-by-layer pass of a calibration quantizer (GPTQ, AWQ) with its finished layers kept in store;
     Ctrl-C ends it with one line saying what was kept. Returns the pass's seconds."""
-    from quantize.calibration import calibrate
-
     start = time.perf_counter()
     try:
         calibrate(
