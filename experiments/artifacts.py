@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from quantize.calibration import kept_layer_count, layer_store_dir
 from runtime.loader import resolve
 from runtime.paths import write_atomic
 from runtime.provenance import provenance
@@ -80,15 +81,6 @@ class Artifact:
         return [sys.executable, "-m", self.module, "--model", self.model, *self.args, "--out", str(out)]
 
 
-def kept_layers(partial: Path) -> int:
-    """Finished layers an interrupted calibration build left beside its output (quantize.calibration.LayerStore:
-    OUT.layers.partial, only written by quantizers that take --resume); 0 when none."""
-    store = partial.with_name(partial.name + ".layers.partial")
-    if not (store / "settings.json").is_file():
-        return 0
-    return len(list(store.glob("layer_*.pt")))
-
-
 def is_built(path: Path) -> bool:
     return (path / MARKER).is_file()
 
@@ -113,7 +105,7 @@ def ensure_built(artifact: Artifact, store: Path, log=None) -> tuple[Path, bool]
         for leftover in (partial, path):  # an interrupted build's; nobody else writes here while the lock is held
             shutil.rmtree(leftover, ignore_errors=True)
         command = artifact.command(partial)
-        kept = kept_layers(partial)
+        kept = kept_layer_count(layer_store_dir(partial))  # only quantizers that take --resume keep layers
         if kept:  # a calibration quantizer (GPTQ, AWQ) was stopped: its finished layers resume, same result
             command.append("--resume")
             log(f"{path.name}: an interrupted build kept {kept} finished layers; resuming from them")

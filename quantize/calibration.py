@@ -211,6 +211,25 @@ def calibrate(
     return model
 
 
+def layer_store_dir(out: str | Path) -> Path:
+    """Where a calibration run writing ``out`` keeps its finished layers: ``OUT.layers.partial``."""
+    out = Path(out)
+    return out.with_name(out.name + ".layers.partial")
+
+
+def layer_file(directory: Path, i: int) -> Path:
+    return directory / f"layer_{i:04d}.pt"
+
+
+def kept_layer_count(directory: Path) -> int:
+    """How many consecutive layers from 0 a LayerStore directory holds (0 when it does not exist): what --resume
+    restores, since layer i's inputs need layers 0..i-1."""
+    n = 0
+    while layer_file(directory, n).is_file():
+        n += 1
+    return n
+
+
 class LayerStore:
     """Finished decoder layers of a calibration pass, one file per layer in a directory, so that an
     interrupted run resumes from the first unfinished layer with the same result as an uninterrupted one.
@@ -239,14 +258,11 @@ class LayerStore:
         meta.write_text(json.dumps(settings, indent=2, sort_keys=True))
 
     def path(self, i: int) -> Path:
-        return self.dir / f"layer_{i:04d}.pt"
+        return layer_file(self.dir, i)
 
     def kept_layers(self) -> int:
         """How many consecutive layers from 0 are kept."""
-        n = 0
-        while self.path(n).is_file():
-            n += 1
-        return n
+        return kept_layer_count(self.dir)
 
     def load(self, i: int) -> dict | None:
         if i >= self.kept_layers():  # only a prefix resumes: layer i's inputs need layers 0..i-1

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from quantize.calibration import LayerStore, ShardedCheckpoint, calibrate
+from quantize.calibration import LayerStore, ShardedCheckpoint, calibrate, layer_store_dir
 from quantize.config import DECODER_LINEARS, QuantConfig, QuantConfigError
 from quantize.formats import (
     CT_LAYOUT,
@@ -436,8 +436,7 @@ def layer_store(args, module: str):
     if not args.out:
         return None
     settings = {"module": module, **{k: v for k, v in vars(args).items() if k not in NOT_SETTINGS}}
-    out = Path(args.out)
-    store = LayerStore(out.with_name(out.name + ".layers.partial"), settings, resume=args.resume)
+    store = LayerStore(layer_store_dir(args.out), settings, resume=args.resume)
     if args.resume:
         kept = store.kept_layers()
         log(f"--resume: {kept} finished layers kept in {store.dir}" if kept else "--resume: none kept; starting")
