@@ -228,8 +228,10 @@ def humaneval_legend(cfg) -> str:
     return (
         f" HumanEval pass@1: {which} (evals.quality.humaneval), greedy, at most {he.max_new_tokens} new tokens, each "
         "program run in a sandbox; [95% Wilson interval] (passed/problems), Δ vs the reference row on the same "
-        "problems (a Δ inside the intervals is noise at this size). Rows that change how the model decodes, not the "
-        "model, are not rerun: a lossless one whose greedy output matched the reference's carries its pass@1."
+        "problems (a Δ inside the intervals is noise at this size). Quantized rows decode with their fast kernels in "
+        "bf16 (what a user deploys; their perplexity and fidelity score the weights dequantized once). Rows that "
+        "change how the model decodes, not the model, are not rerun: a lossless one whose greedy output matched the "
+        "reference's carries its pass@1."
     )
 
 

@@ -104,6 +104,9 @@ class Variant:
     # set where the row's model is one checkpoint-backed model that plain decoding runs (its own HumanEval pass@1);
     # None: the row changes how the reference decodes (engine, cache, speculation), not the model
     source: ModelSource | None = None
+    # the model HumanEval decodes, where it is not `model`: a quantized row scores perplexity and fidelity on its
+    # weights dequantized once (the quantization alone) but takes pass@1 from the fast kernels a user deploys
+    humaneval_model: object = None
     speculator: object = None  # a speculator row's speculator (its verdict is a distribution test, not its logits)
 
 
@@ -337,7 +340,7 @@ def quantized_row(ctx, params: dict) -> Variant:
     device = ctx.cfg.model.device
     # quality columns: the exact fp32 reference math on weights dequantized once (the `dense` path), the rest of the
     # model (embeddings, norms, head, activations between layers) in the reference's dtype, so they measure the
-    # quantization alone
+    # quantization alone (HumanEval instead decodes the fast copy below: pass@1 of what a user deploys)
     m, _, _ = load_model(str(out), dtype=DTYPES[ctx.cfg.model.dtype], device=device)
     for layer in m.modules():
         if isinstance(layer, (QuantLinear, FPLinear)):
@@ -351,8 +354,10 @@ def quantized_row(ctx, params: dict) -> Variant:
         elif isinstance(layer, FPLinear):
             layer.auto = True  # scaled_mm on an FP8 GPU, else dequantize each forward
     bf16_base = bf16_model(ctx)
-    source = model_source(ctx, out, recipe="dense")
+    # HumanEval decodes `fast`, exactly what `evals.quality.humaneval --model OUT --dtype bf16` loads (its cache too)
+    source = model_source(ctx, out, dtype="bf16")
     variant = model_variant(ctx, m, source, checkpoint=str(out), build_command=" ".join(artifact.command(out)[1:]))
+    variant.humaneval_model = fast
     variant.timed = plain_generate(fast)
     variant.baseline_timed = plain_generate(bf16_base)
     variant.baseline_name = "the unquantized model in bf16 (mixed); both sides bf16 activations, batch 1"
@@ -363,9 +368,10 @@ def quantized_row(ctx, params: dict) -> Variant:
 def float_quant_row(ctx, params: dict) -> Variant:
     """FP8 (e4m3, per-channel or per-block, optionally W8A8) and emulated FP4 (mxfp4 / nvfp4) weights from
     quantize.fp8, quantized in memory (round to nearest, no calibration, nothing to cache). Quality columns: the
-    exact fp32 math on weights dequantized once (FPLinear's dense path). Speed column: the layers' own path in
-    bf16 (torch._scaled_mm for W8A8 on an FP8 GPU; elsewhere dequantize each forward, since this CPU has no FP8
-    or FP4 matmul) against the unquantized model in bf16. FP4 is emulated: its speed is not FP4's."""
+    exact fp32 math on weights dequantized once (FPLinear's dense path); HumanEval decodes the fast copy. Speed
+    column: the layers' own path in bf16 (torch._scaled_mm for W8A8 on an FP8 GPU; elsewhere dequantize each
+    forward, since this CPU has no FP8 or FP4 matmul) against the unquantized model in bf16. FP4 is emulated: its
+    speed is not FP4's."""
     fmt = params.get("format", "e4m3")
     try:
         cfg = float_config(fmt, int(params.get("block_size", 0)), bool(params.get("w8a8", False)))
@@ -380,9 +386,10 @@ def float_quant_row(ctx, params: dict) -> Variant:
         if isinstance(layer, FPLinear):
             layer.auto = True  # picks scaled_mm / dequant at the first forward on its device
     bf16_base = bf16_model(ctx)
-    recipe = f"{ctx.cfg.model.dtype} load, quantize.fp8 {json.dumps(cfg.to_dict(), sort_keys=True)}, dense"
+    recipe = f"{ctx.cfg.model.dtype} load, quantize.fp8 {json.dumps(cfg.to_dict(), sort_keys=True)}, bf16 mixed, auto"
     source = model_source(ctx, recipe=recipe)
     variant = model_variant(ctx, m, source, quant_config=cfg.to_dict(), emulated=fmt != "e4m3")
+    variant.humaneval_model = fast  # pass@1 of the kernels a user runs; perplexity and fidelity of the dense copy
     variant.timed = plain_generate(fast)
     variant.baseline_timed = plain_generate(bf16_base)
     variant.baseline_name = "the unquantized model in bf16 (mixed); both sides bf16 activations, batch 1"

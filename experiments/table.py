@@ -231,9 +231,8 @@ def humaneval(ctx: Context, row: Row, variant: Variant, res: dict) -> dict:
         checkpoint += "-" + hashlib.sha256(src.recipe.encode()).hexdigest()[:8]
     cache = Cache.for_run(checkpoint, settings, limits)
     log(f"row {row.name}: HumanEval pass@1 on {len(problems)} problems ({cache.root})")
-    ev = evaluate(
-        problems, cache, lambda: (variant.model, ctx.tokenizer), settings, limits, log=lambda m: log(f"  {m}")
-    )
+    model = variant.model if variant.humaneval_model is None else variant.humaneval_model
+    ev = evaluate(problems, cache, lambda: (model, ctx.tokenizer), settings, limits, log=lambda m: log(f"  {m}"))
     log(f"row {row.name}: HumanEval {score_line(ev.passed, len(ev.results))}")
     return {
         **ev.summary(),

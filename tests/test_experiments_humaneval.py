@@ -11,12 +11,14 @@ import torch
 import yaml
 
 from evals.quality import humaneval_eval
+from evals.quality.humaneval_eval import checkpoint_identity
 from evals.quality.humaneval_problems import load_problems, wilson_interval
 from evals.speculation.specbench_suite import build_method, parse_method
 from experiments.config import ConfigError, load_config
 from experiments.records import read_jsonl
 from experiments.rows import ROWS, plan_row
 from experiments.run import main
+from quantize.qlinear import QuantLinear
 from runtime.decoding import generate
 from runtime.loader import is_checkpoint_dir, load_model
 from runtime.paths import qspec_home
@@ -116,10 +118,11 @@ def test_humaneval_rows_record_pass_at_1_and_the_table_shows_it(tmp_path, tiny_c
     reference's figure, an approximate row that is not a checkpoint is not measured."""
     problems = load_problems()[:2]
     answers = {problems[0].task_id: problems[0].canonical_solution, problems[1].task_id: "    return []\n"}
-    models = []
+    models, paths = [], []
 
     def completions(model, tokenizer, todo, settings):
         models.append(model.compute_dtype)
+        paths.append({x.path for x in model.modules() if isinstance(x, QuantLinear)})
         for p in todo:
             yield p, answers[p.task_id], "stop"
 
@@ -148,7 +151,11 @@ def test_humaneval_rows_record_pass_at_1_and_the_table_shows_it(tmp_path, tiny_c
         assert he["results"] == {problems[0].task_id: "passed", problems[1].task_id: "failed"}
         assert he["generated"] == 2 and he["executed"] == 2
     assert models == [torch.bfloat16, torch.float32, torch.bfloat16]
-    assert records["RTN4"]["humaneval"]["recipe"] == "dense" and records["fp32"]["humaneval"]["recipe"] == ""
+    # the RTN row's pass@1 is its fast kernels' (the checkpoint as evals.quality.humaneval loads it: one cache),
+    # while its perplexity scores the dense copy
+    assert records["RTN4"]["humaneval"]["recipe"] == "" and records["fp32"]["humaneval"]["recipe"] == ""
+    assert "dense" not in paths[2] and paths[2] and not paths[0]
+    assert records["RTN4"]["humaneval"]["checkpoint"] == checkpoint_identity(Path(records["RTN4"]["checkpoint"]))
     assert records["KV cache"]["humaneval"]["same_as_reference"] is True
     assert "not_measured" in records["KV int8"]["humaneval"]
 
