@@ -12,17 +12,24 @@ The plug-in contract: ``module:attr`` is a class built as ``Cls(**options)`` or 
 returns an object with a ``name`` (str) and ``quantize_model(model, cfg) -> model``. Subclassing ``WeightQuantizer``
 supplies ``quantize_model``: define ``quantize_weight(weight [out, in], cfg, name) -> QuantizedWeight`` (integer
 codes, scales, zeros on cfg's grid) and every QuantLinear path, checkpoint format and loader works unchanged.
-``check_method`` checks all of that without a model, so a CLI refuses a bad plug-in in one line before it loads.
+A method that learns from data subclasses ``CalibratedQuantizer`` instead and defines ``quantize_weight(weight, cfg,
+name, inputs)``: qspec runs its layer-by-layer calibration pass (quantize.calibration, the one GPTQ and AWQ use:
+layers read one at a time with --layer-by-layer, finished layers kept for --resume, the lm_head last) and hands each
+linear the inputs it sees with every layer before it already quantized. ``check_method`` checks all of that without
+a model, so a CLI refuses a bad plug-in in one line before it loads.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor, nn
 
+from quantize.calibration import LayerAlgorithm, Stage, calibrate
 from quantize.config import QuantConfig, QuantConfigError
 from quantize.qembedding import tie_quantized_embedding
 from quantize.qlinear import QuantizedWeight, quant_linear, set_module
@@ -93,6 +100,54 @@ class Int8(RTN):
         return dataclasses.replace(cfg, bits=8, group_size=-1, sym=True, extra=dict(cfg.extra))
 
 
+class CalibratedQuantizer(WeightQuantizer):
+    """Base of quantizers that learn from calibration data, one linear at a time, inside qspec's calibration pass."""
+
+    name = "calibrated"
+    calibrated = True  # quantize.plugin then takes --calib / --nsamples / --seqlen / --layer-by-layer / --resume
+
+    def quantize_weight(self, weight: Tensor, cfg: QuantConfig, name: str, inputs: list[Tensor]) -> QuantizedWeight:
+        """weight [out, in] float and the linear's calibration inputs (per batch of windows [B, T, in], fp32, the
+        layers before it already quantized) -> codes [out, in] in [0, 2**bits), scales / zeros [out, n_groups]."""
+        raise NotImplementedError
+
+    def quantize_model(
+        self, model: nn.Module, cfg: QuantConfig, tokens: Tensor | None = None, batch_size: int = 8
+    ) -> nn.Module:
+        """Quantize in place over calibration tokens [N, T] (what quantize.plugin does, without a checkpoint)."""
+        if tokens is None:
+            raise QuantizerError(
+                f"quantizer {self.name!r} needs calibration tokens: run `python -m {PLUGIN_MODULE} --method ...`, "
+                "or pass tokens [N, T] to quantize_model"
+            )
+        return calibrate(model, tokens, CalibrationStages(self, cfg), batch_size, cfg.lm_head)
+
+
+class CalibrationStages(LayerAlgorithm):
+    """A CalibratedQuantizer in the calibration pass: each targeted linear -> a QuantLinear from its weight and
+    inputs; per layer the seconds and the relative output error on the first batch of inputs (a figure every
+    method shares, to compare them: sum (x W^T - x Wq^T)^2 / sum (x W^T)^2)."""
+
+    def __init__(self, quantizer: CalibratedQuantizer, cfg: QuantConfig):
+        self.quantizer, self.cfg, self.stats = quantizer, cfg, []
+
+    @torch.no_grad()
+    def quantize_stage(self, stage: Stage) -> None:
+        if not self.cfg.quantizes(stage.name):
+            return
+        linear, started = stage.linear, time.perf_counter()
+        weight = linear.weight.detach()
+        qw = self.quantizer.quantize_weight(weight, self.cfg, stage.full_name, stage.inputs)
+        if linear.bias is not None:
+            qw = dataclasses.replace(qw, bias=linear.bias.detach().float())
+        seconds = time.perf_counter() - started
+        x = stage.inputs[0].reshape(-1, weight.shape[1]).float()
+        exact = x @ weight.float().T
+        error = (exact - x @ qw.dequantize(torch.float32).T).square().sum() / exact.square().sum().clamp(min=1e-30)
+        self.stats.append({"layer": stage.full_name, "seconds": round(seconds, 3), "output_rel_error": float(error)})
+        set_module(stage.owner, stage.path, quant_linear(qw, self.cfg.act_quant, linear))
+
+
 @dataclass(frozen=True)
 class Entry:
     """A quantizer: the CLI module that builds its checkpoints, and, if it runs in memory, its factory."""
@@ -134,10 +189,15 @@ def quantizer_names() -> list[str]:
     return [*REGISTRY, *(name for name in entry_points() if name not in REGISTRY)]
 
 
-def inherited(obj, member: str) -> bool:
-    """Whether obj's member is WeightQuantizer's own (not defined by the plug-in)."""
+def inherited(obj, member: str, base: type = WeightQuantizer) -> bool:
+    """Whether obj's member is base's own (not defined by the plug-in)."""
     own = getattr(obj, member, None)
-    return getattr(own, "__func__", own) is getattr(WeightQuantizer, member)
+    return getattr(own, "__func__", own) is getattr(base, member)
+
+
+def calibrated(obj) -> bool:
+    """Whether a quantizer (class, instance or factory) takes calibration data: CalibratedQuantizer's contract."""
+    return getattr(obj, "calibrated", False) is True
 
 
 def missing_members(obj) -> list[str]:
@@ -145,7 +205,10 @@ def missing_members(obj) -> list[str]:
     missing = []
     if not isinstance(getattr(obj, "name", None), str):
         missing.append("name (a str)")
-    if not callable(getattr(obj, "quantize_model", None)):
+    if calibrated(obj):
+        if inherited(obj, "quantize_weight", CalibratedQuantizer):
+            missing.append("quantize_weight(weight, cfg, name, inputs)")
+    elif not callable(getattr(obj, "quantize_model", None)):
         missing.append("quantize_model(model, cfg)")
     elif inherited(obj, "quantize_model") and inherited(obj, "quantize_weight"):
         missing.append("quantize_weight(weight, cfg, name)")
@@ -171,7 +234,8 @@ def resolve(name: str, text: str | None = None) -> Entry:
         )
     if not callable(obj):
         raise QuantizerError(f"plug-in {name!r}: {obj!r} is neither a quantizer class nor a factory function")
-    return Entry(PLUGIN_MODULE, obj, plugins.builder_options(obj, 0, name, QuantizerError, "(**options)"))
+    options = plugins.builder_options(obj, 0, name, QuantizerError, "(**options)")
+    return Entry(PLUGIN_MODULE, obj, options, calibrated=calibrated(obj))
 
 
 @dataclass(frozen=True)

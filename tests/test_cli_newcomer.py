@@ -218,7 +218,7 @@ import sys, time, zlib
 from types import SimpleNamespace
 import torch
 import runtime.data, runtime.loader, evals.quality.perplexity
-from quantize import awq, gptq, rtn
+from quantize import awq, gptq, plugin, registry, rtn
 from quantize.cli import EXPECTED_ERRORS
 from runtime import cliutil
 
@@ -259,7 +259,15 @@ if mode == "slow-awq":
         prepare_layer(self, *args)
         time.sleep(0.15)
     awq.AWQ.prepare_layer = slow_awq
-main = {"gptq": gptq.main, "awq": awq.main}.get(mode.split("-")[-1], rtn.main)
+if mode.endswith("plugin"):  # the worked example's calibrated quantizer, from its own package
+    sys.path.insert(0, "examples")
+if mode == "slow-plugin":
+    plugin_stage = registry.CalibrationStages.quantize_stage
+    def slow_plugin(self, stage):
+        plugin_stage(self, stage)
+        time.sleep(0.05)
+    registry.CalibrationStages.quantize_stage = slow_plugin
+main = {"gptq": gptq.main, "awq": awq.main, "plugin": plugin.main}.get(mode.split("-")[-1], rtn.main)
 cliutil.run(main, argv, expected=EXPECTED_ERRORS)
 """
 
@@ -308,6 +316,7 @@ CALIBRATED_RUNS = {
     "gptq": ["--act-order"],
     "awq": ["--search-windows", "2", "--grid", "4"],
     "awq+gptq": ["--gptq", "--search-windows", "2", "--grid", "4"],  # the GPTQ stats inside AWQ's kept layers
+    "plugin": ["--method", "qspec_plugin_example.clipsearch:ClipSearch:steps=4"],  # a calibrated plug-in
 }
 
 

@@ -24,6 +24,7 @@ from tests.tiny_models import TINY_CONFIGS
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 LOOKUP = "qspec_plugin_example.lookup:PromptLookup"
 ABSMAX = "qspec_plugin_example.absmax:Absmax"
+CLIP = "qspec_plugin_example.clipsearch:ClipSearch"
 SMOKE = BuildContext(smoke=True)
 
 
@@ -143,6 +144,115 @@ def test_experiments_quantized_row_builds_a_plugin_checkpoint_with_quantize_plug
     assert quantized_artifact(str(tiny_checkpoint), {"method": "rtn", "group_size": 32}).module == "quantize.rtn"
     with pytest.raises(ValueError, match="unknown quantizer"):
         quantized_artifact(str(tiny_checkpoint), {"method": "nosuch"})
+
+
+def clip_search_oracle(w: torch.Tensor, x: torch.Tensor, bits: int, group: int, ratios: list[float]) -> torch.Tensor:
+    """The clip search written directly, one (row, group) at a time: the asymmetric grid of the group's shrunk
+    range whose dequantized weights give the smallest sum of squared output errors over the tokens x [n, in]."""
+    top = 2**bits - 1
+    out = torch.empty_like(w)
+    for r in range(w.shape[0]):
+        for g in range(0, w.shape[1], group):
+            block, xs = w[r, g : g + group], x[:, g : g + group]
+            best, best_err = None, float("inf")
+            for ratio in ratios:
+                hi, lo = max(float(block.max()), 0.0) * ratio, min(float(block.min()), 0.0) * ratio
+                scale = torch.tensor(max((hi - lo) / top, 1e-8)).half().float()
+                zero = torch.clamp(torch.round(-lo / scale), 0, top)
+                deq = (torch.clamp(torch.round(block / scale + zero), 0, top) - zero) * scale
+                err = float((xs @ (block - deq)).square().sum())
+                if err < best_err:
+                    best, best_err = deq, err
+            out[r, g : g + group] = best
+    return out
+
+
+def test_calibrated_plugin_sees_each_linears_inputs_and_its_search_matches_the_oracle(tiny_checkpoint, monkeypatch):
+    """qspec's calibration pass hands a CalibratedQuantizer each linear's inputs with every earlier linear already
+    quantized: exactly what that linear receives in the finished quantized model (captured here by hooks). The
+    example's clip search equals a direct per-group search on those inputs."""
+    from qspec_plugin_example.clipsearch import ClipSearch
+
+    from runtime.loader import load_model
+
+    seen: dict[str, torch.Tensor] = {}
+    search = ClipSearch.quantize_weight
+
+    def recording(self, weight, cfg, name, inputs):
+        seen[name] = torch.cat([b.reshape(-1, weight.shape[1]) for b in inputs])
+        return search(self, weight, cfg, name, inputs)
+
+    monkeypatch.setattr(ClipSearch, "quantize_weight", recording)
+    model, _, _ = load_model(str(tiny_checkpoint))
+    float_weight = model.layers[1].mlp.down_proj.weight.detach().float().clone()
+    tokens = torch.randint(0, 1000, (4, 24), generator=torch.Generator().manual_seed(0))
+    quantizer = qreg.build(f"{CLIP}:steps=5")
+    cfg = qreg.QuantConfig(bits=3, group_size=32)
+    with pytest.raises(qreg.QuantizerError, match="needs calibration tokens"):
+        quantizer.quantize_model(model, cfg)
+    quantizer.quantize_model(model, cfg, tokens, batch_size=2)
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+    assert sorted(layers) == sorted(seen) and len(layers) == 8
+    captured: dict[str, torch.Tensor] = {}
+
+    def capture(module, args, name):
+        captured[name] = args[0].reshape(-1, module.in_features)
+
+    for name, layer in layers.items():
+        layer.set_path("reference")
+        layer.register_forward_pre_hook(lambda m, args, name=name: capture(m, args, name))
+    with torch.no_grad():
+        model(tokens)
+    for name in layers:
+        torch.testing.assert_close(seen[name], captured[name], rtol=1e-5, atol=1e-5)
+    name = "layers.1.mlp.down_proj"  # the last linear: its inputs went through every quantized layer before it
+    expected = clip_search_oracle(float_weight, seen[name], 3, 32, quantizer.ratios())
+    torch.testing.assert_close(layers[name].qweight().dequantize(), expected, rtol=0, atol=1e-6)
+
+
+def test_calibrated_plugin_cli_saves_a_checkpoint_that_reloads_with_its_stats(tiny_checkpoint, tmp_path):
+    from runtime.loader import load_model
+
+    out = tmp_path / "clip"
+    argv = ["--method", f"{CLIP}:steps=3", "--model", str(tiny_checkpoint), "--bits", "3", "--group-size", "32"]
+    record = quant_plugin.main([*argv, "--nsamples", "4", "--seqlen", "32", "--out", str(out), "--dense-dtype", "fp32"])
+    qc = record["quant_config"]
+    assert qc["quant_method"] == "clip-search" and qc["nsamples"] == 4 and qc["quantizer"] == f"{CLIP}:steps=3"
+    stats = record["stats"]["layers"]
+    assert len(stats) == 8 and all(0 < s["output_rel_error"] < 1 for s in stats)
+    reloaded, _, _ = load_model(str(out))
+    assert sum(isinstance(m, QuantLinear) for m in reloaded.modules()) == 8
+    assert not (tmp_path / "clip.layers.partial").exists()
+    # an in-memory plug-in takes no calibration flags
+    with pytest.raises(SystemExit):
+        quant_plugin.main(["--method", ABSMAX, "--model", str(tiny_checkpoint), "--nsamples", "4"])
+
+
+def test_calibrated_plugin_contract_and_experiment_rows(tiny_checkpoint):
+    from experiments.rows import quantized_artifact
+
+    assert qreg.resolve(CLIP).calibrated and not qreg.resolve(ABSMAX).calibrated
+    art = quantized_artifact(str(tiny_checkpoint), {"method": CLIP, "bits": 3, "group_size": 32, "calib": "wiki-fr"})
+    assert art.module == "quantize.plugin" and art.args[-2:] == ("--calib", "wiki-fr")
+    with pytest.raises(qreg.QuantizerError, match=r"lacks quantize_weight\(weight, cfg, name, inputs\)"):
+        qreg.build("quantize.registry:CalibratedQuantizer")
+
+
+def test_verdict_judges_a_calibrated_plugin_on_its_calibration_tokens():
+    """The verdict quantizes a calibrated plug-in with the tokens it is given (not the eval sequences) and calls it
+    approximate; the same tokens through quantize_model give the logits it scored."""
+    from evals.quality.fidelity import model_scorer
+    from evals.speculation import lossless
+
+    target = random_model(TINY_CONFIGS["llama"], seed=0)
+    sequences = torch.randint(1, 96, (3, 24), generator=torch.Generator().manual_seed(1)).tolist()
+    calibration = torch.randint(1, 96, (4, 32), generator=torch.Generator().manual_seed(2))
+    v = lossless.quantizer_verdict(target, f"{CLIP}:steps=3", sequences, calibration=calibration)
+    assert v.verdict == "approximate" and v.figures["calibration"] == {"text": "wiki", "windows": 4, "seqlen": 32}
+    cfg = qreg.QuantConfig(bits=4, group_size=64)
+    direct = qreg.build(f"{CLIP}:steps=3").quantize_model(random_model(TINY_CONFIGS["llama"], seed=0), cfg, calibration)
+    again = lossless.compare_teacher_forced(model_scorer(target), model_scorer(direct), sequences)
+    assert again.max_abs_dlogprob_vocab == v.figures["max_abs_dlogprob_vocab"]
 
 
 def test_tiny_target_is_seeded():

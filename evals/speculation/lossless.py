@@ -31,7 +31,8 @@ from evals.quality.lm_eval_tasks import run_tasks
 from evals.speculation.chain_test import MAX_SUPPORT, chain_case, chi_square_pvalue, sharpened, simulate
 from quantize.config import QuantConfig
 from quantize.registry import build as build_quantizer
-from runtime.data import load_text, token_windows
+from quantize.registry import calibrated
+from runtime.data import load_text, mixed_calibration_windows, token_windows
 from runtime.decoding import generate
 from runtime.engine import EngineConfig, LLMEngine
 from runtime.kv_policy import KVCacheSpec
@@ -118,12 +119,18 @@ def teacher_forced_verdict(name: str, baseline: str, ref, test, sequences, claim
     return Verdict(name, baseline, verdict, claimed, figures)
 
 
-def quantizer_verdict(model, method: str, sequences, task: TaskProbe | None = None) -> Verdict:
+def quantizer_verdict(
+    model, method: str, sequences, task: TaskProbe | None = None, calibration: torch.Tensor | None = None
+) -> Verdict:
     """An in-memory quantizer of quantize.registry (reference path: the quantization error alone) vs the model;
-    with ``task``, an approximate one also reports its task delta."""
+    with ``task``, an approximate one also reports its task delta. A calibrated one (CalibratedQuantizer) learns
+    from ``calibration`` tokens [N, T] (the wiki calibration split: no eval window among them)."""
     quantizer = build_quantizer(method)
     cfg = quantizer.config(QuantConfig(bits=4, group_size=64))
-    quantized = quantizer.quantize_model(copy.deepcopy(model), cfg)
+    if calibrated(quantizer):
+        quantized = quantizer.quantize_model(copy.deepcopy(model), cfg, calibration)
+    else:
+        quantized = quantizer.quantize_model(copy.deepcopy(model), cfg)
     v = teacher_forced_verdict(
         f"quantizer {method}",
         "the unquantized model",
@@ -133,6 +140,8 @@ def quantizer_verdict(model, method: str, sequences, task: TaskProbe | None = No
         claimed=False,
     )
     v.figures["quant_config"] = cfg.to_dict()
+    if calibrated(quantizer):
+        v.figures["calibration"] = {"text": "wiki", "windows": len(calibration), "seqlen": calibration.shape[1]}
     if task is not None and v.verdict in ("approximate", "not lossless"):
         v.figures.update(task_delta(model, quantized, task))
     return v
@@ -414,6 +423,8 @@ class Request:
     seqlen: int = 256
     greedy_tokens: int = 32  # engine batch: greedy tokens per prompt
     task_documents: int = 200  # an approximate quantizer's task delta (TaskProbe); 0: none
+    calib_windows: int = 32  # a calibrated quantizer's data: windows of calib_seqlen tokens (wiki calibration split)
+    calib_seqlen: int = 512
 
     def check(self) -> None:
         """Refuse a method that does not resolve or meet its contract (one ValueError line) without a model."""
@@ -433,5 +444,9 @@ def judge(req: Request, model, tokenizer, path) -> Verdict:
     sequences = token_windows(tokenizer, load_text("wiki", "eval"), req.seqlen, req.windows)
     if req.quantizer is not None:
         probe = TaskProbe(tokenizer, limit=req.task_documents) if req.task_documents > 0 else None
-        return quantizer_verdict(model, req.quantizer, sequences, probe)
+        calibration = None
+        if calibrated(build_quantizer(req.quantizer)):
+            windows = mixed_calibration_windows(tokenizer, "wiki", req.calib_windows, req.calib_seqlen)
+            calibration = torch.tensor(windows, dtype=torch.long)
+        return quantizer_verdict(model, req.quantizer, sequences, probe, calibration)
     return kv_verdict(model, req.kv_cache_dtype, sequences)

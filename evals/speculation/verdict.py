@@ -30,7 +30,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default=DEFAULT_MODEL)
     what = ap.add_mutually_exclusive_group(required=True)
     what.add_argument("--speculator", help="a speculator method, NAME[:k=v,...] or module:attr (speculate.registry)")
-    what.add_argument("--quantizer", help="an in-memory quantizer method (quantize.registry)")
+    what.add_argument(
+        "--quantizer",
+        help="an in-memory quantizer method (quantize.registry); a calibrated plug-in learns from --calib-windows",
+    )
     what.add_argument("--kv-cache-dtype", choices=("auto", "int8", "fp8_e4m3", "int4"))
     what.add_argument("--engine-batch", type=int, help="greedy requests the engine batches (vs one at a time)")
     ap.add_argument(
@@ -45,13 +48,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--task-documents", type=int, default=200, help="an approximate quantizer's task delta; 0: none")
+    ap.add_argument("--calib-windows", type=int, default=32, help="a calibrated quantizer's windows of 512 tokens")
     ap.add_argument("--random-heads", action="store_true", help="medusa / eagle: seeded random heads, not trained")
     args = ap.parse_args(argv)
     check_model_arg(ap, args.model)
     samples, adaptive = (SAMPLES, True) if args.samples is None else (args.samples, False)
     test = TwoTokenTest(samples, args.alpha, args.temperature, args.top_k, args.top_p, args.seed, adaptive=adaptive)
     req = Request(args.speculator, args.quantizer, args.kv_cache_dtype, args.engine_batch, test, args.random_heads)
-    req.task_documents = args.task_documents
+    req.task_documents, req.calib_windows = args.task_documents, args.calib_windows
     try:
         req.check()  # a bad method is one line before any model loads
     except ValueError as err:
