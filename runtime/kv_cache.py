@@ -70,7 +70,9 @@ class QuantizedKVCache:
     (row b's slot s is global slot b * capacity + s, so the pool's tensors read as [L, B, capacity, Hkv, D]).
 
     Same contract as KVCache for the model (``attend`` writes the new k/v, then attends), for speculation
-    (``move``) and for memory (``nbytes``). block_size: int4's key group (tokens per channel scale).
+    (``move``) and for memory (``nbytes``). block_size: int4's key group (tokens per channel scale); an int8 /
+    fp8 cache holds each row in one block (stored [L, B, Hkv, S, D], the full-precision cache's order), so
+    attention streams each head's rows.
     lookahead: trailing slots a later step may rewrite (a speculator's drafts): int4 keeps their key groups in
     full precision until they are final. The compiled CPU step (runtime.kernels.cpu_step) writes and reads its
     pool in place through these row-by-row block tables."""
@@ -86,6 +88,8 @@ class QuantizedKVCache:
         block_size: int = 64,
         lookahead: int = 0,
     ):
+        if kv_dtype != "int4":  # no key groups: one block per row
+            block_size = max_seq_len
         self.capacity = -(-max_seq_len // block_size) * block_size
         per_row = self.capacity // block_size
         # ragged rows can hold a stale open group past their end (the padded prefill) besides the current ones

@@ -21,22 +21,27 @@ auto 2 * D * itemsize; int8 / fp8 2 * (D + 2); int4 D + 4 + 4 * D / G (codes, va
 shared by G tokens), plus, per running sequence, the residual: ``1 + ceil(lookahead / G)`` blocks of keys
 in the compute dtype.
 
-Layout of ``KVPool`` (all plain contiguous tensors, so a C++ or Triton kernel can read them directly; L layers,
-N blocks of bs tokens, Hkv KV heads, D channels; slot = block * bs + offset):
+Layout of ``KVPool`` (plain contiguous tensors in ``stored``, so a C++ or Triton kernel can read them directly; L
+layers, N blocks of bs tokens, Hkv KV heads, D channels; slot = block * bs + offset). Every reader in Python indexes
+the attributes ``k``, ``v``, ... as [L, N, bs, Hkv, ...] (slot-major views); a quantized pool stores them
+head-major within each block, [L, N, Hkv, bs, ...], so one KV head's rows of a block are adjacent: attention reads
+each head's keys and values as one stream (token-major rows of one head, Hkv rows apart, left the CPU step's
+quantized attention waiting on memory: 3x slower at 4k tokens, notes/issue-39.md).
 
-- auto: ``k``, ``v`` [L, N, bs, Hkv, D] in the compute dtype.
-- int8 / fp8_e4m3: ``k``, ``v`` [L, N, bs, Hkv, D] int8 / float8_e4m3fn codes; ``k_scale``, ``v_scale``
-  [L, N, bs, Hkv] fp16 (one scale per token and KV head).
-- int4: ``k``, ``v`` [L, N, bs, Hkv, D / 2] uint8, two codes per byte: channel 2i in the low nibble, channel
-  2i + 1 in the high nibble (``byte = code[2i] | code[2i+1] << 4``). ``k_scale``, ``k_min`` [L, N, Hkv, D] fp16
-  (per block = per key group, per channel); ``v_scale``, ``v_min`` [L, N, bs, Hkv] fp16 (per token).
+- auto: ``k``, ``v`` [L, N, bs, Hkv, D] in the compute dtype (stored so: the engine's full-precision pool).
+- int8 / fp8_e4m3: ``k``, ``v`` int8 / float8_e4m3fn codes, stored [L, N, Hkv, bs, D]; ``k_scale``, ``v_scale``
+  fp16, stored [L, N, Hkv, bs] (one scale per token and KV head).
+- int4: ``k``, ``v`` uint8, stored [L, N, Hkv, bs, D / 2], two codes per byte: channel 2i in the low nibble,
+  channel 2i + 1 in the high nibble (``byte = code[2i] | code[2i+1] << 4``). ``k_scale``, ``k_min`` [L, N, Hkv, D]
+  fp16 (per block = per key group, per channel); ``v_scale``, ``v_min`` fp16, stored [L, N, Hkv, bs] (per token).
   ``k_open`` [L, M, bs, Hkv, D] compute dtype: the residual, M open-block slots; ``open_of`` [N] int64 says
   which open slot holds block n's keys (-1: the block's keys are the int4 codes). A block's values are always
   its codes. Dequantize: ``x = code * scale + min``.
 
 The contiguous caches (runtime.kv_cache) are pools whose blocks are laid out row by row (row b owns blocks
-b * S / bs ..), so their tensors read as [L, B, S, Hkv, D] (token-major, unlike the full-precision KVCache's
-[L, B, Hkv, S, D]) and [L, B, S, Hkv] scales; the paged cache's blocks are the engine's.
+b * S / bs ..). An int8 / fp8 one holds each row in one block, so it is stored [L, B, Hkv, S, D] like the
+full-precision KVCache (and reads as [L, B, S, Hkv, D]); an int4 one keeps blocks of its key group. The paged
+cache's blocks are the engine's.
 
 Attention (``chunked_attention``) never materialises a full-precision copy of the cache: it reads a chunk of
 keys and values (CHUNK slots), dequantizes only that chunk to fp32, and keeps an online softmax (running max,
@@ -277,28 +282,42 @@ class KVPool:
         self.dtype, self.block_size, self.num_blocks = dtype, block_size, num_blocks
         self.lookahead = lookahead
         L, N, bs, H, D = num_layers, num_blocks, block_size, num_kv_heads, head_dim
+        self.stored: dict[str, Tensor] = {}  # name -> the contiguous tensor as stored (what kernels read)
+
+        def tensor(name: str, *shape, dtype=SCALE_DTYPE, per_token: bool = False) -> None:
+            """A zero tensor; per_token: stored [L, N, Hkv, bs, ...], the attribute its [L, N, bs, Hkv, ...] view."""
+            t = (
+                torch.zeros(L, N, H, bs, *shape, dtype=dtype, device=device)
+                if per_token
+                else torch.zeros(*shape, dtype=dtype, device=device)
+            )
+            self.stored[name] = t
+            setattr(self, name, t.transpose(2, 3) if per_token else t)
+
         if kv_dtype == "int4":
             if D % 2:
                 raise ValueError(f"int4 KV packs two channels per byte: head_dim {D} must be even")
-            self.k = torch.zeros(L, N, bs, H, D // 2, dtype=torch.uint8, device=device)
-            self.v = torch.zeros(L, N, bs, H, D // 2, dtype=torch.uint8, device=device)
-            self.k_scale = torch.zeros(L, N, H, D, dtype=SCALE_DTYPE, device=device)
-            self.k_min = torch.zeros(L, N, H, D, dtype=SCALE_DTYPE, device=device)
-            self.v_scale = torch.zeros(L, N, bs, H, dtype=SCALE_DTYPE, device=device)
-            self.v_min = torch.zeros(L, N, bs, H, dtype=SCALE_DTYPE, device=device)
-            self.k_open = torch.zeros(L, max(open_blocks, 1), bs, H, D, dtype=dtype, device=device)
+            tensor("k", D // 2, dtype=torch.uint8, per_token=True)
+            tensor("v", D // 2, dtype=torch.uint8, per_token=True)
+            tensor("k_scale", L, N, H, D)
+            tensor("k_min", L, N, H, D)
+            tensor("v_scale", per_token=True)
+            tensor("v_min", per_token=True)
+            tensor("k_open", L, max(open_blocks, 1), bs, H, D, dtype=dtype)
             self.open_of = torch.full((N,), -1, dtype=torch.int64)  # host copy: the write plan reads it
             self.open_of_dev = self.open_of.to(device)
             self.free_open = list(range(open_blocks - 1, -1, -1))
             self.plan: _Int4Plan | None = None
             self.fresh: tuple[int, Tensor] | None = None  # (layer, keys of the blocks the last write sealed)
+        elif kv_dtype == "auto":
+            tensor("k", L, N, bs, H, D, dtype=dtype)
+            tensor("v", L, N, bs, H, D, dtype=dtype)
         else:
-            code = {"auto": dtype, "int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}[kv_dtype]
-            self.k = torch.zeros(L, N, bs, H, D, dtype=code, device=device)
-            self.v = torch.zeros(L, N, bs, H, D, dtype=code, device=device)
-            if kv_dtype != "auto":
-                self.k_scale = torch.zeros(L, N, bs, H, dtype=SCALE_DTYPE, device=device)
-                self.v_scale = torch.zeros(L, N, bs, H, dtype=SCALE_DTYPE, device=device)
+            code = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}[kv_dtype]
+            tensor("k", D, dtype=code, per_token=True)
+            tensor("v", D, dtype=code, per_token=True)
+            tensor("k_scale", per_token=True)
+            tensor("v_scale", per_token=True)
 
     @classmethod
     def for_model(
@@ -315,8 +334,7 @@ class KVPool:
         return self.k.device
 
     def tensors(self) -> list[Tensor]:
-        names = ("k", "v", "k_scale", "v_scale", "k_min", "v_min", "k_open")
-        return [getattr(self, n) for n in names if hasattr(self, n)]
+        return list(self.stored.values())
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
@@ -335,17 +353,18 @@ class KVPool:
             self.k[layer].view(-1, H, D).index_copy_(0, flat, k.to(self.dtype))
             self.v[layer].view(-1, H, D).index_copy_(0, flat, v.to(self.dtype))
             return
+        block, offset = flat // self.block_size, flat % self.block_size
         if self.kv_dtype in ("int8", "fp8_e4m3"):
             quantize = quantize_int8 if self.kv_dtype == "int8" else quantize_fp8
             for codes, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
                 c, s = quantize(x)
-                as_bytes(codes[layer]).view(-1, H, D).index_copy_(0, flat, as_bytes(c))
-                scales[layer].view(-1, H).index_copy_(0, flat, s)
+                as_bytes(codes[layer])[block, offset] = as_bytes(c)
+                scales[layer][block, offset] = s
             return
         packed, scale, low = quantize_asym4(v, dim=-1)  # values: per token, over channels
-        self.v[layer].view(-1, H, D // 2).index_copy_(0, flat, packed)
-        self.v_scale[layer].view(-1, H).index_copy_(0, flat, scale)
-        self.v_min[layer].view(-1, H).index_copy_(0, flat, low)
+        self.v[layer][block, offset] = packed
+        self.v_scale[layer][block, offset] = scale
+        self.v_min[layer][block, offset] = low
         if layer == 0 or self.plan is None:
             self.plan = self._plan_int4(flat, tables, ends)
         self._write_keys_int4(layer, k, self.plan)
@@ -461,22 +480,27 @@ class KVPool:
         """int4: keys of blocks [...] from their codes (open slots ignored) -> fp32 [..., bs, Hkv, D]."""
         return dequantize_asym4(self.k[layer, blocks], self.k_scale[layer, blocks], self.k_min[layer, blocks], -3)
 
-    def read_blocks(self, layer: int, blocks: Tensor) -> tuple[Tensor, Tensor]:
-        """blocks [B, n] -> k, v [B, Hkv, n * bs, D], dequantized (fp32; auto: the stored dtype)."""
+    def read_slots(self, layer: int, tables: Tensor, start: int, stop: int) -> tuple[Tensor, Tensor]:
+        """Indices start .. stop - 1 of each row (tables [B, nb]) -> k, v [B, Hkv, stop - start, D], dequantized
+        (fp32; auto: the stored dtype): only those rows are read, whatever the block size."""
+        bs = self.block_size
+        index = torch.arange(start, stop, device=tables.device)
+        block, offset = tables[:, index // bs], index % bs  # [B, n], [n]
         if self.kv_dtype == "auto":
-            k, v = self.k[layer, blocks], self.v[layer, blocks]
+            k, v = self.k[layer][block, offset], self.v[layer][block, offset]
         elif self.kv_dtype in ("int8", "fp8_e4m3"):
-            k = dequantize_scaled(self.k[layer, blocks], self.k_scale[layer, blocks])
-            v = dequantize_scaled(self.v[layer, blocks], self.v_scale[layer, blocks])
-        else:
-            k = self.dequantize_keys(layer, blocks)
-            slot = self.open_of_dev[blocks]  # [B, n]
+            k = dequantize_scaled(self.k[layer][block, offset], self.k_scale[layer][block, offset])
+            v = dequantize_scaled(self.v[layer][block, offset], self.v_scale[layer][block, offset])
+        else:  # keys: the block's per-channel scale and min, or the open block's residual
+            codes = unpack_int4(self.k[layer][block, offset]).float()
+            k = codes * self.k_scale[layer][block].float() + self.k_min[layer][block].float()
+            slot = self.open_of_dev[block]  # [B, n]
             if bool((slot >= 0).any()):
-                open_keys = self.k_open[layer, slot.clamp(min=0)].float()
-                k = torch.where((slot >= 0)[..., None, None, None], open_keys, k)
-            v = dequantize_asym4(self.v[layer, blocks], self.v_scale[layer, blocks], self.v_min[layer, blocks], -1)
-        B, n, bs, H, D = k.shape
-        return k.reshape(B, n * bs, H, D).transpose(1, 2), v.reshape(B, n * bs, H, D).transpose(1, 2)
+                open_keys = self.k_open[layer][slot.clamp(min=0), offset].float()
+                k = torch.where((slot >= 0)[..., None, None], open_keys, k)
+            v_scale, v_min = self.v_scale[layer][block, offset], self.v_min[layer][block, offset]
+            v = dequantize_asym4(self.v[layer][block, offset], v_scale, v_min, -1)
+        return k.transpose(1, 2), v.transpose(1, 2)
 
     def attend(
         self,
@@ -501,9 +525,7 @@ class KVPool:
             return tables[:, first:last], start - first * bs
 
         def read(start: int, stop: int) -> tuple[Tensor, Tensor]:
-            blocks, lo = window(start, stop)
-            k, v = self.read_blocks(layer, blocks)
-            return k[:, :, lo : lo + stop - start], v[:, :, lo : lo + stop - start]
+            return self.read_slots(layer, tables, start, stop)
 
         fresh_from = read_fresh = None
         if self.kv_dtype == "int4" and query_index is not None and self.fresh is not None and self.fresh[0] == layer:
@@ -529,7 +551,7 @@ class KVPool:
 
     def copy_slots(self, src: Tensor, dst: Tensor) -> None:
         """Copy the k/v at global slots src to slots dst in every layer (a tree's accepted path)."""
-        L, _, bs = self.k.shape[:3]
+        L, bs = self.k.shape[0], self.block_size
         if self.kv_dtype == "int4":  # values per token; keys of open blocks live in the residual
             per_token = [self.v, self.v_scale, self.v_min]
         elif self.kv_dtype == "auto":
@@ -537,8 +559,8 @@ class KVPool:
         else:
             per_token = [self.k, self.v, self.k_scale, self.v_scale]
         for t in per_token:
-            flat = as_bytes(t).view(L, -1, *t.shape[3:])
-            flat[:, dst] = flat[:, src]
+            t = as_bytes(t)
+            t[:, dst // bs, dst % bs] = t[:, src // bs, src % bs]
         if self.kv_dtype == "int4":
             src_rows, dst_rows = self._open_rows(src), self._open_rows(dst)
             flat = self.k_open.view(L, -1, *self.k_open.shape[3:])

@@ -8,9 +8,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from runtime.kv_cache import QuantizedKVCache
 from runtime.kv_quant import (
     CHUNK,
     KVPool,
+    as_bytes,
     bytes_per_token_head,
     dequantize_asym4,
     dequantize_scaled,
@@ -20,8 +22,10 @@ from runtime.kv_quant import (
     quantize_int8,
     unpack_int4,
 )
+from tests.tiny_models import TINY_CONFIGS
 
 FORMATS = ["auto", "int8", "fp8_e4m3", "int4"]
+TINY = TINY_CONFIGS["llama"]
 
 
 def e4m3_grid() -> torch.Tensor:
@@ -127,7 +131,7 @@ def test_attention_over_a_quantized_pool_equals_sdpa_over_its_dequantized_copy(f
     positions = torch.tensor([[S - 3, S - 2, S - 1], [200, 201, 202]])  # a causal mask per row
     mask = torch.arange(S)[None, None, None, :] <= positions[:, None, :, None]
     for layer in range(2):
-        k, v = pool.read_blocks(layer, tables[:, : -(-S // bs)])  # the dequantized copy, [B, Hkv, S', D]
+        k, v = pool.read_slots(layer, tables, 0, S)  # the dequantized copy, [B, Hkv, S, D]
         ref = F.scaled_dot_product_attention(q, k[:, :, :S], v[:, :, :S], attn_mask=mask, enable_gqa=True)
         got = pool.attend(layer, q, tables, S, mask)
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
@@ -140,7 +144,7 @@ def test_dequantized_pool_is_close_to_what_was_written(fmt):
     gen = torch.Generator().manual_seed(0)
     k, v = torch.randn(1, 2, 64, 16, generator=gen), torch.randn(1, 2, 64, 16, generator=gen)
     pool.write(0, k, v, torch.arange(64)[None], torch.arange(8)[None], [64])
-    got_k, got_v = pool.read_blocks(0, torch.arange(4)[None])
+    got_k, got_v = pool.read_slots(0, torch.arange(4)[None], 0, 64)
     tol = {"int8": 0.03, "fp8_e4m3": 0.2, "int4": 0.6}[fmt]  # a few quantization steps of N(0, 1) data
     assert (got_k - k).abs().max() < tol and (got_v - v).abs().max() < tol
     assert not torch.equal(got_k, k)
@@ -153,12 +157,12 @@ def test_int4_keeps_the_open_group_in_full_precision_until_it_is_final():
     k = torch.randn(1, 1, 20, 16)
     v = torch.randn(1, 1, 20, 16)
     pool.write(0, k[:, :, :10], v[:, :, :10], torch.arange(10)[None], tables, [10])
-    keys, _ = pool.read_blocks(0, tables[:, :2])
+    keys, _ = pool.read_slots(0, tables, 0, 2 * bs)
     # end 10 - lookahead 3 = 7 < 8: block 0 is still rewritable (a draft could land there), so open
     assert torch.equal(keys[:, :, :10], k[:, :, :10])
     assert (pool.open_of[:2] >= 0).all() and pool.free_open == []
     pool.write(0, k[:, :, 10:12], v[:, :, 10:12], torch.arange(10, 12)[None], tables, [12])
-    keys, _ = pool.read_blocks(0, tables[:, :2])
+    keys, _ = pool.read_slots(0, tables, 0, 2 * bs)
     assert pool.open_of[0] == -1 and pool.open_of[1] >= 0  # 12 - 3 >= 8: block 0 sealed, its residual slot freed
     assert len(pool.free_open) == 1
     assert not torch.equal(keys[:, :, :8], k[:, :, :8])
@@ -202,11 +206,36 @@ def test_copy_slots_moves_tokens_in_every_format(fmt):
     for layer in range(2):
         k, v = torch.randn(1, 2, 20, 16, generator=gen), torch.randn(1, 2, 20, 16, generator=gen)
         pool.write(layer, k, v, torch.arange(20)[None], tables, [20])
-    before = [pool.read_blocks(layer, tables[:, :3]) for layer in range(2)]
+    before = [pool.read_slots(layer, tables, 0, 3 * bs) for layer in range(2)]
     src, dst = torch.tensor([15, 17, 19]), torch.tensor([13, 14, 15])  # a tree's accepted path, within the lookahead
     pool.copy_slots(src, dst)
     for layer in range(2):
-        k, v = pool.read_blocks(layer, tables[:, :3])
+        k, v = pool.read_slots(layer, tables, 0, 3 * bs)
         for x, old in zip((k, v), before[layer]):
             assert torch.equal(x[:, :, dst], old[:, :, src])
             assert torch.equal(x[:, :, :13], old[:, :, :13])
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3", "int4"])
+def test_a_quantized_pool_stores_each_heads_rows_of_a_block_together(fmt):
+    """The stored codes are [L, N, Hkv, bs, ...]: block n's rows of kv head h are adjacent, in slot order (what the
+    CPU step streams); the [L, N, bs, Hkv, ...] attributes are views of the same memory."""
+    bs, Hkv, D = 8, 3, 16
+    pool = KVPool(1, 4, bs, Hkv, D, fmt, torch.float32, open_blocks=2)
+    k = torch.randn(1, Hkv, 32, D, generator=torch.Generator().manual_seed(0))
+    pool.write(0, k, k.clone(), torch.arange(32)[None], torch.arange(4)[None], [32])
+    stored = as_bytes(pool.stored["v"])
+    assert stored.is_contiguous() and stored.shape[:4] == (1, 4, Hkv, bs)
+    assert as_bytes(pool.v).data_ptr() == stored.data_ptr()
+    for block in range(4):
+        for h in range(Hkv):
+            for off in range(bs):
+                assert torch.equal(stored[0, block, h, off], as_bytes(pool.v)[0, block, off, h])
+    assert pool.stored["v_scale"].shape == (1, 4, Hkv, bs) and pool.stored["v_scale"].is_contiguous()
+
+
+def test_a_contiguous_int8_cache_is_stored_like_the_full_precision_cache():
+    """One block per row: codes [L, B, Hkv, S, D], the order of runtime.kv_cache.KVCache."""
+    cache = QuantizedKVCache(TINY, batch_size=2, max_seq_len=40, kv_dtype="int8", block_size=8)
+    L, Hkv, D = TINY.num_layers, TINY.num_kv_heads, TINY.head_dim
+    assert cache.pool.stored["k"].shape == (L, 2, Hkv, 40, D) and cache.pool.block_size == 40

@@ -1647,7 +1647,7 @@ template <typename T>
 struct QuantKV {
   int64_t format = KV_INT8, Hkv = 0, D = 0, bs = 0, W = 0, lookahead = 0;
   const int32_t* tables = nullptr;
-  uint8_t *k = nullptr, *v = nullptr;  // codes: [L, N, bs, Hkv, D] (int4: D / 2 bytes)
+  uint8_t *k = nullptr, *v = nullptr;  // codes: [L, N, Hkv, bs, D] (int4: D / 2 bytes): a head's rows adjacent
   uint16_t *k_scale = nullptr, *v_scale = nullptr, *k_min = nullptr, *v_min = nullptr;  // fp16 bits
   T *k_open = nullptr, *stage = nullptr;  // int4: [L, M, bs, Hkv, D], [L, ns, bs, Hkv, D]
   const int64_t *open_of = nullptr, *stage_of = nullptr, *seal_blocks = nullptr;
@@ -1656,8 +1656,12 @@ struct QuantKV {
 
   int64_t row_bytes() const { return format == KV_INT4 ? D / 2 : D; }
   int64_t slot(int64_t b, int64_t i) const { return static_cast<int64_t>(tables[b * W + i / bs]) * bs + i % bs; }
-  int64_t token_at(int64_t l, int64_t slot, int64_t h) const { return l * token_layer + slot * Hkv + h; }
-  int64_t code_at(int64_t l, int64_t slot, int64_t h) const { return l * code_layer + (slot * Hkv + h) * row_bytes(); }
+  // per-token tensors are stored head-major within a block ([L, N, Hkv, bs, ...], runtime/kv_quant.py): one kv
+  // head's rows are adjacent, so the attention streams them
+  int64_t token_at(int64_t l, int64_t slot, int64_t h) const {
+    return l * token_layer + ((slot / bs) * Hkv + h) * bs + slot % bs;
+  }
+  int64_t code_at(int64_t l, int64_t slot, int64_t h) const { return l * code_layer + token_at(0, slot, h) * row_bytes(); }
   // int4: the first index whose sealed keys query index i still reads in full precision
   int64_t fresh_from(int64_t i) const {
     const int64_t x = i + 1 - lookahead;
@@ -2193,18 +2197,18 @@ at::Tensor step_quant(const StepModel& m, at::Tensor x, int64_t tokens, at::Tens
     TORCH_CHECK(local_mask.scalar_type() == at::kBool && local_mask.size(-1) == tokens, "local mask: bool [., T, T]");
   at::Tensor tab = tables.to(at::kInt).contiguous();
   const at::Tensor& k = pool[0];
-  TORCH_CHECK(k.dim() == 5 && k.size(0) >= m.layers() && k.size(3) == m.Hkv, "codes: [L, blocks, bs, Hkv, .]");
+  TORCH_CHECK(k.dim() == 5 && k.size(0) >= m.layers() && k.size(2) == m.Hkv, "codes: [L, blocks, Hkv, bs, .]");
   TORCH_CHECK(tab.dim() == 2 && tab.size(0) == B, "tables: [B, W]");
   const int64_t* st = starts.data_ptr<int64_t>();
   const int64_t* cn = counts.data_ptr<int64_t>();
-  for (int64_t b = 0; b < B; ++b) TORCH_CHECK(st[b] + cn[b] <= tab.size(1) * k.size(2), "row ", b, " runs past its blocks");
+  for (int64_t b = 0; b < B; ++b) TORCH_CHECK(st[b] + cn[b] <= tab.size(1) * k.size(3), "row ", b, " runs past its blocks");
   auto run = [&](auto zero) {
     using T = decltype(zero);
     QuantKV<T> kv;
     kv.format = format;
     kv.Hkv = m.Hkv;
     kv.D = m.D;
-    kv.bs = k.size(2);
+    kv.bs = k.size(3);
     kv.W = tab.size(1);
     kv.lookahead = lookahead;
     kv.tables = tab.data_ptr<int32_t>();
@@ -2218,7 +2222,7 @@ at::Tensor step_quant(const StepModel& m, at::Tensor x, int64_t tokens, at::Tens
     kv.k_scale = halves(pool[2]);
     kv.v_scale = halves(pool[3]);
     kv.code_layer = pool[0].stride(0);
-    kv.token_layer = pool[3].stride(0);  // v_scale: [L, N, bs, Hkv] in every format
+    kv.token_layer = pool[3].stride(0);  // v_scale: [L, N, Hkv, bs] in every format
     if (format == KV_INT4) {
       TORCH_CHECK(pool[6].scalar_type() == cos.scalar_type() && pool[8].scalar_type() == cos.scalar_type(),
                   "int4 residual and stage: the compute type");

@@ -477,12 +477,14 @@ def decode_quantized(model, x: Tensor, meta, cache) -> Tensor | None:
     if not paged:
         cache.check_fits(meta.kv_len)
     tables = meta.block_tables if paged else cache.tables[:B]
-    tensors = [pool.k, pool.v, pool.k_scale, pool.v_scale]
+    stored = pool.stored  # as stored: per-token tensors [L, N, Hkv, bs, ...] (runtime.kv_quant's layout)
+    tensors = [stored["k"], stored["v"], stored["k_scale"], stored["v_scale"]]
     if pool.kv_dtype == "int4":
         flat, ends = int4_write(cache, meta, B, paged)
         stage = pool.begin_step_write(flat, tables.long(), ends)
         plan = pool.plan
-        tensors += [pool.k_min, pool.v_min, pool.k_open, pool.open_of_dev, stage, plan.stage_of, plan.seal_blocks]
+        tensors += [stored["k_min"], stored["v_min"], pool.k_open, pool.open_of_dev, stage, plan.stage_of]
+        tensors.append(plan.seal_blocks)
     cos, sin = step_rope(model, meta, B * T)
     local = meta.local_mask
     out = extension().step_quant(

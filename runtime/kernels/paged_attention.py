@@ -11,7 +11,9 @@ length, softmax, weighted sum.
 
 Pool layout (runtime.paged_cache): k_pool, v_pool [num_blocks, block_size, Hkv, D]. Quantized pools (int8 or
 float8_e4m3fn codes, runtime.kv_quant) add k_scale, v_scale [num_blocks, block_size, Hkv] (one scale per token
-and KV head): the kernel loads the codes and scales of a block and dequantizes them in registers.
+and KV head): the kernel loads the codes and scales of a block and dequantizes them in registers. The pools are
+indexed through their strides: a quantized pool is stored head-major within each block and passed as its
+[num_blocks, block_size, Hkv, ...] view (runtime.kv_quant).
 """
 
 from __future__ import annotations
