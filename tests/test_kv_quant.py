@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from runtime import kv_quant
 from runtime.kv_cache import QuantizedKVCache
 from runtime.kv_quant import (
     CHUNK,
@@ -122,8 +123,12 @@ def write_random(pool: KVPool, B: int, S: int, seed: int = 0, lookahead_chunks=N
     return tables
 
 
+@pytest.mark.parametrize("dense", [True, False], ids=["dense", "chunked"])
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_attention_over_a_quantized_pool_equals_sdpa_over_its_dequantized_copy(fmt):
+def test_attention_over_a_quantized_pool_equals_sdpa_over_its_dequantized_copy(fmt, dense, monkeypatch):
+    """Both readings: the whole dequantized cache through SDPA (up to DENSE_BYTES) and CHUNK-sized reads with an
+    online softmax (beyond it)."""
+    monkeypatch.setattr(kv_quant, "DENSE_BYTES", kv_quant.DENSE_BYTES if dense else 0)
     B, H, Hkv, D, bs, S, T = 2, 4, 2, 16, 16, 600, 3  # S spans several CHUNK-sized reads
     pool = KVPool(2, B * 40, bs, Hkv, D, fmt, torch.float32, open_blocks=8)
     tables = write_random(pool, B, S)
