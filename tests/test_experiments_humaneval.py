@@ -50,7 +50,7 @@ def test_qwen_config_loads_with_the_rows_asked_for():
     assert quant["AWQ4 g128"]["method"] == "awq" and quant["RTN4 g64"]["group_size"] == 64
     assert "--w8a8" in quant["W8A8"]["args"] and quant["int8 weight-only"]["method"] == "int8"
     spec = [r.params["method"] for r in cfg.rows if r.kind == "specbench"]
-    assert spec == ["ngram:k=8", "draft:model=qwen2.5-coder-0.5b,k=3"]
+    assert spec == ["ngram:k=8", "draft:model=int4+qwen2.5-coder-0.5b,k=8,conf=0.4"]
     for method in spec:
         parse_method(method)
     fp32 = next(r for r in cfg.rows if r.params.get("dtype") == "fp32")
