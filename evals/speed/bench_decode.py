@@ -10,7 +10,8 @@ figure is the median. ``--prompt-tokens 128,512,2048`` adds a TTFT table: each r
 prompt length (interleaved the same way) and its ratio to the reference row; the decode table uses the first length.
 For qspec's rows the loop's own clock (runtime.timing: whole steps) is printed beside
 the external one as a check, and one profiled call splits a step into forward, lm_head and sampling. The
-roofline share compares the weight bytes read per decoded token with a streaming bandwidth measured here.
+roofline share compares the bytes read per decoded token (the weights, and the KV cache at the decode's mean
+context: codes and scales of a quantized cache) with a streaming bandwidth measured here.
 
 Rows: ``qspec:fp32``, ``qspec:bf16`` (bf16 layers and head, fp32 residual stream), ``qspec:bf16-fp32head``,
 ``qspec:int8`` (per-channel), ``qspec:int4`` (group 64, asymmetric), ``qspec:int4-int8head`` (the tied head
@@ -42,7 +43,7 @@ from runtime.cliutil import ArgumentParser, UsageError, interrupted, run
 from runtime.data import wiki_split
 from runtime.decoding import generate
 from runtime.kv_policy import KVCacheSpec
-from runtime.kv_quant import KV_DTYPES
+from runtime.kv_quant import KV_DTYPES, bytes_per_token_head
 from runtime.loader import DEFAULT_MODEL, check_model_arg, gguf_source, load_model, load_tokenizer
 from runtime.provenance import provenance
 from runtime.sampling import SamplingParams
@@ -95,6 +96,7 @@ class Runner:
     name: str
     call: Callable[[list[int], int], object]  # (prompt, new tokens)
     weight_bytes: int
+    kv_bytes_per_position: float  # K and V bytes of one cached position, every layer (a token reads each position)
     profile: Callable[[int], dict] | None = None  # qspec: seconds per phase of one call
     walls: dict[int, list[float]] = field(default_factory=lambda: {})
     ttft_by_length: dict[int, list[float]] = field(default_factory=lambda: {})  # prompt length -> 1-token walls
@@ -110,17 +112,28 @@ def qspec_runner(name: str, model, prompt: list[int], kv: KVCacheSpec | None = N
         timing = generate(model, [prompt], params, profile=True, kv_cache=kv).timing
         return {k: v / timing.wall_s for k, v in timing.phase_s.items()}
 
-    return Runner(name, call, decode_weight_bytes(model), profile)
+    kv_dtype = "auto" if kv is None else kv.dtype
+    return Runner(name, call, decode_weight_bytes(model), kv_position_bytes(model.config, kv_dtype, model), profile)
 
 
-def hf_runner(name: str, hf_model) -> Runner:
+def kv_position_bytes(config, kv_dtype: str, model=None, dtype_bytes: float | None = None) -> float:
+    """K and V bytes of one cached position over every layer (runtime.kv_quant.bytes_per_token_head): codes and
+    scales of a quantized cache, else the cache dtype's (the model's compute dtype, or dtype_bytes)."""
+    if dtype_bytes is None:
+        dtype_bytes = torch.empty((), dtype=model.compute_dtype).element_size()
+    per_head = bytes_per_token_head(kv_dtype, config.head_dim, dtype_bytes)
+    return config.num_layers * config.num_kv_heads * per_head
+
+
+def hf_runner(name: str, hf_model, config) -> Runner:
     @torch.inference_mode()
     def call(prompt_ids: list[int], n: int):
         ids = torch.tensor([prompt_ids])
         kwargs = dict(do_sample=False, attention_mask=torch.ones_like(ids), pad_token_id=0)
         hf_model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kwargs)
 
-    return Runner(name, call, hf_decode_weight_bytes(hf_model))
+    kv = kv_position_bytes(config, "auto", dtype_bytes=hf_model.dtype.itemsize)
+    return Runner(name, call, hf_decode_weight_bytes(hf_model), kv)
 
 
 LLAMA_CPP_PROBE = """
@@ -133,7 +146,7 @@ for i, _ in enumerate(llm.generate([1, 2, 3, 4], top_k=1, top_p=1.0, temp=0.0, r
 """
 
 
-def llama_cpp_runner(gguf: Path, longest: int, threads: int) -> Runner | str:
+def llama_cpp_runner(gguf: Path, longest: int, threads: int, config) -> Runner | str:
     """llama.cpp through llama-cpp-python (an optional peer, never a dependency), or why it cannot run."""
     try:
         from llama_cpp import Llama
@@ -158,7 +171,8 @@ def llama_cpp_runner(gguf: Path, longest: int, threads: int) -> Runner | str:
                 break
 
     print(f"[bench_decode] llama.cpp reads {gguf}", file=sys.stderr)
-    return Runner("llama.cpp", call, gguf.stat().st_size)  # the row's own name: --reference llama.cpp finds it
+    kv = kv_position_bytes(config, "auto", dtype_bytes=2)  # llama.cpp's default KV cache: f16
+    return Runner("llama.cpp", call, gguf.stat().st_size, kv)  # the row's own name: --reference llama.cpp finds it
 
 
 def time_round(runners: list[Runner], prompt: list[int], new_tokens: int) -> None:
@@ -193,17 +207,21 @@ def ttft_table(runners: list[Runner], lengths: list[int], reference: str | None)
     return lines
 
 
-def summarize(r: Runner, new_tokens: int, bandwidth: float) -> dict:
+def summarize(r: Runner, new_tokens: int, bandwidth: float, prompt_tokens: int) -> dict:
+    """Decode figures of a row; the roofline reads its weights and, per token, its KV cache at the decode's mean
+    context (prompt + half the new tokens)."""
     ttft = statistics.median(r.walls[1])
     wall_n = statistics.median(r.walls[new_tokens])
     tpot = max(wall_n - ttft, 1e-9) / (new_tokens - 1)
-    roofline_tpot = r.weight_bytes / bandwidth
+    kv_bytes = r.kv_bytes_per_position * (prompt_tokens + new_tokens / 2)
+    roofline_tpot = (r.weight_bytes + kv_bytes) / bandwidth
     out = {
         "ttft_ms": ttft * 1e3,
         "tpot_ms": tpot * 1e3,
         "decode_tok_per_s": 1 / tpot,
         "end_to_end_tok_per_s": new_tokens / wall_n,
         "weight_bytes_per_token": r.weight_bytes,
+        "kv_bytes_per_token": kv_bytes,
         "roofline_tok_per_s": 1 / roofline_tpot,
         "roofline_share": roofline_tpot / tpot,
         "walls_s": r.walls,
@@ -269,10 +287,10 @@ def build_runners(
         elif kind == "hf":
             dtype = torch.float32 if variant == "fp32" else torch.bfloat16
             hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
-            runners.append(hf_runner(row, hf))
+            runners.append(hf_runner(row, hf, base.config))
         else:
             gguf = gguf_source(model_spec)
-            made = llama_cpp_runner(gguf, longest, threads) if gguf is not None else "the model has no GGUF source"
+            made = llama_cpp_runner(gguf, longest, threads, base.config) if gguf else "the model has no GGUF source"
             if isinstance(made, str):
                 skipped[row] = made
                 print(f"[bench_decode] skipping {row}: {made}", file=sys.stderr)
@@ -285,8 +303,8 @@ def table(results: dict, reference: str | None) -> list[str]:
     x = f"x {reference or '-'}"
     lines = [
         f"| row | TTFT ms | TPOT ms | decode tok/s | {x} | whole call tok/s | {x} (whole call) | own clock / wall | "
-        "weight MB/token | roofline share | lm_head / sampling share |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "weight MB/token | KV MB/token | roofline share | lm_head / sampling share |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     ref = results.get(reference) if reference else None
     for name, r in results.items():
@@ -298,7 +316,7 @@ def table(results: dict, reference: str | None) -> list[str]:
         lines.append(
             f"| {name} | {r['ttft_ms']:.1f} | {r['tpot_ms']:.2f} | {r['decode_tok_per_s']:.1f} | {ratio} | "
             f"{r['end_to_end_tok_per_s']:.1f} | {whole} | {own} | {r['weight_bytes_per_token'] / 1e6:.0f} | "
-            f"{100 * r['roofline_share']:.0f}% | {share_text} |"
+            f"{r.get('kv_bytes_per_token', 0) / 1e6:.1f} | {100 * r['roofline_share']:.0f}% | {share_text} |"
         )
     return lines
 
@@ -342,7 +360,7 @@ def measure(args) -> tuple[list[Runner], list[list[int]], dict, dict]:
             print(f"[bench_decode] repeat {i + 1}/{args.repeats} done", file=sys.stderr, flush=True)
     except KeyboardInterrupt:
         interrupted("no summary: every row needs the same number of interleaved rounds")
-    results = {r.name: summarize(r, args.new_tokens, bandwidth) for r in runners if r.walls}
+    results = {r.name: summarize(r, args.new_tokens, bandwidth, len(prompt)) for r in runners if r.walls}
     for r in runners:
         if r.profile is not None:
             results[r.name]["time_shares"] = r.profile(args.new_tokens)
