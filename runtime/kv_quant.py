@@ -555,9 +555,7 @@ class KVPool:
                 is_fresh = (pos >= 0)[:, :, None].expand(-1, -1, bs).reshape(B, n * bs)
                 return k[:, :, lo : lo + stop - start], is_fresh[:, lo : lo + stop - start]
 
-        return chunked_attention(
-            q, read, kv_len, mask, is_causal, chunk, sink_q, num_sinks, read_fresh, fresh_from
-        )
+        return chunked_attention(q, read, kv_len, mask, is_causal, chunk, sink_q, num_sinks, read_fresh, fresh_from)
 
     # ---- copies -----------------------------------------------------------------------------------
 

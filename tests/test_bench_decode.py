@@ -18,7 +18,8 @@ CFG = TINY_CONFIGS["llama"]  # 2 layers, 2 KV heads, head_dim 16
 def test_kv_position_bytes_count_codes_and_scales(kv_dtype, per_head):
     # k and v for every layer and KV head: codes (1 byte int8 / fp8, half a byte int4) + fp16 scales (int4: value
     # scale and min per token, key scale and min per channel shared by a 64-token group)
-    assert kv_position_bytes(CFG, kv_dtype, dtype_bytes=2) == pytest.approx(CFG.num_layers * CFG.num_kv_heads * per_head)
+    expected = CFG.num_layers * CFG.num_kv_heads * per_head
+    assert kv_position_bytes(CFG, kv_dtype, dtype_bytes=2) == pytest.approx(expected)
 
 
 def test_summary_roofline_reads_weights_and_the_kv_cache_at_the_mean_context():
