@@ -60,3 +60,22 @@ def test_lossless_column_is_the_measured_class():
     assert measured_class("approximate", {"fidelity": fid}) == "approximate"
     assert measured_class("same distribution", {"fidelity": fid, "speculator": "ngram"}) is None
     assert measured_class("same math", {"verdict": {"verdict": "same math"}}) == "same math"
+
+
+def test_a_self_timed_speculation_row_shows_its_suites_overall_speedup():
+    """A specbench row has no timed section: its speedup is the suite's overall row (plain decoding of the same
+    prompts, interleaved), not "baseline"."""
+    suite = [
+        {"category": "qa", "speedup_vs_plain": 2.4, "tok_per_s": 25.0},
+        {"category": "overall", "speedup_vs_plain": 1.667, "tok_per_s": 19.5},
+    ]
+    record = {
+        "row": {"name": "spec n-gram", "kind": "specbench", "lossless_class": "same distribution"},
+        "status": "ok",
+        "results": {"suite": suite, "weight_bytes": 10},
+    }
+    (row,) = table_rows([record])
+    assert row["speedup"] == 1.667 and row["tokens_per_s"] == 19.5
+    assert row["baseline"].startswith("plain decoding") and short_baseline(row["baseline"]) == "plain decoding"
+    (untimed,) = table_rows([{**record, "results": {"weight_bytes": 10}}])
+    assert untimed["speedup"] is None
