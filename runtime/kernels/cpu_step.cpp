@@ -1736,7 +1736,7 @@ void seal_int4(const QuantKV<T>& kv, int64_t l) {
 constexpr int QUANT_QB = 8;
 struct QuantScratch {
   std::vector<float> scores, packed, acc, q;
-  std::vector<int64_t> where;
+  std::vector<int64_t> where, rows;
   alignas(32) float key[256], fresh_key[256], value[256];
 };
 
@@ -1793,9 +1793,12 @@ namespace attn512q {
 // Row `slot`, kv head h of a quantized pool's keys (key = true) or values as C blocks of 16 fp32 lanes, the values
 // kv_quant dequantizes to (the same products and sums as QuantKV::key_codes / value_row).
 template <typename T>
-inline void codes16(const QuantKV<T>& kv, int64_t l, int64_t slot, int64_t h, bool key, __m512* out) {
-  const int64_t C = kv.D / 16, t = kv.token_at(l, slot, h);
-  const uint8_t* c = (key ? kv.k : kv.v) + kv.code_at(l, slot, h);
+inline void codes16(const QuantKV<T>& kv, int64_t l, int64_t slot, int64_t h, bool key, __m512* out,
+                    int64_t row = -1) {
+  // row: the (block, head, offset) index of the position (token_at without the layer), where the caller has it
+  if (row < 0) row = kv.token_at(0, slot, h);
+  const int64_t C = kv.D / 16, t = l * kv.token_layer + row;
+  const uint8_t* c = (key ? kv.k : kv.v) + l * kv.code_layer + row * kv.row_bytes();
   if (kv.format == KV_INT8) {
     const __m512 s = _mm512_set1_ps(half_value((key ? kv.k_scale : kv.v_scale)[t]));
     for (int64_t j = 0; j < C; ++j) {
@@ -1838,19 +1841,25 @@ void attend_quant(const QuantKV<T>& kv, int64_t l, int64_t b, int64_t h, int nq,
   };
   int64_t fresh[QUANT_QB];
   for (int u = 0; u < nq; ++u) fresh[u] = int4 ? kv.fresh_from(start + tok[u]) : n;
+  // each position's (block, head, offset) row, walked block by block: no division per row in the loops below
+  s.rows.resize(n);
+  for (int64_t i0 = 0, j = 0; i0 < n; i0 += kv.bs, ++j) {
+    const int64_t base = (static_cast<int64_t>(kv.tables[b * kv.W + j]) * kv.Hkv + h) * kv.bs;
+    for (int64_t o = 0; o < kv.bs && i0 + o < n; ++o) s.rows[i0 + o] = base + o;
+  }
   s.scores.assign(QUANT_QB * n, -INFINITY);  // masked keys stay -inf: e^-inf = 0
   for (int64_t i = 0; i < n; ++i) {
     bool any = false;
     for (int u = 0; u < nq; ++u) any |= visible(u, i);
     if (!any) continue;
-    const int64_t slot = kv.slot(b, i);
+    const int64_t slot = int4 ? kv.slot(b, i) : 0;  // int4 reads its residual and key groups by slot
     const T* open = int4 ? kv.open_key(l, slot, h) : nullptr;
     const T* staged = int4 && !open ? kv.staged_key(l, slot, h) : nullptr;
     __m512 kc[16], kf[16];
     if (open)
       for (int64_t c = 0; c < C; ++c) kc[c] = attn512::lanes16(open + 16 * c);
     else
-      codes16(kv, l, slot, h, true, kc);
+      codes16(kv, l, slot, h, true, kc, s.rows[i]);
     if (staged)
       for (int64_t c = 0; c < C; ++c) kf[c] = attn512::lanes16(staged + 16 * c);
     for (int u = 0; u < nq; ++u) {
@@ -1875,7 +1884,7 @@ void attend_quant(const QuantKV<T>& kv, int64_t l, int64_t b, int64_t h, int nq,
       for (int u = 0; u < nu; ++u) any |= s.scores[(u0 + u) * n + i] != 0.0f;
       if (!any) continue;
       __m512 vc[16];
-      codes16(kv, l, kv.slot(b, i), h, false, vc);
+      codes16(kv, l, 0, h, false, vc, s.rows[i]);
       for (int u = 0; u < nu; ++u) {  // a zero weight adds nothing: skipped, so co-queries never change a result
         const float p = s.scores[(u0 + u) * n + i];
         if (p == 0.0f) continue;
