@@ -113,14 +113,13 @@ def qspec_runner(name: str, model, prompt: list[int], kv: KVCacheSpec | None = N
         return {k: v / timing.wall_s for k, v in timing.phase_s.items()}
 
     kv_dtype = "auto" if kv is None else kv.dtype
-    return Runner(name, call, decode_weight_bytes(model), kv_position_bytes(model.config, kv_dtype, model), profile)
+    kv_bytes = kv_position_bytes(model.config, kv_dtype, model.compute_dtype.itemsize)
+    return Runner(name, call, decode_weight_bytes(model), kv_bytes, profile)
 
 
-def kv_position_bytes(config, kv_dtype: str, model=None, dtype_bytes: float | None = None) -> float:
+def kv_position_bytes(config, kv_dtype: str, dtype_bytes: float) -> float:
     """K and V bytes of one cached position over every layer (runtime.kv_quant.bytes_per_token_head): codes and
-    scales of a quantized cache, else the cache dtype's (the model's compute dtype, or dtype_bytes)."""
-    if dtype_bytes is None:
-        dtype_bytes = torch.empty((), dtype=model.compute_dtype).element_size()
+    scales of a quantized cache, else dtype_bytes per element (the full-precision cache's dtype)."""
     per_head = bytes_per_token_head(kv_dtype, config.head_dim, dtype_bytes)
     return config.num_layers * config.num_kv_heads * per_head
 
@@ -132,7 +131,7 @@ def hf_runner(name: str, hf_model, config) -> Runner:
         kwargs = dict(do_sample=False, attention_mask=torch.ones_like(ids), pad_token_id=0)
         hf_model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kwargs)
 
-    kv = kv_position_bytes(config, "auto", dtype_bytes=hf_model.dtype.itemsize)
+    kv = kv_position_bytes(config, "auto", hf_model.dtype.itemsize)
     return Runner(name, call, hf_decode_weight_bytes(hf_model), kv)
 
 
@@ -171,7 +170,7 @@ def llama_cpp_runner(gguf: Path, longest: int, threads: int, config) -> Runner |
                 break
 
     print(f"[bench_decode] llama.cpp reads {gguf}", file=sys.stderr)
-    kv = kv_position_bytes(config, "auto", dtype_bytes=2)  # llama.cpp's default KV cache: f16
+    kv = kv_position_bytes(config, "auto", 2)  # llama.cpp's default KV cache: f16
     return Runner("llama.cpp", call, gguf.stat().st_size, kv)  # the row's own name: --reference llama.cpp finds it
 
 
