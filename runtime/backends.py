@@ -52,19 +52,24 @@ class CpuStepBackend(Backend):
 
     def linear(self, layer: Linear, x: Tensor) -> Tensor | None:
         # up to MAX_ROWS rows (decode steps, verifications, head chunks): the kernels read the weight in place at
-        # the memory bandwidth; outputs rounded to the weight's dtype, as F.linear's
+        # the memory bandwidth; outputs rounded to the weight's dtype, as F.linear's. Longer bf16 inputs (prompts)
+        # through fp32 GEMMs where torch's bf16 GEMM has no native dot products
         rows = x.numel() // max(x.shape[-1], 1)
         w = layer.weight
-        if (
+        if not (
             x.is_cpu
             and x.dtype == w.dtype
             and w.dtype in (torch.float32, torch.bfloat16)
-            and 1 <= rows <= cpu_step.MAX_ROWS
+            and rows >= 1
             and not torch.is_grad_enabled()
             and not torch.compiler.is_compiling()
             and cpu_step.available()
         ):
+            return None
+        if rows <= cpu_step.MAX_ROWS:
             return cpu_step.linear(dense_handle(layer), x).to(w.dtype)
+        if w.dtype == torch.bfloat16 and cpu_step.widens_bf16_prefill():
+            return cpu_step.dense_prefill_linear(dense_handle(layer), x)
         return None
 
     def rms_norm(self, norm: RMSNorm, x: Tensor) -> Tensor | None:

@@ -4,10 +4,13 @@ dequantizes its weight block by block in C++ and multiplies with torch's GEMM.
 - The dequantization equals the layer's own Python dequantization ((codes - zeros) * scales in fp32, act-order
   columns in input order, e4m3 codes times their scales), rounded to bf16 or kept fp32, bit for bit, in every
   kernel family this CPU runs (AVX2 builds take the scalar loop).
-- A long QuantLinear / FPLinear forward is within the bound that bf16 rounding of the weights gives:
+- A long QuantLinear / FPLinear forward is within the bound that bf16 rounding of the weights gives, in every
+  kernel family (without native bf16 dot products, AVX2 here, the GEMM runs in fp32 on exact weights):
   |y - x W^T| <= 2^-8 * sum_k |x_k| |W_k| + 2^-8 |x W^T| (bf16 weights and outputs each err by at most 2^-9
   relative; fp32 sums add ~K 2^-24, well inside the doubled 2^-8), and fp32 layers within fp32 summation noise;
   QSPEC_PREFILL_GEMM=0 turns the path off (the exact kernels' bits).
+- A dense bf16 Linear given a prompt takes fp32 blocks of its weight exactly where the family has no native bf16
+  GEMM, within the same bound.
 - A small random Llama's prefill with quantized layers gives the logits of the exact kernels' prefill within
   bf16 tolerance (largest and mean differences within 2^-5 of the largest and mean |logit|).
 """
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tolerances import assert_bf16_logits_close
 
 from quantize.fplinear import FPLinear, quantize_fp8
 from quantize.qlinear import QuantizedWeight, QuantLinear, set_module
@@ -103,7 +107,7 @@ def within_bf16_weight_bound(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, 
 @pytest.mark.parametrize("name", ["int4-g64-act-order", "int4-g128-act-order-bias", "int8-channel", "fp8-block32"])
 @pytest.mark.parametrize("compute", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("block_rows", [16, 256])  # several blocks (the last one ragged), and one
-def test_long_forward_within_the_bf16_bound(monkeypatch, name, compute, block_rows):
+def test_long_forward_within_the_bf16_bound(family, monkeypatch, name, compute, block_rows):
     monkeypatch.setattr(cpu_step, "PREFILL_BLOCK_ROWS", block_rows)
     calls = []
     real = cpu_step.prefill_linear
@@ -114,6 +118,24 @@ def test_long_forward_within_the_bf16_bound(monkeypatch, name, compute, block_ro
     assert calls and y.dtype == compute and y.shape == (ROWS, layer.out_features)
     rel = 2.0**-8 if compute == torch.bfloat16 else 2.0**-15  # fp32: weights exact, sums in fp32 (K <= 256)
     within_bf16_weight_bound(y, x, reference_weight(layer), layer.bias, rel)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_dense_bf16_prompt_within_the_bf16_bound(family, monkeypatch, bias):
+    from runtime.model import Linear
+
+    monkeypatch.setattr(cpu_step, "PREFILL_BLOCK_ROWS", 48)  # several blocks, the last one ragged
+    calls = []
+    real = cpu_step.dense_prefill_linear
+    monkeypatch.setattr(cpu_step, "dense_prefill_linear", lambda h, x: calls.append(x.shape) or real(h, x))
+    torch.manual_seed(7)
+    layer = Linear(200, 130, bias=bias).bfloat16()
+    x = torch.randn(ROWS, 200).bfloat16()
+    with torch.inference_mode():
+        y = layer(x)
+    assert bool(calls) == (not ext.native_bf16_gemm()) == (family == "avx2")
+    assert y.dtype == torch.bfloat16 and y.shape == (ROWS, 130)
+    within_bf16_weight_bound(y, x, layer.weight.detach(), layer.bias, 2.0**-8)
 
 
 def test_inputs_that_track_gradients():  # a model's activations under grad mode (no autograd through kernels)
@@ -179,6 +201,4 @@ def test_model_prefill_matches_the_exact_kernels(monkeypatch, kind):
     assert len(calls) == 4 * cfg.num_layers  # every decoder linear, with the switch on only
     # a few bf16 steps of the logits: each linear's output is rounded to bf16 on both paths, from weights that
     # differ by bf16 rounding (measured on int4: max 0.040 against a largest logit of 2.9, mean 0.006 against 0.64)
-    err, scale = (logits["1"] - logits["0"]).abs(), logits["0"].abs()
-    assert float(err.max()) <= 2**-5 * float(scale.max())
-    assert float(err.mean()) <= 2**-5 * float(scale.mean())
+    assert_bf16_logits_close(logits["1"], logits["0"])

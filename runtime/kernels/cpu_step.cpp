@@ -2414,21 +2414,62 @@ void tiles(const Weight& w, int64_t t0, int64_t t1, int64_t tile_base, void* out
 }  // namespace dequant512
 #pragma GCC pop_options
 
+namespace avx2 {
+
+// Tiles [t0, t1) into fp32 wt, half a tile (8 rows) per vector: (code - z) * s as the scalar loop computes it, so
+// the same bits; the fp32 GEMM of a CPU without native bf16 dot products multiplies it (prefill_linear).
+template <int64_t KIND>
+void dequant_tiles(const Weight& w, int64_t t0, int64_t t1, int64_t tile_base, float* wt, int64_t ld) {
+  const int64_t Kp = (w.K + KB - 1) / KB * KB, G = w.ngroups, tile_bytes = (Kp / 2) * w.pair_bytes();
+  const float* sc = w.scales.data_ptr<float>();
+  const ZeroTable zc(w);
+  for (int64_t t = t0; t < t1; ++t) {
+    const uint8_t* tile = reinterpret_cast<const uint8_t*>(w.data.data_ptr()) + t * tile_bytes;
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t kb = g * w.group, ke = std::min(kb + w.group, w.K);
+      for (int half = 0; half < 2; ++half) {
+        const int64_t at = (t * G + g) * NR + 8 * half;
+        const __m256 s = _mm256_loadu_ps(sc + at), z = zc.load8(at);
+        float* col = wt + (t - tile_base) * NR + 8 * half;
+        for (int64_t j = kb / 2; j < (ke + 1) / 2; ++j) {
+          __m256 c0, c1;
+          pair8<KIND>(tile, j, half, c0, c1);
+          _mm256_storeu_ps(col + 2 * j * ld, _mm256_mul_ps(_mm256_sub_ps(c0, z), s));
+          if (2 * j + 1 < w.K) _mm256_storeu_ps(col + (2 * j + 1) * ld, _mm256_mul_ps(_mm256_sub_ps(c1, z), s));
+        }
+      }
+    }
+  }
+}
+
+}  // namespace avx2
+
 // Tiles [t0, t1) of a quantized weight into wt (fp32, or bf16 bits when bf16), columns from tile tile_base on.
 void dequant_tiles(const Weight& w, int64_t t0, int64_t t1, int64_t tile_base, void* wt, int64_t ld, bool bf16) {
-  if (isa() >= ISA_AVX512BF16) {
-    auto run = [&](auto kind) {
-      constexpr int64_t KIND = decltype(kind)::value;
-      if (bf16) return dequant512::tiles<KIND, true>(w, t0, t1, tile_base, wt, ld);
-      dequant512::tiles<KIND, false>(w, t0, t1, tile_base, wt, ld);
-    };
+  auto kinds = [&](auto run) {
     if (w.kind == I8) return run(std::integral_constant<int64_t, I8>());
     if (w.kind == FP8) return run(std::integral_constant<int64_t, FP8>());
     return run(std::integral_constant<int64_t, I4>());
+  };
+  if (isa() >= ISA_AVX512BF16) {
+    return kinds([&](auto kind) {
+      constexpr int64_t KIND = decltype(kind)::value;
+      if (bf16) return dequant512::tiles<KIND, true>(w, t0, t1, tile_base, wt, ld);
+      dequant512::tiles<KIND, false>(w, t0, t1, tile_base, wt, ld);
+    });
   }
-  if (bf16) return dequant_tiles_scalar(w, t0, t1, tile_base, static_cast<uint16_t*>(wt), ld);
-  dequant_tiles_scalar(w, t0, t1, tile_base, static_cast<float*>(wt), ld);
+  if (!bf16) {
+    return kinds([&](auto kind) {
+      avx2::dequant_tiles<decltype(kind)::value>(w, t0, t1, tile_base, static_cast<float*>(wt), ld);
+    });
+  }
+  dequant_tiles_scalar(w, t0, t1, tile_base, static_cast<uint16_t*>(wt), ld);  // bf16 bits here: tests only
 }
+
+// Whether a bf16 GEMM runs on native bf16 dot products (AVX512-BF16: torch's oneDNN kernels). Elsewhere torch's
+// bf16 GEMM is a fallback ~7x slower than its fp32 GEMM (an AVX2 EPYC, notes/issue-39.md), so bf16 prefills
+// multiply fp32 copies of their weight blocks and round the product to bf16 (prefill_linear).
+bool native_bf16_gemm() { return isa() >= ISA_AVX512BF16; }
 
 // The whole weight, transposed: wt [K, tiles * 16] (fp32 or bf16), columns in the layout's order. Tests compare
 // it with the Python dequantization; the prefill below runs it a block at a time.
@@ -2444,19 +2485,25 @@ at::Tensor dequantize_t(const Weight& w, bool bf16) {
 // output rows: it dequantizes a block into its own scratch (K x block_rows: in L2 for K up to ~2k at 128 rows) and
 // multiplies it there with a one-thread GEMM into y's columns. No barrier per block: a shared block dequantized by
 // both cores and then multiplied by both left L2 and cost 1.8x a bf16 layer's GEMM on the 1.5B's layers at 128 rows,
-// this 1.2x (notes/issue-39.md). x's columns are gathered by perm first (act-order). APPROXIMATE (the section's
-// header).
+// this 1.2x (notes/issue-39.md). x's columns are gathered by perm first (act-order). The GEMM runs in x's dtype,
+// except bf16 without native bf16 dot products: fp32 blocks and x, the product rounded to bf16 (native_bf16_gemm).
+// A dense bf16 weight takes the same path there, its rows widened to fp32 a block at a time. APPROXIMATE (the
+// section's header).
 at::Tensor prefill_linear(const Weight& w, at::Tensor x, int64_t block_rows) {
-  TORCH_CHECK(w.quantized() && x.dim() == 2 && x.size(1) == w.K, "prefill_linear: a quantized weight, x [M, K]");
-  const bool bf16 = x.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(bf16 || x.scalar_type() == at::kFloat, "prefill_linear: fp32 or bf16 activations");
+  TORCH_CHECK((w.quantized() || w.kind == BF16) && x.dim() == 2 && x.size(1) == w.K,
+              "prefill_linear: a quantized or bf16 weight, x [M, K]");
+  const bool bf16_in = x.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(bf16_in || x.scalar_type() == at::kFloat, "prefill_linear: fp32 or bf16 activations");
+  const bool bf16 = bf16_in && native_bf16_gemm();  // the GEMM's dtype
   if (w.perm.defined()) x = x.index_select(1, w.perm);
-  x = x.contiguous();
+  x = x.to(bf16 ? at::kBFloat16 : at::kFloat).contiguous();
   const auto opts = x.options();
   at::Tensor y = at::empty({x.size(0), w.N}, opts);
   at::Tensor bias = w.bias.defined() ? w.bias.to(x.scalar_type()) : at::Tensor();
-  const int64_t block_tiles = std::clamp<int64_t>(block_rows / NR, 1, w.tiles()), width = block_tiles * NR;
-  const int64_t blocks = (w.tiles() + block_tiles - 1) / block_tiles;
+  const bool dense = !w.quantized();
+  const int64_t unit = dense ? 1 : NR, units = dense ? w.N : w.tiles();  // a block: whole tiles, or weight rows
+  const int64_t block_units = std::clamp<int64_t>(block_rows / unit, 1, units), width = block_units * unit;
+  const int64_t blocks = (units + block_units - 1) / block_units;
   const at::ThreadLocalState caller;  // the workers run ATen ops: in the caller's modes (inference mode, grad)
   at::parallel_for(0, blocks, 1, [&](int64_t b, int64_t e) {  // ATen ops inside run on this thread alone
     at::ThreadLocalStateGuard modes(caller);
@@ -2464,10 +2511,17 @@ at::Tensor prefill_linear(const Weight& w, at::Tensor x, int64_t block_rows) {
     if (!scratch.defined() || scratch.scalar_type() != x.scalar_type() || scratch.numel() < w.K * width)
       scratch = at::empty({w.K * width}, opts);
     for (int64_t blk = b; blk < e; ++blk) {
-      const int64_t t0 = blk * block_tiles, t1 = std::min(t0 + block_tiles, w.tiles());
-      const int64_t n0 = t0 * NR, n = std::min(t1 * NR, w.N) - n0, ld = (t1 - t0) * NR;
-      dequant_tiles(w, t0, t1, t0, scratch.data_ptr(), ld, bf16);
-      at::Tensor wt = scratch.narrow(0, 0, w.K * ld).view({w.K, ld}).narrow(1, 0, n);
+      const int64_t u0 = blk * block_units, u1 = std::min(u0 + block_units, units);
+      const int64_t n0 = u0 * unit, n = std::min(u1 * unit, w.N) - n0, ld = (u1 - u0) * unit;
+      at::Tensor wt;  // [K, n]
+      if (dense) {
+        at::Tensor rows = scratch.narrow(0, 0, n * w.K).view({n, w.K});
+        rows.copy_(w.data.view({w.N, w.K}).narrow(0, n0, n));  // bf16 -> the GEMM's dtype
+        wt = rows.t();
+      } else {
+        dequant_tiles(w, u0, u1, u0, scratch.data_ptr(), ld, bf16);
+        wt = scratch.narrow(0, 0, w.K * ld).view({w.K, ld}).narrow(1, 0, n);
+      }
       at::Tensor yb = y.narrow(1, n0, n);
       if (bias.defined())
         at::addmm_out(yb, bias.narrow(0, n0, n), x, wt);
@@ -2475,7 +2529,7 @@ at::Tensor prefill_linear(const Weight& w, at::Tensor x, int64_t block_rows) {
         at::mm_out(yb, x, wt);
     }
   });
-  return y;
+  return bf16_in ? y.to(at::kBFloat16) : y;
 }
 
 Weight make_weight(int64_t kind, int64_t N, int64_t K, int64_t group, bool bf16_act, at::Tensor data,
@@ -2579,6 +2633,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize_t", &qspec::dequantize_t, "a quantized weight dequantized, transposed: [K, N] (prefill)");
   m.def("prefill_linear", &qspec::prefill_linear, "x @ W^T for many rows: block dequantize + torch's GEMM",
         py::arg("weight"), py::arg("x"), py::arg("block_rows"));
+  m.def("native_bf16_gemm", &qspec::native_bf16_gemm, "whether bf16 GEMMs run on native bf16 dot products");
   m.def("set_isa", &qspec::set_isa, "cap the kernel family: avx2 | avx512 | avx512bf16 (tests)");
   m.def("set_amx", &qspec::set_amx, "AMX row policy: off (default) | exact | approximate (see cpu_step.cpp)");
   m.def("amx_mode", &qspec::amx_mode, "the AMX row policy in use");
