@@ -320,7 +320,11 @@ CALIBRATED_RUNS = {
 }
 
 
-@pytest.mark.parametrize("method", list(CALIBRATED_RUNS))
+# the resume logic is one (quantize.cli.run_calibration): GPTQ and a plug-in by default, AWQ's two under -m slow
+# (~18 s each on an AVX2 machine)
+@pytest.mark.parametrize(
+    "method", [m if m in ("gptq", "plugin") else pytest.param(m, marks=pytest.mark.slow) for m in CALIBRATED_RUNS]
+)
 def test_ctrl_c_keeps_layers_and_resume_equals_uninterrupted(tmp_path, method):
     tool = method.split("+")[0]
     ckpt = save_checkpoint(random_model(SIX_LAYERS, seed=0), tmp_path / "ckpt")

@@ -91,6 +91,7 @@ def kill_workers(kills: dict[str, int], stop: threading.Event, killed: dict[str,
         time.sleep(0.01)
 
 
+@pytest.mark.slow  # ~25 s (a worker killed mid-row, Ray's retry); the serial-records test covers the runner by default
 def test_killed_worker_is_retried_once_and_a_failing_row_fails_alone(tmp_path):
     cfg = yaml.safe_load(TINY.read_text())
     cfg["name"] = "faults"
