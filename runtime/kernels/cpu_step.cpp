@@ -1676,17 +1676,28 @@ struct QuantKV {
     const int64_t s = stage_of[slot / bs];
     return s < 0 ? nullptr : stage + l * stage_layer + ((s * bs + slot % bs) * Hkv + h) * D;
   }
-  // key row at `slot` from its codes (int4: the block's per-channel scale and min), as fp32
-  void key_codes(int64_t l, int64_t slot, int64_t h, float* out) const {
-    if (format != KV_INT4) return dequant_scaled_row(k + code_at(l, slot, h), format == KV_FP8,
-                                                     half_value(k_scale[token_at(l, slot, h)]), out, D);
+  // key row at `slot` from its codes (int4: the block's per-channel scale and min), as fp32; row: the position's
+  // (block, head, offset) index, token_at(0, slot, h), as walk_rows gives it
+  void key_codes(int64_t l, int64_t slot, int64_t h, int64_t row, float* out) const {
+    const uint8_t* c = k + l * code_layer + row * row_bytes();
+    if (format != KV_INT4) return dequant_scaled_row(c, format == KV_FP8, half_value(k_scale[l * token_layer + row]), out, D);
     const int64_t g = l * group_layer + ((slot / bs) * Hkv + h) * D;
-    dequant_asym4_row(k + code_at(l, slot, h), k_scale + g, k_min + g, true, out, D);
+    dequant_asym4_row(c, k_scale + g, k_min + g, true, out, D);
   }
-  void value_row(int64_t l, int64_t slot, int64_t h, float* out) const {
-    const int64_t t = token_at(l, slot, h);
-    if (format != KV_INT4) return dequant_scaled_row(v + code_at(l, slot, h), format == KV_FP8, half_value(v_scale[t]), out, D);
-    dequant_asym4_row(v + code_at(l, slot, h), v_scale + t, v_min + t, false, out, D);
+  void value_row(int64_t l, int64_t row, float* out) const {  // row as key_codes'
+    const uint8_t* c = v + l * code_layer + row * row_bytes();
+    const int64_t t = l * token_layer + row;
+    if (format != KV_INT4) return dequant_scaled_row(c, format == KV_FP8, half_value(v_scale[t]), out, D);
+    dequant_asym4_row(c, v_scale + t, v_min + t, false, out, D);
+  }
+  // each position's row index for kv head h of sequence b, walked block by block: no division per row in the
+  // attention's loops (four 64-bit divisions per row and pass before: the int8 KV cost at long context)
+  void walk_rows(int64_t b, int64_t h, int64_t n, std::vector<int64_t>& rows) const {
+    rows.resize(n);
+    for (int64_t i0 = 0, j = 0; i0 < n; i0 += bs, ++j) {
+      const int64_t base = (static_cast<int64_t>(tables[b * W + j]) * Hkv + h) * bs;
+      for (int64_t o = 0; o < bs && i0 + o < n; ++o) rows[i0 + o] = base + o;
+    }
   }
 };
 
@@ -1750,18 +1761,19 @@ void attend_quant(const QuantKV<T>& kv, int64_t l, int64_t b, int64_t h, int nq,
   };
   int64_t fresh[QUANT_QB];
   for (int u = 0; u < nq; ++u) fresh[u] = kv.format == KV_INT4 ? kv.fresh_from(start + tok[u]) : n;
+  kv.walk_rows(b, h, n, s.rows);
   s.scores.assign(QUANT_QB * n, -INFINITY);  // masked keys stay -inf: e^-inf = 0
   for (int64_t i = 0; i < n; ++i) {
     bool any = false;
     for (int u = 0; u < nq; ++u) any |= visible(u, i);
     if (!any) continue;
-    const int64_t slot = kv.slot(b, i);
+    const int64_t slot = kv.format == KV_INT4 ? kv.slot(b, i) : 0;  // int4 reads its residual and key groups by slot
     const T* open = kv.format == KV_INT4 ? kv.open_key(l, slot, h) : nullptr;
     const T* staged = kv.format == KV_INT4 && !open ? kv.staged_key(l, slot, h) : nullptr;
     if (open)
       widen_row(open, s.key, D);
     else
-      kv.key_codes(l, slot, h, s.key);
+      kv.key_codes(l, slot, h, s.rows[i], s.key);
     if (staged) widen_row(staged, s.fresh_key, D);
     for (int u = 0; u < nq; ++u) {
       if (!visible(u, i)) continue;
@@ -1776,7 +1788,7 @@ void attend_quant(const QuantKV<T>& kv, int64_t l, int64_t b, int64_t h, int nq,
     bool any = false;
     for (int u = 0; u < nq; ++u) any |= s.scores[u * n + i] != 0.0f;
     if (!any) continue;
-    kv.value_row(l, kv.slot(b, i), h, s.value);
+    kv.value_row(l, s.rows[i], s.value);
     for (int u = 0; u < nq; ++u)  // a zero weight adds nothing: skipped, so co-queries never change a result
       if (s.scores[u * n + i] != 0.0f) add_row(s.scores[u * n + i], s.value, s.acc.data() + u * D, D);
   }
@@ -1841,12 +1853,7 @@ void attend_quant(const QuantKV<T>& kv, int64_t l, int64_t b, int64_t h, int nq,
   };
   int64_t fresh[QUANT_QB];
   for (int u = 0; u < nq; ++u) fresh[u] = int4 ? kv.fresh_from(start + tok[u]) : n;
-  // each position's (block, head, offset) row, walked block by block: no division per row in the loops below
-  s.rows.resize(n);
-  for (int64_t i0 = 0, j = 0; i0 < n; i0 += kv.bs, ++j) {
-    const int64_t base = (static_cast<int64_t>(kv.tables[b * kv.W + j]) * kv.Hkv + h) * kv.bs;
-    for (int64_t o = 0; o < kv.bs && i0 + o < n; ++o) s.rows[i0 + o] = base + o;
-  }
+  kv.walk_rows(b, h, n, s.rows);  // no division per row in the loops below
   s.scores.assign(QUANT_QB * n, -INFINITY);  // masked keys stay -inf: e^-inf = 0
   for (int64_t i = 0; i < n; ++i) {
     bool any = false;
