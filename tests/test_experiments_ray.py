@@ -130,6 +130,7 @@ def test_killed_worker_is_retried_once_and_a_failing_row_fails_alone(tmp_path):
     assert "| killed twice |" in table and "failed: WorkerCrashedError" in table
 
 
+@pytest.mark.slow  # ~22 s; the store's build-once logic is covered by test_experiments_grid's concurrent builders
 def test_two_rows_needing_one_checkpoint_build_it_once(tmp_path):
     model = save_tiny_checkpoint(tmp_path / "model")
     store = tmp_path / "store"
