@@ -93,6 +93,8 @@ struct Weight {
   int64_t tiles() const { return (N + NR - 1) / NR; }
   bool quantized() const { return kind == I8 || kind == I4 || kind == FP8; }
   int64_t pair_bytes() const { return kind == I4 ? NR : 2 * NR; }  // bytes of one column pair of a tile
+  int64_t tile_bytes() const { return ((K + KB - 1) / KB * KB / 2) * pair_bytes(); }
+  const uint8_t* tile(int64_t t) const { return reinterpret_cast<const uint8_t*>(data.data_ptr()) + t * tile_bytes(); }
 };
 
 // A weight's zero-point table as the kernels read it. Integer zero points (RTN, GPTQ, AWQ codes; FP8's 0) are kept
@@ -2333,16 +2335,22 @@ inline float tile_code(const Weight& w, const uint8_t* tile, int64_t k, int64_t 
   return _cvtsh_ss(static_cast<uint16_t>(((b & 0x7f) << 7) | ((b & 0x80) << 8)));
 }
 
+// body(t, tile, at, kb, ke) for each tile t in [t0, t1) and each of its groups: the tile's codes, the index of the
+// group's 16 scales / zeros, the group's input columns [kb, ke). The walk every dequantize family shares.
+template <typename Body>
+inline void each_tile_group(const Weight& w, int64_t t0, int64_t t1, Body&& body) {
+  for (int64_t t = t0; t < t1; ++t)
+    for (int64_t g = 0; g < w.ngroups; ++g)
+      body(t, w.tile(t), (t * w.ngroups + g) * NR, g * w.group, std::min((g + 1) * w.group, w.K));
+}
+
 // Tiles [t0, t1) into wt (row stride ld; column 0 = row 16 * t0 of the layer), T = float or uint16_t (bf16 bits).
 template <typename T>
 void dequant_tiles_scalar(const Weight& w, int64_t t0, int64_t t1, int64_t tile_base, T* wt, int64_t ld) {
-  const int64_t Kp = (w.K + KB - 1) / KB * KB, G = w.ngroups, tile_bytes = (Kp / 2) * w.pair_bytes();
   const float* sc = w.scales.data_ptr<float>();
   const ZeroTable zc(w);
-  for (int64_t t = t0; t < t1; ++t) {
-    const uint8_t* tile = reinterpret_cast<const uint8_t*>(w.data.data_ptr()) + t * tile_bytes;
-    for (int64_t k = 0; k < w.K; ++k) {
-      const int64_t at = (t * G + k / w.group) * NR;
+  each_tile_group(w, t0, t1, [&](int64_t t, const uint8_t* tile, int64_t at, int64_t kb, int64_t ke) {
+    for (int64_t k = kb; k < ke; ++k) {
       T* row = wt + k * ld + (t - tile_base) * NR;
       for (int64_t r = 0; r < NR; ++r) {
         const float v = (tile_code(w, tile, k, r) - zc[at + r]) * sc[at + r];
@@ -2352,7 +2360,7 @@ void dequant_tiles_scalar(const Weight& w, int64_t t0, int64_t t1, int64_t tile_
           row[r] = bf16_bits(v);
       }
     }
-  }
+  });
 }
 
 #pragma GCC push_options
@@ -2389,33 +2397,28 @@ inline void pair_codes(const uint8_t* tile, int64_t j, __m512& c0, __m512& c1) {
 
 template <int64_t KIND, bool BF16_OUT>
 void tiles(const Weight& w, int64_t t0, int64_t t1, int64_t tile_base, void* out, int64_t ld) {
-  const int64_t Kp = (w.K + KB - 1) / KB * KB, G = w.ngroups, tile_bytes = (Kp / 2) * w.pair_bytes();
   const float* sc = w.scales.data_ptr<float>();
   const ZeroTable zc(w);
-  for (int64_t t = t0; t < t1; ++t) {
-    const uint8_t* tile = reinterpret_cast<const uint8_t*>(w.data.data_ptr()) + t * tile_bytes;
+  each_tile_group(w, t0, t1, [&](int64_t t, const uint8_t* tile, int64_t at, int64_t kb, int64_t ke) {
     const int64_t col = (t - tile_base) * NR;
-    for (int64_t g = 0; g < G; ++g) {
-      const __m512 s = _mm512_loadu_ps(sc + (t * G + g) * NR), z = load16(zc, (t * G + g) * NR);
-      const int64_t kb = g * w.group, ke = std::min(kb + w.group, w.K);
-      for (int64_t j = kb / 2; j < (ke + 1) / 2; ++j) {
-        __m512 c0, c1;
-        pair_codes<KIND>(tile, j, c0, c1);
-        const __m512 w0 = _mm512_mul_ps(_mm512_sub_ps(c0, z), s), w1 = _mm512_mul_ps(_mm512_sub_ps(c1, z), s);
-        const bool second = 2 * j + 1 < w.K;  // an odd K's last pair holds one real column
-        if constexpr (BF16_OUT) {
-          uint16_t* o = static_cast<uint16_t*>(out) + 2 * j * ld + col;
-          const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(w1, w0);  // [w0 as bf16, w1 as bf16]
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), _mm512_castsi512_si256(both));
-          if (second) _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + ld), _mm512_extracti64x4_epi64(both, 1));
-        } else {
-          float* o = static_cast<float*>(out) + 2 * j * ld + col;
-          _mm512_storeu_ps(o, w0);
-          if (second) _mm512_storeu_ps(o + ld, w1);
-        }
+    const __m512 s = _mm512_loadu_ps(sc + at), z = load16(zc, at);
+    for (int64_t j = kb / 2; j < (ke + 1) / 2; ++j) {
+      __m512 c0, c1;
+      pair_codes<KIND>(tile, j, c0, c1);
+      const __m512 w0 = _mm512_mul_ps(_mm512_sub_ps(c0, z), s), w1 = _mm512_mul_ps(_mm512_sub_ps(c1, z), s);
+      const bool second = 2 * j + 1 < w.K;  // an odd K's last pair holds one real column
+      if constexpr (BF16_OUT) {
+        uint16_t* o = static_cast<uint16_t*>(out) + 2 * j * ld + col;
+        const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(w1, w0);  // [w0 as bf16, w1 as bf16]
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), _mm512_castsi512_si256(both));
+        if (second) _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + ld), _mm512_extracti64x4_epi64(both, 1));
+      } else {
+        float* o = static_cast<float*>(out) + 2 * j * ld + col;
+        _mm512_storeu_ps(o, w0);
+        if (second) _mm512_storeu_ps(o + ld, w1);
       }
     }
-  }
+  });
 }
 
 }  // namespace dequant512
@@ -2427,26 +2430,20 @@ namespace avx2 {
 // the same bits; the fp32 GEMM of a CPU without native bf16 dot products multiplies it (prefill_linear).
 template <int64_t KIND>
 void dequant_tiles(const Weight& w, int64_t t0, int64_t t1, int64_t tile_base, float* wt, int64_t ld) {
-  const int64_t Kp = (w.K + KB - 1) / KB * KB, G = w.ngroups, tile_bytes = (Kp / 2) * w.pair_bytes();
   const float* sc = w.scales.data_ptr<float>();
   const ZeroTable zc(w);
-  for (int64_t t = t0; t < t1; ++t) {
-    const uint8_t* tile = reinterpret_cast<const uint8_t*>(w.data.data_ptr()) + t * tile_bytes;
-    for (int64_t g = 0; g < G; ++g) {
-      const int64_t kb = g * w.group, ke = std::min(kb + w.group, w.K);
-      for (int half = 0; half < 2; ++half) {
-        const int64_t at = (t * G + g) * NR + 8 * half;
-        const __m256 s = _mm256_loadu_ps(sc + at), z = zc.load8(at);
-        float* col = wt + (t - tile_base) * NR + 8 * half;
-        for (int64_t j = kb / 2; j < (ke + 1) / 2; ++j) {
-          __m256 c0, c1;
-          pair8<KIND>(tile, j, half, c0, c1);
-          _mm256_storeu_ps(col + 2 * j * ld, _mm256_mul_ps(_mm256_sub_ps(c0, z), s));
-          if (2 * j + 1 < w.K) _mm256_storeu_ps(col + (2 * j + 1) * ld, _mm256_mul_ps(_mm256_sub_ps(c1, z), s));
-        }
+  each_tile_group(w, t0, t1, [&](int64_t t, const uint8_t* tile, int64_t at, int64_t kb, int64_t ke) {
+    for (int half = 0; half < 2; ++half) {
+      const __m256 s = _mm256_loadu_ps(sc + at + 8 * half), z = zc.load8(at + 8 * half);
+      float* col = wt + (t - tile_base) * NR + 8 * half;
+      for (int64_t j = kb / 2; j < (ke + 1) / 2; ++j) {
+        __m256 c0, c1;
+        pair8<KIND>(tile, j, half, c0, c1);
+        _mm256_storeu_ps(col + 2 * j * ld, _mm256_mul_ps(_mm256_sub_ps(c0, z), s));
+        if (2 * j + 1 < w.K) _mm256_storeu_ps(col + (2 * j + 1) * ld, _mm256_mul_ps(_mm256_sub_ps(c1, z), s));
       }
     }
-  }
+  });
 }
 
 }  // namespace avx2
