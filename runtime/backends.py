@@ -69,7 +69,7 @@ class CpuStepBackend(Backend):
         if rows <= cpu_step.MAX_ROWS:
             return cpu_step.linear(dense_handle(layer), x).to(w.dtype)
         if w.dtype == torch.bfloat16 and cpu_step.widens_bf16_prefill():
-            return cpu_step.dense_prefill_linear(dense_handle(layer), x)
+            return cpu_step.block_gemm(dense_handle(layer), x)
         return None
 
     def rms_norm(self, norm: RMSNorm, x: Tensor) -> Tensor | None:

@@ -126,8 +126,8 @@ def test_dense_bf16_prompt_within_the_bf16_bound(family, monkeypatch, bias):
 
     monkeypatch.setattr(cpu_step, "PREFILL_BLOCK_ROWS", 48)  # several blocks, the last one ragged
     calls = []
-    real = cpu_step.dense_prefill_linear
-    monkeypatch.setattr(cpu_step, "dense_prefill_linear", lambda h, x: calls.append(x.shape) or real(h, x))
+    real = cpu_step.block_gemm
+    monkeypatch.setattr(cpu_step, "block_gemm", lambda h, x: calls.append(x.shape) or real(h, x))
     torch.manual_seed(7)
     layer = Linear(200, 130, bias=bias).bfloat16()
     x = torch.randn(ROWS, 200).bfloat16()

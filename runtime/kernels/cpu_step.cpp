@@ -2344,21 +2344,15 @@ inline void each_tile_group(const Weight& w, int64_t t0, int64_t t1, Body&& body
       body(t, w.tile(t), (t * w.ngroups + g) * NR, g * w.group, std::min((g + 1) * w.group, w.K));
 }
 
-// Tiles [t0, t1) into wt (row stride ld; column 0 = row 16 * t0 of the layer), T = float or uint16_t (bf16 bits).
-template <typename T>
-void dequant_tiles_scalar(const Weight& w, int64_t t0, int64_t t1, int64_t tile_base, T* wt, int64_t ld) {
+// Tiles [t0, t1) into wt as bf16 bits (row stride ld; column 0 = row 16 * t0 of the layer): the AVX2 machines' bf16
+// dequantize (fp32 output has its own AVX2 loop below; the prefill there multiplies in fp32).
+void dequant_tiles_scalar(const Weight& w, int64_t t0, int64_t t1, int64_t tile_base, uint16_t* wt, int64_t ld) {
   const float* sc = w.scales.data_ptr<float>();
   const ZeroTable zc(w);
   each_tile_group(w, t0, t1, [&](int64_t t, const uint8_t* tile, int64_t at, int64_t kb, int64_t ke) {
     for (int64_t k = kb; k < ke; ++k) {
-      T* row = wt + k * ld + (t - tile_base) * NR;
-      for (int64_t r = 0; r < NR; ++r) {
-        const float v = (tile_code(w, tile, k, r) - zc[at + r]) * sc[at + r];
-        if constexpr (std::is_same_v<T, float>)
-          row[r] = v;
-        else
-          row[r] = bf16_bits(v);
-      }
+      uint16_t* row = wt + k * ld + (t - tile_base) * NR;
+      for (int64_t r = 0; r < NR; ++r) row[r] = bf16_bits((tile_code(w, tile, k, r) - zc[at + r]) * sc[at + r]);
     }
   });
 }

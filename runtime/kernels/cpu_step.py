@@ -297,25 +297,23 @@ def prefill_linear(weight: KernelWeight, x: Tensor) -> Tensor:
     layer's prefill (F.linear): the weight is rounded to that dtype and the GEMM's summation order depends on the
     shape."""
     dtype = torch.bfloat16 if weight.bf16_activations else torch.float32
-    rows = x.detach().reshape(-1, x.shape[-1]).to(dtype)  # no autograd through the kernels (as ``linear``)
-    y = extension().prefill_linear(weight.handle(), rows, PREFILL_BLOCK_ROWS)
-    return y.view(*x.shape[:-1], -1)
+    return block_gemm(weight.handle(), x.to(dtype))
 
 
 def widens_bf16_prefill() -> bool:
-    """Whether a dense bf16 layer's many-row GEMM runs faster through ``dense_prefill_linear`` than F.linear: on
+    """Whether a dense bf16 layer's many-row GEMM runs faster through ``block_gemm`` than F.linear: on
     a CPU without native bf16 dot products (no AVX512-BF16) torch's bf16 GEMM is a fallback ~7x slower than its
     fp32 GEMM (128 x 576 x 3072: 37.0 against 5.3 ms on an AVX2 EPYC, notes/issue-39.md)."""
     ext = extension()
     return ext is not None and not ext.native_bf16_gemm()
 
 
-def dense_prefill_linear(handle, x: Tensor) -> Tensor:
-    """A dense bf16 layer (``dense_handle``) over x [..., K] bf16 with many rows: each core widens a block of the
-    weight's rows to fp32 in its own scratch and multiplies it by torch's fp32 GEMM, the product rounded to bf16
-    (cpu_step.cpp, ``prefill_linear``). The function F.linear computes (fp32 sums of bf16 products, a bf16 result)
-    up to summation order."""
-    rows = x.detach().reshape(-1, x.shape[-1])
+def block_gemm(handle, x: Tensor) -> Tensor:
+    """x [..., K] @ W^T (+ bias) for many rows through the extension's ``prefill_linear``, in x's dtype: each core
+    dequantizes (a quantized ``KernelWeight``) or widens (a dense bf16 ``dense_handle``, where
+    ``widens_bf16_prefill``: the function F.linear computes, fp32 sums of bf16 products rounded to bf16, up to
+    summation order) PREFILL_BLOCK_ROWS output rows at a time in its own scratch and multiplies them there."""
+    rows = x.detach().reshape(-1, x.shape[-1])  # no autograd through the kernels (as ``linear``)
     return extension().prefill_linear(handle, rows, PREFILL_BLOCK_ROWS).view(*x.shape[:-1], -1)
 
 
