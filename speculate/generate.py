@@ -292,6 +292,7 @@ def speculative_generate(
     on_token: Callable[[int, int], None] | None = None,
     grammar: Grammar | list[Grammar | None] | None = None,
     kv_cache: KVCacheSpec | None = None,
+    max_steps: int | None = None,
 ) -> SpecOutput:
     """Generate for a batch of token-id prompts with ``speculator`` proposing and the one verifier deciding.
 
@@ -305,7 +306,11 @@ def speculative_generate(
     distribution of constrained plain sampling. kv_cache: the target cache's format and policy (runtime.kv_policy);
     its trailing draft slots stay rewritable (int4 keeps their key groups open). The clock covers the whole call
     (runtime.timing): the TTFT includes the speculator's prefill, each step its propose, verification forward,
-    lm_head and verify."""
+    lm_head and verify. max_steps: stop after this many speculative steps, rows still running ending with
+    finish reason "steps" (a distribution test of the first tokens reads nothing later: its max_tokens still
+    sizes the first step's drafts, so a tree is proposed whole)."""
+    if max_steps is not None and max_steps < 1:
+        raise ValueError(f"max_steps must be >= 1, got {max_steps}")
     clock = LoopClock()
     row_params, longest = check_rows(model, prompts, params)
     B, device, cfg = len(prompts), device_of(model), model.config
@@ -342,6 +347,10 @@ def speculative_generate(
             speculator.prefill(rows.state(rows.live()))
         rows.stamp()
         while any(rows.active):
+            if max_steps is not None and rows.out.stats.steps >= max_steps:
+                for b in rows.live():
+                    rows.out.finish_reasons[b], rows.active[b] = "steps", False
+                break
             speculative_step(model, cache, speculator, rows, decoder)
             rows.stamp()
     finally:

@@ -4,6 +4,7 @@ models (seconds)."""
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
@@ -177,3 +178,24 @@ def test_adaptive_budget_is_the_fewest_runs_with_full_power():
     assert all(lossless.power_at(case, m, test) < 1.0 for m in smaller)
     assert n == 2000 or figures["power_vs_sharpened_0.8"] == 1.0
     assert v.verdict == "same distribution", figures
+
+
+@pytest.mark.parametrize("method", ["ngram:k=2", "eagle"])
+def test_a_test_run_is_one_step_whose_tokens_begin_the_full_run(method):
+    """The two-token test runs one speculative step (max_steps=1): each row's tokens are the first tokens of the
+    same seeded run left to finish (both tested tokens among them), rows cut short say so, and the step drafted
+    what the full run's first step drafted (max_tokens still sizes it: a tree is proposed whole)."""
+    target = tiny_target()
+    spec = build_speculator(method, target, BuildContext(smoke=True))
+    test = replace(small_test(), max_tokens=lossless.run_tokens(spec))
+    context = lossless.candidate_contexts(target, tiny_prompts(), test.params(0))[0]
+    params = [test.params(i) for i in range(24)]
+    full = speculative_generate(target, [context] * 24, params, spec)
+    cut = speculative_generate(target, [context] * 24, params, spec, max_steps=1)
+    assert cut.stats.steps == 1 and full.stats.steps > 1
+    for f, c, reason in zip(full.tokens, cut.tokens, cut.finish_reasons):
+        assert len(c) >= 2 and c == f[: len(c)]
+        assert reason == ("steps" if len(c) < len(f) else "length")
+    assert cut.stats.drafted > 0
+    with pytest.raises(ValueError, match="max_steps"):
+        speculative_generate(target, [context], params[:1], spec, max_steps=0)

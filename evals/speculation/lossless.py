@@ -50,7 +50,7 @@ CHUNK = 500  # speculative rows per batch
 POWER_REPLICATES = 40  # simulated tests of that bias for the stated power
 MIN_DRAFT_RATE = 0.05  # drafted tokens per sampled run below which a passed test is inconclusive
 PROBE_ROWS = 8  # seeded runs that probe whether a speculator drafts at a candidate context
-PROBE_LIMIT = 64  # candidate contexts probed, most uncertain first
+PROBE_LIMIT = 32  # candidate contexts probed, most uncertain first (each costs PROBE_ROWS one-step runs)
 PROBE_BATCH = 8  # contexts probed per batched call (the first batch with an accepted draft ends the search)
 PROBE_SEED = 1_000_000  # probe rows' seeds are offset from the test's, so choosing a context sees no test sample
 EXIT_CODES = {
@@ -218,12 +218,13 @@ def engine_batch_verdict(model, tokenizer, prompts, batch: int, max_tokens: int)
 
 @dataclass
 class TwoTokenTest:
-    """n speculative runs of ``max_tokens`` tokens on one fixed context, each row seeded (seed + row); their first
-    two tokens are compared with the target's exact joint p(t1) p(t2 | t1) by chi-square (cells expected < 5
-    pooled). Later tokens are not tested: they only let the steps that produce t1 and t2 draft. A chain is cut to
-    the tokens left, so 3 tokens suffice (the first step may draft 2 tokens, and a step that emitted one token
-    drafts again: two draft positions are tested); a tree is withdrawn where it is deeper than the tokens left,
-    so a tree speculator's runs are 2 + its depth long (``run_tokens``)."""
+    """n speculative runs on one fixed context, each row seeded (seed + row); their first two tokens are compared
+    with the target's exact joint p(t1) p(t2 | t1) by chi-square (cells expected < 5 pooled). t1 is the prefill's
+    sample and t2 the first speculative step's first token (its first draft accepted, or the verifier's
+    residual / bonus draw in its place), so a run is one speculative step (``max_steps=1``): later tokens would
+    not change t1 or t2. ``max_tokens`` only sizes that step's drafts: a chain is cut to the tokens left and a
+    tree withdrawn where it is deeper, so runs are 3 tokens long, or 2 + a tree speculator's depth
+    (``run_tokens``), and every speculator drafts in full."""
 
     samples: int = SAMPLES
     alpha: float = ALPHA
@@ -272,7 +273,7 @@ def probes(target, speculator, contexts: list[list[int]], test: TwoTokenTest) ->
     in one batched call: a row's draws and drafts do not depend on its batch mates (speculate.generate)."""
     prompts = [ctx for ctx in contexts for _ in range(PROBE_ROWS)]
     params = [test.params(PROBE_SEED + i) for _ in contexts for i in range(PROBE_ROWS)]
-    out = speculative_generate(target, prompts, params, speculator)
+    out = speculative_generate(target, prompts, params, speculator, max_steps=1)
     rows = range(0, len(prompts), PROBE_ROWS)
     return [(sum(out.row_drafted[r : r + PROBE_ROWS]), sum(out.row_accepted[r : r + PROBE_ROWS])) for r in rows]
 
@@ -317,7 +318,7 @@ def two_token_test(target, speculator, context: list[int], test: TwoTokenTest) -
     tokens, drafted, accepted = [], 0, 0
     for start in range(0, samples, CHUNK):  # rows are independent of their batch mates: chunks bound memory
         params = [test.params(i) for i in range(start, min(start + CHUNK, samples))]
-        out = speculative_generate(target, [context] * len(params), params, speculator)
+        out = speculative_generate(target, [context] * len(params), params, speculator, max_steps=1)
         tokens += out.tokens
         drafted, accepted = drafted + out.stats.drafted, accepted + out.stats.accepted
     index = torch.full((target.config.vocab_size,), -1, dtype=torch.long)
