@@ -304,22 +304,19 @@ void quant_block(const Weight& w, const Acts& a, int64_t tile0, int half, int64_
   _Pragma("GCC unroll 16") for (int t = 0; t < TB; ++t)
     _Pragma("GCC unroll 16") for (int i = 0; i < MB; ++i) tot[t][i] = _mm256_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
-    __m256 acc[TB][MB];
+    // even and odd columns in separate accumulators: two independent FMA chains per output instead of one chain
+    // of dependent pairs (AVX2's FMA latency, not its throughput, bounded a decode step)
+    __m256 even[TB][MB], odd[TB][MB];
     _Pragma("GCC unroll 16") for (int t = 0; t < TB; ++t)
-      _Pragma("GCC unroll 16") for (int i = 0; i < MB; ++i) acc[t][i] = _mm256_setzero_ps();
+      _Pragma("GCC unroll 16") for (int i = 0; i < MB; ++i) even[t][i] = odd[t][i] = _mm256_setzero_ps();
     const int64_t kb = g * w.group, ke = std::min(kb + w.group, w.K);
     for (int64_t j = kb / 2; j < (ke + 1) / 2; ++j) {
-      __m256 x0[MB], x1[MB];
-      _Pragma("GCC unroll 16") for (int i = 0; i < MB; ++i) {
-        x0[i] = _mm256_set1_ps(ax[(m0 + i) * Kp + 2 * j]);
-        x1[i] = _mm256_set1_ps(ax[(m0 + i) * Kp + 2 * j + 1]);
-      }
       _Pragma("GCC unroll 16") for (int t = 0; t < TB; ++t) {
         __m256 lo, hi;
         pair8<KIND>(base0 + t * tile_bytes, j, half, lo, hi);
         _Pragma("GCC unroll 16") for (int i = 0; i < MB; ++i) {
-          acc[t][i] = _mm256_fmadd_ps(lo, x0[i], acc[t][i]);
-          acc[t][i] = _mm256_fmadd_ps(hi, x1[i], acc[t][i]);
+          even[t][i] = _mm256_fmadd_ps(lo, _mm256_set1_ps(ax[(m0 + i) * Kp + 2 * j]), even[t][i]);
+          odd[t][i] = _mm256_fmadd_ps(hi, _mm256_set1_ps(ax[(m0 + i) * Kp + 2 * j + 1]), odd[t][i]);
         }
       }
     }
@@ -328,7 +325,8 @@ void quant_block(const Weight& w, const Acts& a, int64_t tile0, int half, int64_
       const __m256 s = _mm256_loadu_ps(sc + at), z = zc.load8(at);
       _Pragma("GCC unroll 16") for (int i = 0; i < MB; ++i) {
         const __m256 corr = _mm256_mul_ps(z, _mm256_set1_ps(gs[(m0 + i) * G + g]));
-        tot[t][i] = _mm256_fmadd_ps(s, _mm256_sub_ps(acc[t][i], corr), tot[t][i]);
+        const __m256 acc = _mm256_add_ps(even[t][i], odd[t][i]);
+        tot[t][i] = _mm256_fmadd_ps(s, _mm256_sub_ps(acc, corr), tot[t][i]);
       }
     }
   }
@@ -1093,7 +1091,7 @@ void dense_rows(const Weight& w, const Acts& a, int64_t n0, int64_t m0, float* y
 
 // Blocking: each dense block reads RB = 4 weight rows once for every activation row (in blocks of MB <= 4);
 // each quantized block reads TB tiles for MB activation rows, TB * MB <= 8 independent accumulator chains (AVX2:
-// 4). Weight rows / tiles are the outer loop, so they are read from memory once per call. No blocking changes an
+// 4 outputs, each in two chains: even and odd columns). Weight rows / tiles are the outer loop, so they are read from memory once per call. No blocking changes an
 // output's sum order.
 void run_dense(const Weight& w, const Acts& a, int64_t n_begin, int64_t n_end, float* y, int64_t ldy, int level) {
   for (int64_t n = n_begin; n < n_end;) {

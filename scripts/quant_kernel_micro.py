@@ -1,0 +1,56 @@
+"""The CPU step's quantized linear kernel alone: int4 / int8 g64 layers of real shapes at 1 and 4 activation rows,
+weights hot in cache, per kernel family named on the command line (default avx2); median microseconds of 200 calls.
+A kernel-level probe, not a speed claim (those come from evals.speed.bench_decode's whole steps).
+
+    PYTHONPATH=. python scripts/quant_kernel_micro.py avx2 avx512
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+
+from runtime.kernels import cpu_step
+
+SHAPES = [(3072, 576), (576, 1536), (8960, 1536)]  # SmolLM2's gate_up, the 1.5B's o_proj and gate_up (N, K)
+
+
+def layer(N: int, K: int, bits: int, group: int = 64, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 2**bits, (N, K), generator=g, dtype=torch.uint8)
+    groups = -(-K // group)
+    scales = torch.rand(N, groups, generator=g) * 0.05 + 0.01
+    zeros = torch.randint(0, 2**bits, (N, groups), generator=g).float() - (128 if bits == 8 else 0)
+    kind = "i8" if bits == 8 else "i4"
+    packed = cpu_step.pack_codes(codes, bits)
+    tables = cpu_step.group_table(scales, N), cpu_step.group_table(zeros, N)
+    return cpu_step.KernelWeight(kind, N, K, group, packed, *tables).handle()
+
+
+def median_us(ext, handle, x: torch.Tensor, calls: int = 200) -> float:
+    for _ in range(20):
+        ext.linear(handle, x)
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        ext.linear(handle, x)
+        times.append(time.perf_counter() - start)
+    return sorted(times)[calls // 2] * 1e6
+
+
+def main(families: list[str]) -> None:
+    ext = cpu_step.extension()
+    for family in families:
+        ext.set_isa(family)
+        for N, K in SHAPES:
+            for bits in (4, 8):
+                handle = layer(N, K, bits)
+                for M in (1, 4):
+                    us = median_us(ext, handle, torch.randn(M, K))
+                    print(f"{family} N={N} K={K} int{bits} M={M}: {us:8.1f} us {N * K * M / us / 1e3:6.1f} G w*rows/s")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:] or ["avx2"])
