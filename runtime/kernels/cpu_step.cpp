@@ -289,17 +289,24 @@ inline void pair8(const uint8_t* tile, int64_t j, int half, __m256& lo, __m256& 
   }
 }
 
-// TB tiles x MB activation rows, half a tile (8 rows) at a time: independent accumulator chains for the TB x MB
-// outputs; each output's sum still runs over k in order, so the blocking never changes a result.
+// UB units of half a tile (8 rows) from unit0 (unit u: tile u / 2, rows 8 (u % 2) ..) x MB activation rows:
+// independent accumulator chains for the UB x MB outputs, each column pair read once for all of them; each
+// output's sum still runs over k in the same order, so the blocking never changes a result.
 template <int64_t KIND, int TB, int MB>
-void quant_block(const Weight& w, const Acts& a, int64_t tile0, int half, int64_t m0, float* y, int64_t ldy) {
+void quant_block(const Weight& w, const Acts& a, int64_t unit0, int64_t m0, float* y, int64_t ldy) {
   const int64_t Kp = a.Kp, G = w.ngroups;
   const float* ax = a.x.data();
   const float* gs = a.gsum.data();
   const float* sc = w.scales.data_ptr<float>();
   const ZeroTable zc(w);
   const int64_t tile_bytes = (Kp / 2) * w.pair_bytes();
-  const uint8_t* base0 = reinterpret_cast<const uint8_t*>(w.data.data_ptr()) + tile0 * tile_bytes;
+  const uint8_t* codes = reinterpret_cast<const uint8_t*>(w.data.data_ptr());
+  int64_t tile[TB];
+  int half[TB];
+  _Pragma("GCC unroll 16") for (int t = 0; t < TB; ++t) {
+    tile[t] = (unit0 + t) / 2;
+    half[t] = static_cast<int>((unit0 + t) % 2);
+  }
   __m256 tot[TB][MB];
   _Pragma("GCC unroll 16") for (int t = 0; t < TB; ++t)
     _Pragma("GCC unroll 16") for (int i = 0; i < MB; ++i) tot[t][i] = _mm256_setzero_ps();
@@ -313,7 +320,7 @@ void quant_block(const Weight& w, const Acts& a, int64_t tile0, int half, int64_
     for (int64_t j = kb / 2; j < (ke + 1) / 2; ++j) {
       _Pragma("GCC unroll 16") for (int t = 0; t < TB; ++t) {
         __m256 lo, hi;
-        pair8<KIND>(base0 + t * tile_bytes, j, half, lo, hi);
+        pair8<KIND>(codes + tile[t] * tile_bytes, j, half[t], lo, hi);
         _Pragma("GCC unroll 16") for (int i = 0; i < MB; ++i) {
           even[t][i] = _mm256_fmadd_ps(lo, _mm256_set1_ps(ax[(m0 + i) * Kp + 2 * j]), even[t][i]);
           odd[t][i] = _mm256_fmadd_ps(hi, _mm256_set1_ps(ax[(m0 + i) * Kp + 2 * j + 1]), odd[t][i]);
@@ -321,7 +328,7 @@ void quant_block(const Weight& w, const Acts& a, int64_t tile0, int half, int64_
       }
     }
     _Pragma("GCC unroll 16") for (int t = 0; t < TB; ++t) {
-      const int64_t at = ((tile0 + t) * G + g) * NR + 8 * half;
+      const int64_t at = (tile[t] * G + g) * NR + 8 * half[t];
       const __m256 s = _mm256_loadu_ps(sc + at), z = zc.load8(at);
       _Pragma("GCC unroll 16") for (int i = 0; i < MB; ++i) {
         const __m256 corr = _mm256_mul_ps(z, _mm256_set1_ps(gs[(m0 + i) * G + g]));
@@ -331,7 +338,7 @@ void quant_block(const Weight& w, const Acts& a, int64_t tile0, int half, int64_
     }
   }
   _Pragma("GCC unroll 16") for (int t = 0; t < TB; ++t) {
-    const int64_t n0 = (tile0 + t) * NR + 8 * half, rows = std::min<int64_t>(8, w.N - n0);
+    const int64_t n0 = tile[t] * NR + 8 * half[t], rows = std::min<int64_t>(8, w.N - n0);
     _Pragma("GCC unroll 16") for (int i = 0; i < MB; ++i) {
       alignas(32) float out[8];
       _mm256_store_ps(out, tot[t][i]);
@@ -1070,11 +1077,13 @@ void quant_blocks(const Weight& w, const Acts& a, int64_t tile0, int64_t m0, flo
       default: return avx512::quant_block<I4, TB, MB>(w, a, tile0, m0, y, ldy);
     }
   }
-  for (int half = 0; half < 2; ++half) {
+  // AVX2: the TB tiles as 2 TB half-tile units, UB per kernel call (4 outputs: 8 chains of 16 registers)
+  constexpr int UB = std::min(2 * TB, MB == 1 ? 4 : MB == 2 ? 2 : 1);
+  for (int64_t u = 2 * tile0; u < 2 * (tile0 + TB); u += UB) {
     switch (w.kind) {
-      case I8: avx2::quant_block<I8, TB, MB>(w, a, tile0, half, m0, y, ldy); break;
-      case FP8: avx2::quant_block<FP8, TB, MB>(w, a, tile0, half, m0, y, ldy); break;
-      default: avx2::quant_block<I4, TB, MB>(w, a, tile0, half, m0, y, ldy); break;
+      case I8: avx2::quant_block<I8, UB, MB>(w, a, u, m0, y, ldy); break;
+      case FP8: avx2::quant_block<FP8, UB, MB>(w, a, u, m0, y, ldy); break;
+      default: avx2::quant_block<I4, UB, MB>(w, a, u, m0, y, ldy); break;
     }
   }
 }
