@@ -1,8 +1,8 @@
 """The CPU step's int8-activation kernels (W8A8, W4A8: runtime/kernels/cpu_step.cpp, namespace i8act) against a
 torch reference of the same math, bit for bit: per-token int8 activations (quantize_activations_per_token), exact
 integer sums per group, then acc = d_0 * s_0, acc = acc + d_g * s_g, y = acc * s in fp32. Every kernel this CPU
-runs (AVX2 and AVX-512 vpmaddwd, AVX512-VNNI vpdpbusd), group sizes, odd shapes, 1..64 rows, row invariance, and
-whole steps of W8A8 / W4A8 layers against the Python layers on the reference path."""
+runs (AVX2 and AVX-512 vpmaddwd, AVX2 vpmaddubsw for int4, AVX512-VNNI vpdpbusd), group sizes, odd shapes, 1..64
+rows, row invariance, and whole steps of W8A8 / W4A8 layers against the Python layers on the reference path."""
 
 from __future__ import annotations
 
@@ -72,6 +72,17 @@ def rows(m: int, k: int, seed: int) -> torch.Tensor:
 SHAPES = [(48, 256), (37, 90), (100, 200)]  # (N, K): whole tiles, ragged rows and columns
 
 
+def expected_kernel(family: str, bits: int, K: int, group: int) -> str:
+    """The kernel a layer takes in a family: VNNI reads 4 (int8) or 8 (int4) columns per load and AVX2's int4
+    kernel (vpmaddubsw) two column pairs per step, so a group must not end inside one (a single group may)."""
+    single = -(-K // group) == 1
+    if family == "avx512-vnni" and not (single or group % (8 if bits < 8 else 4) == 0):
+        return "avx512-maddwd"
+    if family == "avx2-maddwd" and bits < 8 and (single or group % 4 == 0):
+        return "avx2-maddubs"
+    return family
+
+
 @pytest.mark.parametrize("bits", [8, 4, 3])
 @pytest.mark.parametrize("group", [64, 128, -1, 12])
 @pytest.mark.parametrize("N,K", SHAPES)
@@ -79,8 +90,7 @@ def test_kernels_equal_the_reference_bitwise(kernel, bits, group, N, K):
     group = K if group == -1 else group
     codes, scales, zeros = quantized(N, K, bits, group, seed=N + K + bits)
     h = handle(codes, scales, zeros, bits, group)
-    vnni_fits = -(-K // group) == 1 or group % (8 if bits < 8 else 4) == 0
-    assert ext.int8_kernel(h) == (kernel if kernel != "avx512-vnni" or vnni_fits else "avx512-maddwd")
+    assert ext.int8_kernel(h) == expected_kernel(kernel, bits, K, group)
     for m in (1, 5, 64):
         x = rows(m, K, m)
         assert torch.equal(ext.linear(h, x), reference(x, codes, scales, zeros, group))
@@ -173,3 +183,18 @@ def test_whole_step_equals_the_python_reference_layers(bits, dtype, monkeypatch)
         slow = run(False)
     bound = 1e-2 if dtype == torch.float32 else 4e-2  # bf16: every layer's output rounded to bf16 (measured ~2 %)
     assert float((fast - slow).float().norm() / slow.float().norm()) < bound
+
+
+@pytest.mark.parametrize("group", [64, -1])
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_largest_products_stay_exact(kernel, group, sign):
+    """Every code 15 against activations of +-127 (the int16 partial sums of AVX2's int4 kernel at their largest,
+    8 steps x 2 x 15 x 127 = 30480) and a zero point of 0: still the exact integer sums."""
+    N, K = 32, 512
+    group = K if group == -1 else group
+    codes = torch.full((N, K), 15, dtype=torch.uint8)
+    scales = torch.full((N, K // group), 0.01)
+    zeros = torch.zeros(N, K // group)
+    h = handle(codes, scales, zeros, 4, group)
+    x = torch.full((3, K), sign)
+    assert torch.equal(ext.linear(h, x), reference(x, codes, scales, zeros, group))

@@ -732,7 +732,7 @@ bool g_vnni = true;  // set_vnni(false): tests run the vpmaddwd kernels on a VNN
 
 namespace i8act {
 
-enum Family : int { MADD2 = 0, MADD512 = 1, VNNI = 2 };
+enum Family : int { MADD2 = 0, MADD512 = 1, VNNI = 2, MADDUBS2 = 3 };
 
 struct QActs {
   int64_t M = 0, Kp = 0;
@@ -746,10 +746,14 @@ struct QActs {
 // VNNI reads 4 (int8) or 8 (int4) columns per load: groups must not end inside one
 inline bool quads_fit(const Weight& w) { return w.ngroups == 1 || w.group % (w.kind == I4 ? 8 : 4) == 0; }
 
+// vpmaddubsw steps over two column pairs: a group must not end between them (the last group may: zero activations)
+inline bool pair_steps_fit(const Weight& w) { return w.kind == I4 && (w.ngroups == 1 || w.group % 4 == 0); }
+
 int family(const Weight& w) {
   const int level = isa();
   if (level >= ISA_AVX512 && g_vnni && cpu_vnni() && quads_fit(w)) return VNNI;
-  return level >= ISA_AVX512 ? MADD512 : MADD2;
+  if (level >= ISA_AVX512) return MADD512;
+  return pair_steps_fit(w) ? MADDUBS2 : MADD2;
 }
 
 inline int8_t quant_value(float v, float s) {  // torch.clamp(torch.round(v / s), -127, 127)
@@ -801,9 +805,9 @@ void quantize_row(const Weight& w, const float* src, int64_t m, QActs& a, int fa
   }
   for (int64_t c = 0; c < a.Kp; c += 16) {  // Kp is a multiple of 32
     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + c));
-    if (fam != VNNI) {  // dword j = (q 2j, q 2j+1) as int16 words: the row sign-extended to int16
+    if (fam == MADD2 || fam == MADD512) {  // dword j = (q 2j, q 2j+1) as int16 words: the row sign-extended
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.pairs.data() + m * (a.Kp / 2) + c / 2), _mm256_cvtepi8_epi16(b));
-    } else if (w.kind == I4) {  // per 8 columns: dword (q 0, 2, 4, 6), dword (q 1, 3, 5, 7)
+    } else if (fam == VNNI && w.kind == I4) {  // per 8 columns: dword (q 0, 2, 4, 6), dword (q 1, 3, 5, 7)
       const __m128i order = _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
       _mm_storeu_si128(reinterpret_cast<__m128i*>(a.split.data() + (m * (a.Kp / 8) + c / 8) * 2), _mm_shuffle_epi8(b, order));
     }
@@ -816,7 +820,7 @@ void prepare(const Weight& w, const float* x, int64_t M, int64_t ldx, QActs& a, 
   a.q.assign(M * a.Kp, 0);
   a.scale.resize(M);
   a.qsum.resize(M * w.ngroups);
-  if (fam != VNNI) a.pairs.resize(M * a.Kp / 2);
+  if (fam == MADD2 || fam == MADD512) a.pairs.resize(M * a.Kp / 2);  // vpmaddubsw and VNNI read q itself
   if (fam == VNNI && w.kind == I4) a.split.resize(M * a.Kp / 4);
   std::vector<float> gathered;
   for (int64_t m = 0; m < M; ++m) quantize_row(w, x + m * ldx, m, a, fam, gathered);
@@ -869,6 +873,73 @@ void madd_block2(const Weight& w, const QActs& a, int64_t tile0, int half, int64
     _Pragma("GCC unroll 16") for (int i = 0; i < MB; ++i) {
       alignas(32) float out[8];
       _mm256_store_ps(out, _mm256_mul_ps(tot[t][i], _mm256_set1_ps(a.scale[m0 + i])));
+      if (rows > 0) std::memcpy(y + (m0 + i) * ldy + n0, out, rows * sizeof(float));
+    }
+  }
+}
+
+// One tile (16 rows) of 4-bit codes x MB activation rows with vpmaddubsw, the AVX2 int4 kernel: 32 code bytes are
+// column pairs j and j + 1 of the tile's 16 rows; their nibbles, interleaved per row (code 2j, code 2j + 1), meet
+// (x 2j, x 2j + 1) in the low 128-bit lane and the next pair in the high one. A code times an int8 fits int16 with
+// room (a pair: 2 x 15 x 127 = 3810; 8 steps: 30480) before the sums widen to int32 per group: the exact integer
+// sums madd_block2 forms, so the same bits, at a third of its instructions per weight.
+template <int MB>
+void maddubs_tile(const Weight& w, const QActs& a, int64_t tile, int64_t m0, float* y, int64_t ldy) {
+  const int64_t Kp = a.Kp, G = w.ngroups;
+  const uint8_t* codes = reinterpret_cast<const uint8_t*>(w.data.data_ptr()) + tile * (Kp / 2) * NR;
+  const float* sc = w.scales.data_ptr<float>();
+  const ZeroTable zc(w);
+  const __m256i low4 = _mm256_set1_epi8(15);
+  const __m256i spread = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,   // low lane: x 2j, 2j + 1
+                                          2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);  // high: x 2j + 2, 2j + 3
+  __m256 tot[2][MB];
+  for (int64_t g = 0; g < G; ++g) {
+    __m256i acc[2][MB];  // rows 0-7, 8-15: int32 sums of the group
+    _Pragma("GCC unroll 4") for (int h = 0; h < 2; ++h)
+      _Pragma("GCC unroll 4") for (int i = 0; i < MB; ++i) acc[h][i] = _mm256_setzero_si256();
+    const int64_t kb = g * w.group, ke = std::min(kb + w.group, w.K);
+    const int64_t jb = kb / 2, je = jb + (((ke + 1) / 2 - jb + 1) & ~int64_t{1});  // whole steps; past K: zeros
+    for (int64_t j = jb; j < je;) {
+      const int64_t end = std::min(je, j + 16);  // 8 steps of int16 sums
+      __m256i part[2][MB];
+      _Pragma("GCC unroll 4") for (int h = 0; h < 2; ++h)
+        _Pragma("GCC unroll 4") for (int i = 0; i < MB; ++i) part[h][i] = _mm256_setzero_si256();
+      for (; j < end; j += 2) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + j * NR));
+        const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        const __m256i rows[2] = {_mm256_unpacklo_epi8(lo, hi), _mm256_unpackhi_epi8(lo, hi)};
+        _Pragma("GCC unroll 4") for (int i = 0; i < MB; ++i) {
+          int32_t four;
+          std::memcpy(&four, a.q.data() + (m0 + i) * Kp + 2 * j, 4);
+          const __m256i x = _mm256_shuffle_epi8(_mm256_set1_epi32(four), spread);
+          _Pragma("GCC unroll 4") for (int h = 0; h < 2; ++h)
+            part[h][i] = _mm256_add_epi16(part[h][i], _mm256_maddubs_epi16(rows[h], x));
+        }
+      }
+      _Pragma("GCC unroll 4") for (int h = 0; h < 2; ++h)
+        _Pragma("GCC unroll 4") for (int i = 0; i < MB; ++i) {  // the two lanes hold the same rows: add them
+          const __m256i both = _mm256_add_epi32(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(part[h][i])),
+                                                _mm256_cvtepi16_epi32(_mm256_extracti128_si256(part[h][i], 1)));
+          acc[h][i] = _mm256_add_epi32(acc[h][i], both);
+        }
+    }
+    _Pragma("GCC unroll 4") for (int h = 0; h < 2; ++h) {
+      const int64_t at = (tile * G + g) * NR + 8 * h;
+      const __m256 s = _mm256_loadu_ps(sc + at);
+      const __m256i z = _mm256_cvtps_epi32(zc.load8(at));
+      _Pragma("GCC unroll 4") for (int i = 0; i < MB; ++i) {
+        const __m256i qs = _mm256_set1_epi32(a.qsum[(m0 + i) * G + g]);
+        const __m256i d = _mm256_sub_epi32(acc[h][i], _mm256_mullo_epi32(z, qs));
+        const __m256 p = _mm256_mul_ps(_mm256_cvtepi32_ps(d), s);
+        tot[h][i] = g == 0 ? p : _mm256_add_ps(tot[h][i], p);
+      }
+    }
+  }
+  _Pragma("GCC unroll 4") for (int h = 0; h < 2; ++h) {
+    const int64_t n0 = tile * NR + 8 * h, rows = std::min<int64_t>(8, w.N - n0);
+    _Pragma("GCC unroll 4") for (int i = 0; i < MB; ++i) {
+      alignas(32) float out[8];
+      _mm256_store_ps(out, _mm256_mul_ps(tot[h][i], _mm256_set1_ps(a.scale[m0 + i])));
       if (rows > 0) std::memcpy(y + (m0 + i) * ldy + n0, out, rows * sizeof(float));
     }
   }
@@ -999,6 +1070,16 @@ void blocks(const Weight& w, const QActs& a, int fam, int64_t t, int64_t m0, flo
     return i4 ? i8act512::block<true, I4, TB, MB>(w, a, t, m0, y, ldy) : i8act512::block<true, I8, TB, MB>(w, a, t, m0, y, ldy);
   if (fam == MADD512)
     return i4 ? i8act512::block<false, I4, TB, MB>(w, a, t, m0, y, ldy) : i8act512::block<false, I8, TB, MB>(w, a, t, m0, y, ldy);
+  if (fam == MADDUBS2) {  // one tile and at most 2 rows per call (16 registers)
+    for (int64_t u = t; u < t + TB; ++u)
+      for (int i = 0; i < MB; i += 2) {
+        if (MB - i >= 2)
+          maddubs_tile<2>(w, a, u, m0 + i, y, ldy);
+        else
+          maddubs_tile<1>(w, a, u, m0 + i, y, ldy);
+      }
+    return;
+  }
   for (int half = 0; half < 2; ++half) {
     if (i4)
       madd_block2<I4, TB, MB>(w, a, t, half, m0, y, ldy);
@@ -1010,7 +1091,7 @@ void blocks(const Weight& w, const QActs& a, int fam, int64_t t, int64_t m0, flo
 // Tiles [t_begin, t_end) for every activation row: spans of tiles that stay in cache while each block of rows runs,
 // TB * MB <= 8 accumulator chains (AVX2: 4). No blocking changes a result (integer sums).
 void run(const Weight& w, const QActs& a, int fam, int64_t t_begin, int64_t t_end, float* y, int64_t ldy) {
-  const bool wide = fam != MADD2;
+  const bool wide = fam != MADD2 && fam != MADDUBS2;
   constexpr int64_t SPAN = 8;
   for (int64_t t0 = t_begin; t0 < t_end; t0 += SPAN) {
     const int64_t t1 = std::min(t0 + SPAN, t_end);
@@ -1053,7 +1134,7 @@ void linear_into(const Weight& w, const float* x, int64_t M, int64_t ldx, float*
 }
 
 std::string kernel_name(const Weight& w) {
-  static const char* names[] = {"avx2-maddwd", "avx512-maddwd", "avx512-vnni"};
+  static const char* names[] = {"avx2-maddwd", "avx512-maddwd", "avx512-vnni", "avx2-maddubs"};
   return names[family(w)];
 }
 
