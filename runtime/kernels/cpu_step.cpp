@@ -1070,14 +1070,8 @@ void blocks(const Weight& w, const QActs& a, int fam, int64_t t, int64_t m0, flo
     return i4 ? i8act512::block<true, I4, TB, MB>(w, a, t, m0, y, ldy) : i8act512::block<true, I8, TB, MB>(w, a, t, m0, y, ldy);
   if (fam == MADD512)
     return i4 ? i8act512::block<false, I4, TB, MB>(w, a, t, m0, y, ldy) : i8act512::block<false, I8, TB, MB>(w, a, t, m0, y, ldy);
-  if (fam == MADDUBS2) {  // one tile and at most 2 rows per call (16 registers)
-    for (int64_t u = t; u < t + TB; ++u)
-      for (int i = 0; i < MB; i += 2) {
-        if (MB - i >= 2)
-          maddubs_tile<2>(w, a, u, m0 + i, y, ldy);
-        else
-          maddubs_tile<1>(w, a, u, m0 + i, y, ldy);
-      }
+  if (fam == MADDUBS2) {  // one tile per call, its nibbles expanded once for all MB rows
+    for (int64_t u = t; u < t + TB; ++u) maddubs_tile<MB>(w, a, u, m0, y, ldy);
     return;
   }
   for (int half = 0; half < 2; ++half) {
