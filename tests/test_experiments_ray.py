@@ -23,6 +23,7 @@ from tests.serve_helpers import save_tiny_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "configs" / "tiny.yaml"
+EXAMPLES = ROOT / "examples"  # qspec_plugin_example: a speculator and a quantizer outside the qspec packages
 TIMINGS = {"speed", "row_seconds"}  # results that are wall times
 RUN_IDENTITY = {"run_id", "time_utc", "command", "cluster"}  # which run, when, how it was launched, where
 
@@ -32,7 +33,13 @@ def local_cluster():
     import psutil  # a dependency of ray
 
     before = {p.pid for p in psutil.Process().children(recursive=True)}
-    assert connect("local", num_cpus=2, object_store_bytes=80 * 1024**2)
+    # the worked plug-in package importable by the workers, as an installed package of the user's would be
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(EXAMPLES), saved) if p)
+    try:
+        assert connect("local", num_cpus=2, object_store_bytes=80 * 1024**2)
+    finally:
+        os.environ.pop("PYTHONPATH") if saved is None else os.environ.__setitem__("PYTHONPATH", saved)
     yield
     ray.shutdown()
     # Ray's processes stop after shutdown returns; wait for them, so that the next tests (latency measurements
@@ -161,6 +168,34 @@ def test_two_rows_needing_one_checkpoint_build_it_once(tmp_path):
     again = read_jsonl(tmp_path / "serial" / "artifacts" / "records.jsonl")
     assert len(builds(store)) == 1 and again[0]["results"]["checkpoint"] == checkpoint
     assert again[0]["results"]["fidelity"] == res["fidelity"]
+
+
+def test_outside_plugins_run_as_rows_on_ray_workers(tmp_path, monkeypatch):
+    """A speculator and a quantizer from a package outside qspec, named module:attr in a config, run as rows on
+    the cluster's workers: the quantizer's checkpoint is built through quantize.plugin and scored, the speculator
+    drafts, its greedy output equals plain decoding and its verdict is not a failure."""
+    monkeypatch.syspath_prepend(str(EXAMPLES))  # the driver checks the names before any row is sent
+    model = save_tiny_checkpoint(tmp_path / "model")
+    cfg = yaml.safe_load(TINY.read_text())
+    cfg.update(name="plugins", model={"spec": str(model)})
+    cfg["evals"].update(fidelity_sequences=2, fidelity_seqlen=32, greedy_prompts=2, greedy_tokens=8)
+    cfg["rows"] = [
+        {"name": "absmax4 g32", "kind": "quantized", "run_bench": False,
+         "params": {"method": "qspec_plugin_example.absmax:Absmax", "bits": 4, "group_size": 32}},
+        {"name": "prompt lookup", "kind": "speculative", "lossless_class": "same distribution", "run_bench": False,
+         "params": {"speculator": "qspec_plugin_example.lookup:PromptLookup", "k": 3}},
+    ]  # fmt: skip
+    path = tmp_path / "plugins.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    main([str(path), "--results-dir", str(tmp_path / "ray"), "--ray", "--store", str(tmp_path / "store")])
+    records = {r["row"]["name"]: r for r in read_jsonl(tmp_path / "ray" / "plugins" / "records.jsonl")}
+    assert {name: r["status"] for name, r in records.items()} == {"absmax4 g32": "ok", "prompt lookup": "ok"}
+    built = builds(tmp_path / "store")
+    assert len(built) == 1 and built[0]["module"] == "quantize.plugin"
+    assert records["absmax4 g32"]["results"]["fidelity"]["max_abs_dlogprob"] > 0
+    lookup = records["prompt lookup"]["results"]
+    assert lookup["speculator"] == "prompt-lookup" and lookup["greedy"]["identical_sequences"] == 2
+    assert lookup["speculation"]["drafted"] > 0 and lookup["verdict"]["verdict"] != "not lossless"
 
 
 def test_a_task_no_node_can_hold_is_an_error_not_a_hang(tmp_path, capsys):
