@@ -39,7 +39,10 @@ def local_cluster():
     try:
         assert connect("local", num_cpus=2, object_store_bytes=80 * 1024**2)
     finally:
-        os.environ.pop("PYTHONPATH") if saved is None else os.environ.__setitem__("PYTHONPATH", saved)
+        if saved is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = saved
     yield
     ray.shutdown()
     # Ray's processes stop after shutdown returns; wait for them, so that the next tests (latency measurements

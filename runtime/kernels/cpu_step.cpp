@@ -299,13 +299,13 @@ void quant_block(const Weight& w, const Acts& a, int64_t unit0, int64_t m0, floa
   const float* gs = a.gsum.data();
   const float* sc = w.scales.data_ptr<float>();
   const ZeroTable zc(w);
-  const int64_t tile_bytes = (Kp / 2) * w.pair_bytes();
-  const uint8_t* codes = reinterpret_cast<const uint8_t*>(w.data.data_ptr());
   int64_t tile[TB];
   int half[TB];
+  const uint8_t* codes[TB];
   _Pragma("GCC unroll 16") for (int t = 0; t < TB; ++t) {
     tile[t] = (unit0 + t) / 2;
     half[t] = static_cast<int>((unit0 + t) % 2);
+    codes[t] = w.tile(tile[t]);
   }
   __m256 tot[TB][MB];
   _Pragma("GCC unroll 16") for (int t = 0; t < TB; ++t)
@@ -320,7 +320,7 @@ void quant_block(const Weight& w, const Acts& a, int64_t unit0, int64_t m0, floa
     for (int64_t j = kb / 2; j < (ke + 1) / 2; ++j) {
       _Pragma("GCC unroll 16") for (int t = 0; t < TB; ++t) {
         __m256 lo, hi;
-        pair8<KIND>(codes + tile[t] * tile_bytes, j, half[t], lo, hi);
+        pair8<KIND>(codes[t], j, half[t], lo, hi);
         _Pragma("GCC unroll 16") for (int i = 0; i < MB; ++i) {
           even[t][i] = _mm256_fmadd_ps(lo, _mm256_set1_ps(ax[(m0 + i) * Kp + 2 * j]), even[t][i]);
           odd[t][i] = _mm256_fmadd_ps(hi, _mm256_set1_ps(ax[(m0 + i) * Kp + 2 * j + 1]), odd[t][i]);
@@ -886,7 +886,7 @@ void madd_block2(const Weight& w, const QActs& a, int64_t tile0, int half, int64
 template <int MB>
 void maddubs_tile(const Weight& w, const QActs& a, int64_t tile, int64_t m0, float* y, int64_t ldy) {
   const int64_t Kp = a.Kp, G = w.ngroups;
-  const uint8_t* codes = reinterpret_cast<const uint8_t*>(w.data.data_ptr()) + tile * (Kp / 2) * NR;
+  const uint8_t* codes = w.tile(tile);
   const float* sc = w.scales.data_ptr<float>();
   const ZeroTable zc(w);
   const __m256i low4 = _mm256_set1_epi8(15);
@@ -1175,8 +1175,8 @@ void dense_rows(const Weight& w, const Acts& a, int64_t n0, int64_t m0, float* y
 
 // Blocking: each dense block reads RB = 4 weight rows once for every activation row (in blocks of MB <= 4);
 // each quantized block reads TB tiles for MB activation rows, TB * MB <= 8 independent accumulator chains (AVX2:
-// 4 outputs, each in two chains: even and odd columns). Weight rows / tiles are the outer loop, so they are read from memory once per call. No blocking changes an
-// output's sum order.
+// 4 outputs, each in two chains: even and odd columns). Weight rows / tiles are the outer loop, so they are read
+// from memory once per call. No blocking changes an output's sum order.
 void run_dense(const Weight& w, const Acts& a, int64_t n_begin, int64_t n_end, float* y, int64_t ldy, int level) {
   for (int64_t n = n_begin; n < n_end;) {
     const bool four = n + 4 <= n_end;
