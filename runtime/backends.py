@@ -43,9 +43,11 @@ class CpuStepBackend(Backend):
     """The compiled CPU step's kernels wherever they apply, the plain layers elsewhere."""
 
     def decoder_layers(self, model: Transformer, x: Tensor, meta: AttentionMetadata, cache) -> Tensor | None:
-        # short chunks, and candidate trees of any size (verifications: the step's outputs are shape-invariant);
-        # a compiled step (runtime.compiled) traces the Python layers: the C++ step is its own compiled path
+        # short chunks (int8-activation models: prompt chunks too), and candidate trees of any size (verifications:
+        # the step's outputs are shape-invariant); a compiled step (runtime.compiled) traces the Python layers: the
+        # C++ step is its own compiled path
         short = x.shape[1] <= cpu_step.MAX_TOKENS or meta.local_mask is not None
+        short = short or (x.is_cpu and cpu_step.available() and x.shape[1] <= cpu_step.step_tokens_limit(model))
         if not (short and x.is_cpu and cache is not None and not torch.compiler.is_compiling()):
             return None
         return cpu_step.decode(model, x, meta, cache)  # None where the step does not qualify (its own checks)

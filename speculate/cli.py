@@ -89,8 +89,9 @@ def add_speculator_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
         "--draft-model",
         default=None,
-        help="draft for --speculator draft: a model spec, layers:N, int4, int8 or int4+layers:N (default: the draft "
-        "measured best for this model by evals.speculation.spec_cost choose-draft, else int4)",
+        help="draft for --speculator draft: a model spec, layers:N, int4, int8, w4a8, w8a8 (int8 activations) or "
+        "int4+layers:N / int4+SPEC (default: the draft measured best for this model by evals.speculation.spec_cost "
+        "choose-draft, else int4)",
     )
     ap.add_argument("--medusa-heads", default=None, help="trained Medusa heads for --speculator medusa")
     ap.add_argument("--eagle-heads", default=None, help="a trained EAGLE head for --speculator eagle")

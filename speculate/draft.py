@@ -52,9 +52,11 @@ def quantized_draft(
     group_size: int | None = None,
     dtype: torch.dtype | None = None,
     head_bits: int | None = None,
+    int8_activations: bool = False,
 ) -> Transformer:
     """A quantized copy of the target (RTN, quantize.fast_copy; decoder linears, and the lm_head when
-    head_bits is given: int8 symmetric per-channel).
+    head_bits is given: int8 symmetric per-channel). int8_activations: W4A8 / W8A8 layers (activations int8 per
+    token: the integer kernels, prompts included, at some acceptance the draft's own measurement decides).
 
     group_size None: the standard layout of each width, int8 symmetric per-channel and int4 group 128 (the
     layouts the fast CPU kernels are built for; int8 with groups runs one kernel per group).
@@ -78,7 +80,9 @@ def quantized_draft(
     # a draft exists to be fast, and the verifier keeps the output lossless whatever it proposes.
     cfg = QuantConfig(bits=bits, group_size=group_size, sym=bits == 8)
     head = INT8_HEAD if head_bits is not None else None
-    return fast_quantized_copy(model, cfg, head=head, dtype=dtype, codes_from_copy=True)
+    return fast_quantized_copy(
+        model, cfg, head=head, dtype=dtype, codes_from_copy=True, int8_activations=int8_activations
+    )
 
 
 def check_same_vocab(target: Transformer, draft: Transformer) -> None:
@@ -317,6 +321,16 @@ def measured_default_draft(target: Transformer) -> str | None:
 
 SEPARATE_DRAFT_GROUP = 64  # int4+SPEC: the 0.5B's int4 g64 copy measured 1.66x for the 1.5B (issue 37)
 SEPARATE_DRAFT_HEAD_BITS = 8  # int4+SPEC / int8+SPEC: a separate draft's head in int8 too (quantized_draft)
+# a quantized draft's prefix: its weight bits and whether its activations are int8 (W4A8 / W8A8)
+DRAFT_FORMATS = {"int4": (4, False), "int8": (8, False), "w4a8": (4, True), "w8a8": (8, True)}
+
+
+def split_draft_spec(spec: str) -> tuple[str, str]:
+    """'int4+SPEC' -> ('int4', 'SPEC'); 'int4' -> ('int4', ''); a plain model spec -> ('', spec)."""
+    head, plus, rest = spec.partition("+")
+    if head in DRAFT_FORMATS or (head.startswith("int") and head[3:].isdigit()):
+        return head, rest
+    return "", spec
 
 
 def parse_draft_spec(
@@ -325,35 +339,38 @@ def parse_draft_spec(
     """--draft-model: 'layers:N' (layer-skip draft of the target), 'int4' / 'int8' (its RTN copy), 'int4+layers:N'
     (both), a model spec (a checkpoint with the target's tokenizer, e.g. qwen2.5-coder-0.5b for the 1.5B, run in
     the target's dtype), or 'int4+SPEC' / 'int8+SPEC' (that model's RTN copy: int4 in groups of 64, int8 per
-    channel; its head int8 per channel). None: the draft chosen by measurement for this model when there is one
+    channel; its head int8 per channel); 'w4a8' / 'w8a8' in place of 'int4' / 'int8': the same codes with int8
+    activations (the integer kernels). None: the draft chosen by measurement for this model when there is one
     (evals.speculation.spec_cost choose-draft), else FALLBACK_DRAFT. target_path: the target's checkpoint, whose
     tokenizer a separate draft's must equal."""
     if spec is None:
         spec = measured_default_draft(target) or FALLBACK_DRAFT
     check_draft_spec(spec)
-    bits, _, rest = spec.partition("+") if spec.startswith("int") else ("", "", spec)
-    if bits and not rest:
-        return quantized_draft(target, int(bits[3:])), spec
+    fmt, rest = split_draft_spec(spec)
+    bits, int8_acts = DRAFT_FORMATS.get(fmt, (0, False))
+    if fmt and not rest:
+        return quantized_draft(target, bits, int8_activations=int8_acts), spec
     if rest.startswith("layers:"):
         draft = layer_skip_draft(target, int(rest.removeprefix("layers:")))
-        return (quantized_draft(draft, int(bits[3:])) if bits else draft), spec
+        return (quantized_draft(draft, bits, int8_activations=int8_acts) if fmt else draft), spec
     draft, _, draft_path = load_model(rest, dtype=target.compute_dtype, device=device_of(target))
     if target_path:
         check_same_tokenizer(Path(target_path), draft_path)
-    if not bits:
+    if not fmt:
         return draft, spec
-    group = SEPARATE_DRAFT_GROUP if bits == "int4" else None
-    return quantized_draft(draft, int(bits[3:]), group_size=group, head_bits=SEPARATE_DRAFT_HEAD_BITS), spec
+    group = SEPARATE_DRAFT_GROUP if bits == 4 else None
+    head = SEPARATE_DRAFT_HEAD_BITS
+    return quantized_draft(draft, bits, group_size=group, head_bits=head, int8_activations=int8_acts), spec
 
 
 def check_draft_spec(spec: str | None) -> None:
     """parse_draft_spec's syntax, checked without loading anything (None: the default draft)."""
     if spec is None:
         return
-    bits, _, rest = spec.partition("+") if spec.startswith("int") else ("", "", spec)
-    if bits and bits not in ("int4", "int8"):
-        raise SpeculatorError(f"--draft-model {spec!r}: quantized drafts are int4 or int8")
-    if bits and not rest:
+    fmt, rest = split_draft_spec(spec)
+    if fmt and fmt not in DRAFT_FORMATS:
+        raise SpeculatorError(f"--draft-model {spec!r}: quantized drafts are {', '.join(DRAFT_FORMATS)}")
+    if fmt and not rest:
         return
     if rest.startswith("layers:"):
         try:

@@ -139,43 +139,54 @@ def test_quant_linear_cpu_path_equals_its_reference(bits, group, act_order, dtyp
     assert torch.equal(fast.qweight().codes, qw.codes)
 
 
-@torch.inference_mode()
-@pytest.mark.parametrize("bits,dtype", [(8, torch.bfloat16), (8, torch.float32), (4, torch.bfloat16)])
-def test_whole_step_equals_the_python_reference_layers(bits, dtype, monkeypatch):
-    """A model of W8A8 (or W4A8) layers runs inside the compiled step, and its logits match the Python layers
-    with the plain backend and every layer on the reference path. Each quantized layer is bitwise equal (above);
-    the step's attention and norms sum in another order than torch's, and a last-bit difference at a layer's
-    input can move an activation by one int8 step (a few logits then move by ~0.05), so the logits agree within
-    1 % in norm (fp32 models; bf16 ones within their own rounding noise), not bit for bit."""
+def int8_act_model(cfg, bits: int, dtype: torch.dtype):
+    """A random model whose every decoder linear is a W8A8 (sym, per channel) or W4A8 (g32) QuantLinear."""
     from formats_helpers import rtn_quantize
 
     from quantize.qlinear import QuantLinear, set_module
-    from runtime import backends
-    from runtime.kv_cache import KVCache
     from runtime.layout import decoder_linear_names
-    from runtime.model import AttentionMetadata, random_model
-    from tests.tiny_models import TINY_CONFIGS
+    from runtime.model import random_model
 
-    cfg = TINY_CONFIGS["llama"]
     model = random_model(cfg, seed=2).set_dtype(dtype)
     base = random_model(cfg, seed=2)
     for name in decoder_linear_names(cfg.num_layers):
         qw = rtn_quantize(base.get_submodule(name).weight.detach(), bits, -1 if bits == 8 else 32, sym=bits == 8)
         set_module(model, name, QuantLinear(qw, act_quant=True, compute_dtype=dtype, path="cpu"))
+    return model
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("bits,dtype", [(8, torch.bfloat16), (8, torch.float32), (4, torch.bfloat16)])
+def test_whole_step_equals_the_python_reference_layers(bits, dtype, monkeypatch):
+    """A model of W8A8 (or W4A8) layers runs inside the compiled step, a prompt longer than MAX_TOKENS included,
+    and its logits match the Python layers with the plain backend and every layer on the reference path. Each
+    quantized layer is bitwise equal (above); the step's attention and norms sum in another order than torch's,
+    and a last-bit difference at a layer's input can move an activation by one int8 step (a few logits then move
+    by ~0.05), so the logits agree within 1 % in norm (fp32 models; bf16 ones within their own rounding noise),
+    not bit for bit."""
+    from quantize.qlinear import QuantLinear
+    from runtime import backends
+    from runtime.kv_cache import KVCache
+    from runtime.model import AttentionMetadata
+    from tests.tiny_models import TINY_CONFIGS
+
+    cfg = TINY_CONFIGS["llama"]
+    model = int8_act_model(cfg, bits, dtype)
     taken = []
     original = cpu_step.decode
     monkeypatch.setattr(cpu_step, "decode", lambda *a, **k: taken.append(original(*a, **k)) or taken[-1])
-    tokens = torch.randint(0, cfg.vocab_size, (2, 11), generator=torch.Generator().manual_seed(6))
+    prompt = cpu_step.MAX_TOKENS + 6
+    tokens = torch.randint(0, cfg.vocab_size, (2, prompt + 3), generator=torch.Generator().manual_seed(6))
 
     def run(fast: bool) -> torch.Tensor:
         model.fast_decode = fast
-        cache = KVCache(cfg, 2, 16, dtype)
-        model(tokens[:, :8], AttentionMetadata.contiguous(2, 0, 8, "cpu"), cache)
-        return torch.cat([model(tokens[:, i : i + 1], AttentionMetadata.contiguous(2, i, 1, "cpu"), cache)
-                          for i in range(8, 11)], dim=1)  # fmt: skip
+        cache = KVCache(cfg, 2, prompt + 8, dtype)
+        first = model(tokens[:, :prompt], AttentionMetadata.contiguous(2, 0, prompt, "cpu"), cache)[:, -1:]
+        return torch.cat([first] + [model(tokens[:, i : i + 1], AttentionMetadata.contiguous(2, i, 1, "cpu"), cache)
+                                    for i in range(prompt, prompt + 3)], dim=1)  # fmt: skip
 
     fast = run(True)
-    assert taken and all(t is not None for t in taken)  # the prefill and each decode step ran compiled
+    assert len(taken) == 4 and all(t is not None for t in taken)  # the prefill and each decode step ran compiled
     for m in model.modules():
         if isinstance(m, QuantLinear):
             m.set_path("reference")
@@ -185,16 +196,54 @@ def test_whole_step_equals_the_python_reference_layers(bits, dtype, monkeypatch)
     assert float((fast - slow).float().norm() / slow.float().norm()) < bound
 
 
+@torch.inference_mode()
+def test_a_long_prompt_in_one_step_equals_it_in_chunks(monkeypatch):
+    """A W4A8 model's prompt longer than MAX_TOKENS runs through the step in one call (the Python layers would
+    call the same integer kernels), and gives the same bits as the same prompt in chunks of at most MAX_TOKENS
+    (the step's shape invariance); a dense model's long prompt still goes to the Python layers."""
+    from runtime.kv_cache import KVCache
+    from runtime.model import AttentionMetadata, random_model
+    from tests.tiny_models import TINY_CONFIGS
+
+    cfg = TINY_CONFIGS["llama"]
+    model = int8_act_model(cfg, 4, torch.float32)
+    taken = []
+    original = cpu_step.decode
+
+    def spy(*args, **kwargs):
+        out = original(*args, **kwargs)
+        taken.append(out is not None)
+        return out
+
+    monkeypatch.setattr(cpu_step, "decode", spy)
+    prompt = cpu_step.MAX_TOKENS + 36
+    tokens = torch.randint(0, cfg.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(3))
+    cache = KVCache(cfg, 1, prompt, torch.float32)
+    whole = model(tokens, AttentionMetadata.contiguous(1, 0, prompt, "cpu"), cache)
+    cache = KVCache(cfg, 1, prompt, torch.float32)
+    cut = cpu_step.MAX_TOKENS - 4
+    parts = [model(tokens[:, :cut], AttentionMetadata.contiguous(1, 0, cut, "cpu"), cache),
+             model(tokens[:, cut:], AttentionMetadata.contiguous(1, cut, prompt - cut, "cpu"), cache)]  # fmt: skip
+    assert taken == [True, True, True]
+    assert torch.equal(whole, torch.cat(parts, dim=1))
+    dense = random_model(cfg, seed=2)
+    taken.clear()
+    dense(tokens, AttentionMetadata.contiguous(1, 0, prompt, "cpu"), KVCache(cfg, 1, prompt, torch.float32))
+    assert taken == []  # the backend did not offer it to the step
+
+
 @pytest.mark.parametrize("group", [64, -1])
 @pytest.mark.parametrize("sign", [1.0, -1.0])
 def test_largest_products_stay_exact(kernel, group, sign):
     """Every code 15 against activations of +-127 (the int16 partial sums of AVX2's int4 kernel at their largest,
-    8 steps x 2 x 15 x 127 = 30480) and a zero point of 0: still the exact integer sums."""
+    8 steps x 2 x 15 x 127 = 30480) and a zero point of 0: still the exact integer sums, at row counts below and
+    above the expanded-tile path's (4 rows: 6 = 4 + 2)."""
     N, K = 32, 512
     group = K if group == -1 else group
     codes = torch.full((N, K), 15, dtype=torch.uint8)
     scales = torch.full((N, K // group), 0.01)
     zeros = torch.zeros(N, K // group)
     h = handle(codes, scales, zeros, 4, group)
-    x = torch.full((3, K), sign)
-    assert torch.equal(ext.linear(h, x), reference(x, codes, scales, zeros, group))
+    for m in (3, 6):
+        x = torch.full((m, K), sign)
+        assert torch.equal(ext.linear(h, x), reference(x, codes, scales, zeros, group))

@@ -149,10 +149,14 @@ def test_draft_spec_grammar():
     model = random_model(SMOKE_CONFIG, seed=0)
     draft, label = parse_draft_spec("layers:1", model)
     assert label == "layers:1" and draft.config.num_layers == 1
-    with pytest.raises(SpeculatorError, match="int4 or int8"):
+    with pytest.raises(SpeculatorError, match="int4, int8, w4a8, w8a8"):
         parse_draft_spec("int3", model)
     with pytest.raises(SpeculatorError, match="integer N"):
         parse_draft_spec("int4+layers:x", model)
+    for spec, int8_acts in (("int4", False), ("w4a8", True), ("w8a8+layers:1", True)):
+        draft, _ = parse_draft_spec(spec, model)
+        layers = [m for m in draft.modules() if hasattr(m, "cpu_kernel_weight")]
+        assert layers and all(m.cpu_kernel_weight().int8_activations == int8_acts for m in layers), spec
 
 
 def test_unset_draft_is_the_measured_choice_else_the_int4_copy(monkeypatch, tmp_path):

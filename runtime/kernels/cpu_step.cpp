@@ -945,6 +945,95 @@ void maddubs_tile(const Weight& w, const QActs& a, int64_t tile, int64_t m0, flo
   }
 }
 
+// Many activation rows (prompt chunks, verifications): a tile's nibbles are expanded once per call into `ex`, per
+// step of 4 columns rows 0-7 then rows 8-15, each row's 4 codes one byte each in a dword. An activation row's 4
+// int8 values are then one broadcast dword (no shuffle), and the expansion is not repeated per block of rows.
+void expand_tile(const Weight& w, int64_t tile, int64_t steps, uint8_t* ex) {
+  const uint8_t* codes = w.tile(tile);
+  const __m256i low4 = _mm256_set1_epi8(15);
+  for (int64_t s = 0; s < steps; ++s) {  // bytes 0-15: column pair 2s of rows 0-15, bytes 16-31: pair 2s + 1
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 2 * s * NR));
+    const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+    const __m256i words[2] = {_mm256_unpacklo_epi8(lo, hi), _mm256_unpackhi_epi8(lo, hi)};  // rows 0-7, 8-15
+    for (int h = 0; h < 2; ++h) {  // lane 0: (code 4s, 4s + 1) per row, lane 1: (4s + 2, 4s + 3): interleave
+      const __m128i a = _mm256_castsi256_si128(words[h]), b = _mm256_extracti128_si256(words[h], 1);
+      const __m256i rows = _mm256_set_m128i(_mm_unpackhi_epi16(a, b), _mm_unpacklo_epi16(a, b));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(ex + (2 * s + h) * 32), rows);
+    }
+  }
+}
+
+// maddubs_tile on an expanded tile: the same integer sums (int16 pairs, widened every 8 steps), so the same bits.
+template <int MB>
+void maddubs_expanded(const Weight& w, const QActs& a, const uint8_t* ex, int64_t tile, int64_t m0, float* y,
+                      int64_t ldy) {
+  const int64_t Kp = a.Kp, G = w.ngroups;
+  const float* sc = w.scales.data_ptr<float>();
+  const ZeroTable zc(w);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 tot[2][MB];
+  for (int64_t g = 0; g < G; ++g) {
+    __m256i acc[2][MB];
+    _Pragma("GCC unroll 4") for (int h = 0; h < 2; ++h)
+      _Pragma("GCC unroll 8") for (int i = 0; i < MB; ++i) acc[h][i] = _mm256_setzero_si256();
+    const int64_t kb = g * w.group, ke = std::min(kb + w.group, w.K);
+    const int64_t se = kb / 4 + (ke - kb + 3) / 4;  // whole steps; past K: zero activations
+    for (int64_t s = kb / 4; s < se;) {
+      const int64_t end = std::min(se, s + 8);
+      __m256i part[2][MB];
+      _Pragma("GCC unroll 4") for (int h = 0; h < 2; ++h)
+        _Pragma("GCC unroll 8") for (int i = 0; i < MB; ++i) part[h][i] = _mm256_setzero_si256();
+      for (; s < end; ++s) {
+        const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ex + s * 64));
+        const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ex + s * 64 + 32));
+        _Pragma("GCC unroll 8") for (int i = 0; i < MB; ++i) {
+          int32_t four;
+          std::memcpy(&four, a.q.data() + (m0 + i) * Kp + 4 * s, 4);
+          const __m256i x = _mm256_set1_epi32(four);
+          part[0][i] = _mm256_add_epi16(part[0][i], _mm256_maddubs_epi16(w0, x));
+          part[1][i] = _mm256_add_epi16(part[1][i], _mm256_maddubs_epi16(w1, x));
+        }
+      }
+      _Pragma("GCC unroll 4") for (int h = 0; h < 2; ++h)
+        _Pragma("GCC unroll 8") for (int i = 0; i < MB; ++i)  // a row's two int16 sums -> its int32
+          acc[h][i] = _mm256_add_epi32(acc[h][i], _mm256_madd_epi16(part[h][i], ones));
+    }
+    _Pragma("GCC unroll 4") for (int h = 0; h < 2; ++h) {
+      const int64_t at = (tile * G + g) * NR + 8 * h;
+      const __m256 sv = _mm256_loadu_ps(sc + at);
+      const __m256i z = _mm256_cvtps_epi32(zc.load8(at));
+      _Pragma("GCC unroll 8") for (int i = 0; i < MB; ++i) {
+        const __m256i qs = _mm256_set1_epi32(a.qsum[(m0 + i) * G + g]);
+        const __m256i d = _mm256_sub_epi32(acc[h][i], _mm256_mullo_epi32(z, qs));
+        const __m256 p = _mm256_mul_ps(_mm256_cvtepi32_ps(d), sv);
+        tot[h][i] = g == 0 ? p : _mm256_add_ps(tot[h][i], p);
+      }
+    }
+  }
+  _Pragma("GCC unroll 4") for (int h = 0; h < 2; ++h) {
+    const int64_t n0 = tile * NR + 8 * h, rows = std::min<int64_t>(8, w.N - n0);
+    _Pragma("GCC unroll 8") for (int i = 0; i < MB; ++i) {
+      alignas(32) float out[8];
+      _mm256_store_ps(out, _mm256_mul_ps(tot[h][i], _mm256_set1_ps(a.scale[m0 + i])));
+      if (rows > 0) std::memcpy(y + (m0 + i) * ldy + n0, out, rows * sizeof(float));
+    }
+  }
+}
+
+// Tiles [t_begin, t_end) for all of a.M >= EXPAND_ROWS rows: each tile expanded once, then every block of rows.
+constexpr int64_t EXPAND_ROWS = 4;
+void run_expanded(const Weight& w, const QActs& a, int64_t t_begin, int64_t t_end, float* y, int64_t ldy) {
+  thread_local std::vector<uint8_t> ex;
+  ex.resize(NR * a.Kp);
+  for (int64_t t = t_begin; t < t_end; ++t) {
+    expand_tile(w, t, a.Kp / 4, ex.data());
+    int64_t m0 = 0;  // 3 rows: 6 int16 chains, 2 weight and 3 activation vectors stay in the 16 registers
+    for (; m0 + 3 <= a.M; m0 += 3) maddubs_expanded<3>(w, a, ex.data(), t, m0, y, ldy);
+    for (; m0 + 2 <= a.M; m0 += 2) maddubs_expanded<2>(w, a, ex.data(), t, m0, y, ldy);
+    for (; m0 < a.M; ++m0) maddubs_expanded<1>(w, a, ex.data(), t, m0, y, ldy);
+  }
+}
+
 }  // namespace i8act
 
 #pragma GCC push_options
@@ -1085,6 +1174,7 @@ void blocks(const Weight& w, const QActs& a, int fam, int64_t t, int64_t m0, flo
 // Tiles [t_begin, t_end) for every activation row: spans of tiles that stay in cache while each block of rows runs,
 // TB * MB <= 8 accumulator chains (AVX2: 4). No blocking changes a result (integer sums).
 void run(const Weight& w, const QActs& a, int fam, int64_t t_begin, int64_t t_end, float* y, int64_t ldy) {
+  if (fam == MADDUBS2 && a.M >= EXPAND_ROWS) return run_expanded(w, a, t_begin, t_end, y, ldy);
   const bool wide = fam != MADD2 && fam != MADDUBS2;
   constexpr int64_t SPAN = 8;
   for (int64_t t0 = t_begin; t0 < t_end; t0 += SPAN) {

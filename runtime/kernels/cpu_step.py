@@ -67,6 +67,9 @@ TILE = 16
 K_ALIGN = 32
 MAX_ROWS = 64  # activation rows (tokens x sequences) one kernel call takes
 MAX_TOKENS = 64  # new tokens per row a step takes: longer chunks (prefills) run the Python layers; trees any size
+# ... except where every layer takes int8 activations (W4A8 / W8A8): the Python layers would call the same integer
+# kernels 64 rows at a time, with torch's ops around them, so the step takes prompt chunks up to this long too
+MAX_INT8_ACT_TOKENS = 512
 _STATE: dict = {}
 
 
@@ -351,7 +354,8 @@ def isa_supported(family: str) -> bool:
 
 # ---- the whole step --------------------------------------------------------------------------------------------
 
-_STEP_MODELS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (fingerprint, StepModel)
+# model -> (fingerprint, StepModel, whether every layer takes int8 activations)
+_STEP_MODELS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def weight_handle(module, dtype: torch.dtype):
@@ -382,14 +386,25 @@ def fingerprint(layers: list[tuple]) -> tuple:
 def step_model(model):
     """The extension's StepModel over the model's layers (cached; rebuilt when a module or weight changes), or
     None when some layer is not one the step runs."""
+    built = _step_entry(model)
+    return None if built is None else built[1]
+
+
+def step_tokens_limit(model) -> int:
+    """The most new tokens per row the step takes in a causal chunk (trees: any number)."""
+    built = _step_entry(model)
+    return MAX_INT8_ACT_TOKENS if built is not None and built[2] else MAX_TOKENS
+
+
+def _step_entry(model):
     layers = model.step_layers()  # per layer: input norm, post norm, qkv, o, gate_up, down (runtime.model)
     if layers is None:
         return None
     cached = _STEP_MODELS.get(model)
     if cached is not None and cached[0] == fingerprint(layers):
-        return cached[1]
+        return cached
     dtype = model.compute_dtype
-    norms, linears = [], []
+    norms, linears, int8_acts = [], [], True
     for input_norm, post_norm, *lin in layers:
         if input_norm.weight.dtype != dtype or post_norm.weight.dtype != dtype:
             return None
@@ -398,11 +413,12 @@ def step_model(model):
         if any(h is None for h in handles):
             return None
         linears += handles
+        int8_acts &= all(getattr(m, "cpu_kernel_weight", None) and m.cpu_kernel_weight().int8_activations for m in lin)
     cfg = model.config
     built = extension().StepModel(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps,
                                   norms, linears)  # fmt: skip
-    _STEP_MODELS[model] = (fingerprint(layers), built)  # after the handles: they create the kernel layouts
-    return built
+    entry = _STEP_MODELS[model] = (fingerprint(layers), built, int8_acts)  # after the handles: they make the layouts
+    return entry
 
 
 def decode(model, x: Tensor, meta, cache) -> Tensor | None:
@@ -420,7 +436,7 @@ def decode(model, x: Tensor, meta, cache) -> Tensor | None:
         and starts is not None
         and getattr(cache, "decode_kernel", None) != "triton"  # a paged pool asked to run its Triton kernel
         and 1 <= T
-        and (T <= MAX_TOKENS or getattr(meta, "local_mask", None) is not None)  # trees: any size (verification)
+        and (T <= step_tokens_limit(model) or getattr(meta, "local_mask", None) is not None)  # trees: any size
         and x.dtype == torch.float32  # the residual stream: fp32 models and bf16 (mixed) ones
         and x.device.type == "cpu"
         and not torch.is_grad_enabled()
