@@ -878,6 +878,40 @@ void madd_block2(const Weight& w, const QActs& a, int64_t tile0, int half, int64
   }
 }
 
+// The AVX2 int4 kernels' per-group epilogue: a tile's two 8-row halves of int32 group sums, minus zero point x the
+// row's code sum, times the scale, added to the running fp32 totals in group order (the reference's order).
+template <int MB>
+inline void group_epilogue(const Weight& w, const QActs& a, const ZeroTable& zc, int64_t tile, int64_t g, int64_t m0,
+                           const __m256i (&acc)[2][MB], __m256 (&tot)[2][MB]) {
+  const int64_t G = w.ngroups;
+  const float* sc = w.scales.data_ptr<float>();
+  _Pragma("GCC unroll 4") for (int h = 0; h < 2; ++h) {
+    const int64_t at = (tile * G + g) * NR + 8 * h;
+    const __m256 s = _mm256_loadu_ps(sc + at);
+    const __m256i z = _mm256_cvtps_epi32(zc.load8(at));
+    _Pragma("GCC unroll 8") for (int i = 0; i < MB; ++i) {
+      const __m256i qs = _mm256_set1_epi32(a.qsum[(m0 + i) * G + g]);
+      const __m256i d = _mm256_sub_epi32(acc[h][i], _mm256_mullo_epi32(z, qs));
+      const __m256 p = _mm256_mul_ps(_mm256_cvtepi32_ps(d), s);
+      tot[h][i] = g == 0 ? p : _mm256_add_ps(tot[h][i], p);
+    }
+  }
+}
+
+// A tile's 16 outputs for MB activation rows: the totals times each row's activation scale.
+template <int MB>
+inline void store_tile_rows(const Weight& w, const QActs& a, int64_t tile, int64_t m0, const __m256 (&tot)[2][MB],
+                            float* y, int64_t ldy) {
+  _Pragma("GCC unroll 4") for (int h = 0; h < 2; ++h) {
+    const int64_t n0 = tile * NR + 8 * h, rows = std::min<int64_t>(8, w.N - n0);
+    _Pragma("GCC unroll 8") for (int i = 0; i < MB; ++i) {
+      alignas(32) float out[8];
+      _mm256_store_ps(out, _mm256_mul_ps(tot[h][i], _mm256_set1_ps(a.scale[m0 + i])));
+      if (rows > 0) std::memcpy(y + (m0 + i) * ldy + n0, out, rows * sizeof(float));
+    }
+  }
+}
+
 // One tile (16 rows) of 4-bit codes x MB activation rows with vpmaddubsw, the AVX2 int4 kernel: 32 code bytes are
 // column pairs j and j + 1 of the tile's 16 rows; their nibbles, interleaved per row (code 2j, code 2j + 1), meet
 // (x 2j, x 2j + 1) in the low 128-bit lane and the next pair in the high one. A code times an int8 fits int16 with
@@ -887,7 +921,6 @@ template <int MB>
 void maddubs_tile(const Weight& w, const QActs& a, int64_t tile, int64_t m0, float* y, int64_t ldy) {
   const int64_t Kp = a.Kp, G = w.ngroups;
   const uint8_t* codes = w.tile(tile);
-  const float* sc = w.scales.data_ptr<float>();
   const ZeroTable zc(w);
   const __m256i low4 = _mm256_set1_epi8(15);
   const __m256i spread = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,   // low lane: x 2j, 2j + 1
@@ -923,26 +956,9 @@ void maddubs_tile(const Weight& w, const QActs& a, int64_t tile, int64_t m0, flo
           acc[h][i] = _mm256_add_epi32(acc[h][i], both);
         }
     }
-    _Pragma("GCC unroll 4") for (int h = 0; h < 2; ++h) {
-      const int64_t at = (tile * G + g) * NR + 8 * h;
-      const __m256 s = _mm256_loadu_ps(sc + at);
-      const __m256i z = _mm256_cvtps_epi32(zc.load8(at));
-      _Pragma("GCC unroll 4") for (int i = 0; i < MB; ++i) {
-        const __m256i qs = _mm256_set1_epi32(a.qsum[(m0 + i) * G + g]);
-        const __m256i d = _mm256_sub_epi32(acc[h][i], _mm256_mullo_epi32(z, qs));
-        const __m256 p = _mm256_mul_ps(_mm256_cvtepi32_ps(d), s);
-        tot[h][i] = g == 0 ? p : _mm256_add_ps(tot[h][i], p);
-      }
-    }
+    group_epilogue<MB>(w, a, zc, tile, g, m0, acc, tot);
   }
-  _Pragma("GCC unroll 4") for (int h = 0; h < 2; ++h) {
-    const int64_t n0 = tile * NR + 8 * h, rows = std::min<int64_t>(8, w.N - n0);
-    _Pragma("GCC unroll 4") for (int i = 0; i < MB; ++i) {
-      alignas(32) float out[8];
-      _mm256_store_ps(out, _mm256_mul_ps(tot[h][i], _mm256_set1_ps(a.scale[m0 + i])));
-      if (rows > 0) std::memcpy(y + (m0 + i) * ldy + n0, out, rows * sizeof(float));
-    }
-  }
+  store_tile_rows<MB>(w, a, tile, m0, tot, y, ldy);
 }
 
 // Many activation rows (prompt chunks, verifications): a tile's nibbles are expanded once per call into `ex`, per
@@ -968,7 +984,6 @@ template <int MB>
 void maddubs_expanded(const Weight& w, const QActs& a, const uint8_t* ex, int64_t tile, int64_t m0, float* y,
                       int64_t ldy) {
   const int64_t Kp = a.Kp, G = w.ngroups;
-  const float* sc = w.scales.data_ptr<float>();
   const ZeroTable zc(w);
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 tot[2][MB];
@@ -998,26 +1013,9 @@ void maddubs_expanded(const Weight& w, const QActs& a, const uint8_t* ex, int64_
         _Pragma("GCC unroll 8") for (int i = 0; i < MB; ++i)  // a row's two int16 sums -> its int32
           acc[h][i] = _mm256_add_epi32(acc[h][i], _mm256_madd_epi16(part[h][i], ones));
     }
-    _Pragma("GCC unroll 4") for (int h = 0; h < 2; ++h) {
-      const int64_t at = (tile * G + g) * NR + 8 * h;
-      const __m256 sv = _mm256_loadu_ps(sc + at);
-      const __m256i z = _mm256_cvtps_epi32(zc.load8(at));
-      _Pragma("GCC unroll 8") for (int i = 0; i < MB; ++i) {
-        const __m256i qs = _mm256_set1_epi32(a.qsum[(m0 + i) * G + g]);
-        const __m256i d = _mm256_sub_epi32(acc[h][i], _mm256_mullo_epi32(z, qs));
-        const __m256 p = _mm256_mul_ps(_mm256_cvtepi32_ps(d), sv);
-        tot[h][i] = g == 0 ? p : _mm256_add_ps(tot[h][i], p);
-      }
-    }
+    group_epilogue<MB>(w, a, zc, tile, g, m0, acc, tot);
   }
-  _Pragma("GCC unroll 4") for (int h = 0; h < 2; ++h) {
-    const int64_t n0 = tile * NR + 8 * h, rows = std::min<int64_t>(8, w.N - n0);
-    _Pragma("GCC unroll 8") for (int i = 0; i < MB; ++i) {
-      alignas(32) float out[8];
-      _mm256_store_ps(out, _mm256_mul_ps(tot[h][i], _mm256_set1_ps(a.scale[m0 + i])));
-      if (rows > 0) std::memcpy(y + (m0 + i) * ldy + n0, out, rows * sizeof(float));
-    }
-  }
+  store_tile_rows<MB>(w, a, tile, m0, tot, y, ldy);
 }
 
 // Tiles [t_begin, t_end) for all of a.M >= EXPAND_ROWS rows: each tile expanded once, then every block of rows.
