@@ -187,7 +187,7 @@ def test_checked_methods_are_typed():
         ("draft:lookup=0", "option lookup must be >= 1, got 0"),
         ("quant-draft:bits=3", "quant-draft supports 4 or 8 bits, got 3"),
         ("draft:layers=1,model=int4", "layers=L (the target's first L layers) or model=SPEC, not both"),
-        ("draft:model=int3+layers:1", "quantized drafts are int4 or int8"),
+        ("draft:model=int3+layers:1", "quantized drafts are int4, int8, w4a8, w8a8"),
         ("medusa:acceptance=greedy", "Medusa acceptance is rejection (lossless) or typical"),
         (Method("ngram", {"k": 2.5}), "option k of method 'ngram:k=2.5' must be an integer"),
         (Method("ngram", {"k": True}), "must be an integer"),
