@@ -32,3 +32,19 @@ def restore_late_bindings() -> None:
         for mod in project_modules():
             if getattr(mod, name, None) is value:
                 setattr(mod, name, original)
+
+
+def spy_on_cpu_step(monkeypatch) -> list[bool]:
+    """Record, per forward offered to the compiled CPU step (runtime.kernels.cpu_step.decode), whether it ran it."""
+    from runtime.kernels import cpu_step
+
+    taken: list[bool] = []
+    original = cpu_step.decode
+
+    def spy(*args, **kwargs):
+        out = original(*args, **kwargs)
+        taken.append(out is not None)
+        return out
+
+    monkeypatch.setattr(cpu_step, "decode", spy)
+    return taken

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from patching import spy_on_cpu_step
 from test_model import hf_twin
 from tolerances import assert_bf16_logits_close
 
@@ -15,20 +16,6 @@ from runtime.model import AttentionMetadata, random_model
 from runtime.sampling import SamplingParams
 
 pytestmark = pytest.mark.skipif(cpu_step.extension() is None, reason="the C++ decode step could not be built here")
-
-
-def spy_on_fast_path(monkeypatch) -> list[bool]:
-    """Record, per one-token forward, whether the compiled step ran it."""
-    taken: list[bool] = []
-    original = cpu_step.decode
-
-    def spy(*args, **kwargs):
-        out = original(*args, **kwargs)
-        taken.append(out is not None)
-        return out
-
-    monkeypatch.setattr(cpu_step, "decode", spy)
-    return taken
 
 
 @torch.inference_mode()
@@ -45,7 +32,7 @@ def test_decode_steps_match_transformers(tiny_config, tmp_path, monkeypatch, bat
     ref = hf(tokens).logits  # the oracle: one full causal forward
     cache = KVCache(tiny_config, batch, prefix + steps)
     ours(tokens[:, :prefix], AttentionMetadata.contiguous(batch, 0, prefix, "cpu"), cache)  # Python prefill
-    taken = spy_on_fast_path(monkeypatch)
+    taken = spy_on_cpu_step(monkeypatch)
     for i in range(prefix, prefix + steps, chunk):
         got = ours(tokens[:, i : i + chunk], AttentionMetadata.contiguous(batch, i, chunk, "cpu"), cache)
         torch.testing.assert_close(got, ref[:, i : i + chunk], atol=2e-5, rtol=1e-4)
@@ -69,7 +56,7 @@ def test_short_prefill_matches_transformers(tmp_path):
 def test_fast_and_python_decode_agree_token_for_token(tiny_llama, monkeypatch):
     prompts = [[5, 9, 2, 7, 7, 3, 11, 4], [8, 1, 6, 2, 9, 9, 10, 5]]  # equal lengths: one position per step
     params = SamplingParams(max_tokens=24, ignore_eos=True)
-    taken = spy_on_fast_path(monkeypatch)
+    taken = spy_on_cpu_step(monkeypatch)
     fast = generate(tiny_llama, prompts, params)
     assert taken and all(taken)
     tiny_llama.fast_decode = False
@@ -102,7 +89,7 @@ def test_bf16_mixed_steps_stay_within_bf16_noise(monkeypatch):
     tokens = torch.randint(0, cfg.vocab_size, (1, prefix + steps), generator=torch.Generator().manual_seed(1))
     ref = fp32(tokens)
     caches = {fast: KVCache(cfg, 1, prefix + steps, torch.bfloat16) for fast in (True, False)}
-    taken = spy_on_fast_path(monkeypatch)
+    taken = spy_on_cpu_step(monkeypatch)
     for fast, cache in caches.items():
         bf16.fast_decode = fast
         bf16(tokens[:, :prefix], AttentionMetadata.contiguous(1, 0, prefix, "cpu"), cache)
@@ -133,7 +120,7 @@ def test_ragged_rows_match_the_python_layers(tiny_llama, monkeypatch):
     cache indices), greedy tokens equal to the Python layers'."""
     prompts = [[5, 9, 2], [8, 1, 6, 2, 9, 9, 10, 5, 4, 4, 7], [3, 3, 8, 1, 2, 6]]
     params = SamplingParams(max_tokens=20, ignore_eos=True)
-    taken = spy_on_fast_path(monkeypatch)
+    taken = spy_on_cpu_step(monkeypatch)
     fast = generate(tiny_llama, prompts, params)
     assert taken and all(taken)
     tiny_llama.fast_decode = False
@@ -160,7 +147,7 @@ def test_tree_verification_matches_the_python_layers(tiny_config, dtype, monkeyp
     prefix = torch.randint(0, tiny_config.vocab_size, (2, 13), generator=gen)
     nodes = torch.randint(0, tiny_config.vocab_size, (2, len(tree)), generator=gen)
     outs = {}
-    taken = spy_on_fast_path(monkeypatch)
+    taken = spy_on_cpu_step(monkeypatch)
     for fast in (True, False):
         model.fast_decode = fast
         cache = KVCache(tiny_config, 2, 32, dtype)
@@ -186,7 +173,7 @@ def test_paged_engine_matches_the_python_layers(tiny_llama, monkeypatch, specula
     prompts = [[5, 9, 2, 7] * 3, [8, 1, 6, 2, 9], [3, 3, 8, 1, 2, 6, 1, 4] * 2]
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     results = {}
-    taken = spy_on_fast_path(monkeypatch)
+    taken = spy_on_cpu_step(monkeypatch)
     for fast in (True, False):
         tiny_llama.fast_decode = fast
         engine = LLMEngine(tiny_llama, config=EngineConfig(num_blocks=64, block_size=4),
@@ -221,7 +208,7 @@ def test_quantized_layers_run_in_the_step(kind, monkeypatch):
             layer = QuantLinear(qw, compute_dtype=torch.bfloat16)
         set_module(model, name, layer)
     tokens = torch.randint(0, cfg.vocab_size, (2, 10), generator=torch.Generator().manual_seed(6))
-    taken = spy_on_fast_path(monkeypatch)
+    taken = spy_on_cpu_step(monkeypatch)
     outs = {}
     for fast in (True, False):
         model.fast_decode = fast

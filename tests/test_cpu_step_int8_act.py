@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from patching import spy_on_cpu_step
 
 from quantize.grid import quantize_activations_per_token
 from runtime.kernels import cpu_step
@@ -207,15 +208,7 @@ def test_a_long_prompt_in_one_step_equals_it_in_chunks(monkeypatch):
 
     cfg = TINY_CONFIGS["llama"]
     model = int8_act_model(cfg, 4, torch.float32)
-    taken = []
-    original = cpu_step.decode
-
-    def spy(*args, **kwargs):
-        out = original(*args, **kwargs)
-        taken.append(out is not None)
-        return out
-
-    monkeypatch.setattr(cpu_step, "decode", spy)
+    taken = spy_on_cpu_step(monkeypatch)
     prompt = cpu_step.MAX_TOKENS + 36
     tokens = torch.randint(0, cfg.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(3))
     cache = KVCache(cfg, 1, prompt, torch.float32)

@@ -24,6 +24,7 @@ import copy
 
 import pytest
 import torch
+from patching import spy_on_cpu_step
 
 from runtime.backends import CPU_STEP, PLAIN, use_backend
 from runtime.kernels import cpu_step
@@ -53,19 +54,6 @@ MAX_FLIPS = {torch.float32: 0.01, torch.bfloat16: 0.05}  # codes that differ fro
 # ... by at most this many code steps (bf16: not bounded; a key that moves by a bf16 ulp near zero crosses many of
 # e4m3's fine subnormal steps, and a sign flip there is two codes far apart)
 MAX_STEPS = {torch.float32: 1, torch.bfloat16: None}
-
-
-def spy_on_step(monkeypatch) -> list[bool]:
-    taken: list[bool] = []
-    original = cpu_step.decode
-
-    def spy(*args, **kwargs):
-        out = original(*args, **kwargs)
-        taken.append(out is not None)
-        return out
-
-    monkeypatch.setattr(cpu_step, "decode", spy)
-    return taken
 
 
 def build_model(dtype: torch.dtype):
@@ -209,7 +197,7 @@ def test_step_matches_the_python_reference(fmt, layout, kind, dtype, monkeypatch
     """The step runs (it used to decline every quantized cache) and gives PLAIN's logits within TOL; the codes it
     writes differ from PLAIN's in at most MAX_FLIPS of the entries, by one step."""
     model, cache, tokens, meta = scenario(fmt, layout, kind, dtype)
-    taken = spy_on_step(monkeypatch)
+    taken = spy_on_cpu_step(monkeypatch)
     got, want, ref_cache = step_and_reference(model, cache, tokens, meta)
     assert taken == [True]  # the step ran (the reference, PLAIN, never reaches it)
     err = float((got - want).abs().max())
@@ -283,7 +271,7 @@ def test_paged_engine_with_speculation_matches_the_python_layers(fmt, monkeypatc
     model = random_model(TINY_CONFIGS["llama"], seed=0)  # head_dim 16, GQA 4 / 2
     prompts = [[5, 9, 2, 7] * 3, [8, 1, 6, 2, 9], [3, 3, 8, 1, 2, 6, 1, 4] * 2]
     params = SamplingParams(max_tokens=24, ignore_eos=True)
-    taken = spy_on_step(monkeypatch)
+    taken = spy_on_cpu_step(monkeypatch)
     results = {}
     for fast in (True, False):
         model.fast_decode = fast
