@@ -327,7 +327,7 @@ DRAFT_FORMATS = {"int4": (4, False), "int8": (8, False), "w4a8": (4, True), "w8a
 
 def split_draft_spec(spec: str) -> tuple[str, str]:
     """'int4+SPEC' -> ('int4', 'SPEC'); 'int4' -> ('int4', ''); a plain model spec -> ('', spec)."""
-    head, plus, rest = spec.partition("+")
+    head, _, rest = spec.partition("+")
     if head in DRAFT_FORMATS or (head.startswith("int") and head[3:].isdigit()):
         return head, rest
     return "", spec

@@ -436,11 +436,13 @@ def decode(model, x: Tensor, meta, cache) -> Tensor | None:
         and starts is not None
         and getattr(cache, "decode_kernel", None) != "triton"  # a paged pool asked to run its Triton kernel
         and 1 <= T
-        and (T <= step_tokens_limit(model) or getattr(meta, "local_mask", None) is not None)  # trees: any size
         and x.dtype == torch.float32  # the residual stream: fp32 models and bf16 (mixed) ones
         and x.device.type == "cpu"
         and not torch.is_grad_enabled()
         and extension() is not None
+        # trees: any size (verification); a longer causal chunk only where the model takes it (its layers read once
+        # per prompt, not per decode step)
+        and (T <= MAX_TOKENS or getattr(meta, "local_mask", None) is not None or T <= step_tokens_limit(model))
     ):
         return None
     if quantized_pool(model, cache) is not None:
