@@ -1839,21 +1839,23 @@ struct QuantKV {
     const int64_t x = i + 1 - lookahead;
     return x <= 0 ? 0 : x / bs * bs;
   }
-  // the full-precision key row (compute type) where int4 keeps one: an open block's residual, or nullptr
-  const T* open_key(int64_t l, int64_t slot, int64_t h) const {
-    const int64_t open = open_of[slot / bs];
-    return open < 0 ? nullptr : k_open + l * open_layer + ((open * bs + slot % bs) * Hkv + h) * D;
+  // the full-precision key row (compute type) where int4 keeps one: an open block's residual, or nullptr. A
+  // position is (block, o): its pool block (the table's entry) and offset in it, slot = block * bs + o; the
+  // attention walks them, so no division per key (five 64-bit divisions a key before: int4's cost at 256 keys).
+  const T* open_key(int64_t l, int64_t block, int64_t o, int64_t h) const {
+    const int64_t open = open_of[block];
+    return open < 0 ? nullptr : k_open + l * open_layer + ((open * bs + o) * Hkv + h) * D;
   }
-  const T* staged_key(int64_t l, int64_t slot, int64_t h) const {
-    const int64_t s = stage_of[slot / bs];
-    return s < 0 ? nullptr : stage + l * stage_layer + ((s * bs + slot % bs) * Hkv + h) * D;
+  const T* staged_key(int64_t l, int64_t block, int64_t o, int64_t h) const {
+    const int64_t s = stage_of[block];
+    return s < 0 ? nullptr : stage + l * stage_layer + ((s * bs + o) * Hkv + h) * D;
   }
-  // key row at `slot` from its codes (int4: the block's per-channel scale and min), as fp32; row: the position's
-  // (block, head, offset) index, token_at(0, slot, h), as walk_rows gives it
-  void key_codes(int64_t l, int64_t slot, int64_t h, int64_t row, float* out) const {
+  // key row of pool block `block` from its codes (int4: the block's per-channel scale and min), as fp32; row: the
+  // position's (block, head, offset) index, token_at(0, slot, h), as walk_rows gives it
+  void key_codes(int64_t l, int64_t block, int64_t h, int64_t row, float* out) const {
     const uint8_t* c = k + l * code_layer + row * row_bytes();
     if (format != KV_INT4) return dequant_scaled_row(c, format == KV_FP8, half_value(k_scale[l * token_layer + row]), out, D);
-    const int64_t g = l * group_layer + ((slot / bs) * Hkv + h) * D;
+    const int64_t g = l * group_layer + (block * Hkv + h) * D;
     dequant_asym4_row(c, k_scale + g, k_min + g, true, out, D);
   }
   void value_row(int64_t l, int64_t row, float* out) const {  // row as key_codes'
@@ -1886,8 +1888,8 @@ void write_quant(const QuantKV<T>& kv, int64_t l, int64_t b, int64_t i, int64_t 
   uint8_t codes[512];
   quantize_asym4(value, D, 1, codes, kv.v_scale + t, kv.v_min + t);
   pack_nibbles(codes, D, kv.v + kv.code_at(l, slot, h));
-  T* dst = const_cast<T*>(kv.staged_key(l, slot, h));
-  if (!dst) dst = const_cast<T*>(kv.open_key(l, slot, h));
+  T* dst = const_cast<T*>(kv.staged_key(l, slot / kv.bs, slot % kv.bs, h));
+  if (!dst) dst = const_cast<T*>(kv.open_key(l, slot / kv.bs, slot % kv.bs, h));
   TORCH_CHECK(dst, "int4 KV: a key written to a sealed block with no residual slot (the write plan is stale)");
   std::copy(key, key + D, dst);
 }
@@ -1935,17 +1937,21 @@ void attend_quant(const QuantKV<T>& kv, int64_t l, int64_t b, int64_t h, int nq,
   for (int u = 0; u < nq; ++u) fresh[u] = kv.format == KV_INT4 ? kv.fresh_from(start + tok[u]) : n;
   kv.walk_rows(b, h, n, s.rows);
   s.scores.assign(QUANT_QB * n, -INFINITY);  // masked keys stay -inf: e^-inf = 0
+  int64_t block = 0, o = kv.bs - 1;  // position i's pool block and offset, walked
   for (int64_t i = 0; i < n; ++i) {
+    if (++o == kv.bs) {
+      o = 0;
+      block = kv.tables[b * kv.W + i / kv.bs];  // one division a block
+    }
     bool any = false;
     for (int u = 0; u < nq; ++u) any |= visible(u, i);
     if (!any) continue;
-    const int64_t slot = kv.format == KV_INT4 ? kv.slot(b, i) : 0;  // int4 reads its residual and key groups by slot
-    const T* open = kv.format == KV_INT4 ? kv.open_key(l, slot, h) : nullptr;
-    const T* staged = kv.format == KV_INT4 && !open ? kv.staged_key(l, slot, h) : nullptr;
+    const T* open = kv.format == KV_INT4 ? kv.open_key(l, block, o, h) : nullptr;  // int4's residual, by block
+    const T* staged = kv.format == KV_INT4 && !open ? kv.staged_key(l, block, o, h) : nullptr;
     if (open)
       widen_row(open, s.key, D);
     else
-      kv.key_codes(l, slot, h, s.rows[i], s.key);
+      kv.key_codes(l, block, h, s.rows[i], s.key);
     if (staged) widen_row(staged, s.fresh_key, D);
     for (int u = 0; u < nq; ++u) {
       if (!visible(u, i)) continue;
@@ -1974,13 +1980,11 @@ void attend_quant(const QuantKV<T>& kv, int64_t l, int64_t b, int64_t h, int nq,
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq")
 namespace attn512q {
 
-// Row `slot`, kv head h of a quantized pool's keys (key = true) or values as C blocks of 16 fp32 lanes, the values
-// kv_quant dequantizes to (the same products and sums as QuantKV::key_codes / value_row).
+// Position `row` (its (block, head, offset) index, token_at without the layer, as walk_rows gives it) of kv head h
+// of a quantized pool's keys (key = true; int4 reads the key groups of pool block `block`) or values as C blocks of
+// 16 fp32 lanes, the values kv_quant dequantizes to (the same products and sums as QuantKV::key_codes / value_row).
 template <typename T>
-inline void codes16(const QuantKV<T>& kv, int64_t l, int64_t slot, int64_t h, bool key, __m512* out,
-                    int64_t row = -1) {
-  // row: the (block, head, offset) index of the position (token_at without the layer), where the caller has it
-  if (row < 0) row = kv.token_at(0, slot, h);
+inline void codes16(const QuantKV<T>& kv, int64_t l, int64_t block, int64_t h, bool key, __m512* out, int64_t row) {
   const int64_t C = kv.D / 16, t = l * kv.token_layer + row;
   const uint8_t* c = (key ? kv.k : kv.v) + l * kv.code_layer + row * kv.row_bytes();
   if (kv.format == KV_INT8) {
@@ -1998,7 +2002,7 @@ inline void codes16(const QuantKV<T>& kv, int64_t l, int64_t slot, int64_t h, bo
       out[j] = _mm512_mul_ps(_mm512_cvtph_ps(f), s);
     }
   } else {  // int4: code * scale + min, keys per channel (the block's), values per token
-    const int64_t g = l * kv.group_layer + ((slot / kv.bs) * kv.Hkv + h) * kv.D;
+    const int64_t g = l * kv.group_layer + (block * kv.Hkv + h) * kv.D;
     const __m512 vs = _mm512_set1_ps(half_value(kv.v_scale[t])), vm = _mm512_set1_ps(half_value(kv.v_min[t]));
     const __m128i mask = _mm_set1_epi8(15);
     for (int64_t j = 0; j < C; ++j) {
@@ -2027,18 +2031,22 @@ void attend_quant(const QuantKV<T>& kv, int64_t l, int64_t b, int64_t h, int nq,
   for (int u = 0; u < nq; ++u) fresh[u] = int4 ? kv.fresh_from(start + tok[u]) : n;
   kv.walk_rows(b, h, n, s.rows);  // no division per row in the loops below
   s.scores.assign(QUANT_QB * n, -INFINITY);  // masked keys stay -inf: e^-inf = 0
+  int64_t block = 0, o = kv.bs - 1;  // position i's pool block and offset, walked
   for (int64_t i = 0; i < n; ++i) {
+    if (++o == kv.bs) {
+      o = 0;
+      block = kv.tables[b * kv.W + i / kv.bs];  // one division a block
+    }
     bool any = false;
     for (int u = 0; u < nq; ++u) any |= visible(u, i);
     if (!any) continue;
-    const int64_t slot = int4 ? kv.slot(b, i) : 0;  // int4 reads its residual and key groups by slot
-    const T* open = int4 ? kv.open_key(l, slot, h) : nullptr;
-    const T* staged = int4 && !open ? kv.staged_key(l, slot, h) : nullptr;
+    const T* open = int4 ? kv.open_key(l, block, o, h) : nullptr;  // int4's residual and key groups, by block
+    const T* staged = int4 && !open ? kv.staged_key(l, block, o, h) : nullptr;
     __m512 kc[16], kf[16];
     if (open)
       for (int64_t c = 0; c < C; ++c) kc[c] = attn512::lanes16(open + 16 * c);
     else
-      codes16(kv, l, slot, h, true, kc, s.rows[i]);
+      codes16(kv, l, block, h, true, kc, s.rows[i]);
     if (staged)
       for (int64_t c = 0; c < C; ++c) kf[c] = attn512::lanes16(staged + 16 * c);
     for (int u = 0; u < nq; ++u) {
