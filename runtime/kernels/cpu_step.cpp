@@ -1783,9 +1783,10 @@ inline void dequant_scaled_row(const uint8_t* c, bool fp8, float s, float* out, 
   }
   const __m256 vs = _mm256_set1_ps(s * 256.0f);  // exact: (value / 256) * (s * 256) rounds as value * s
   for (int64_t d = 0; d < D; d += 8) {
-    const __m128i w = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + d)));
-    const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x7f)), 7),
-                                   _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x80)), 8));
+    // e4m3 byte b -> fp16 bits (b & 0x7f) << 7 | (b & 0x80) << 8 in two operations: b sign-extended and shifted
+    // by 7 puts the magnitude at bits 7-13 and, for a negative b, ones at bits 14 and 15; the mask keeps bit 15
+    const __m128i w = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + d)));
+    const __m128i h = _mm_and_si128(_mm_slli_epi16(w, 7), _mm_set1_epi16(static_cast<int16_t>(0xbf80)));
     _mm256_storeu_ps(out + d, _mm256_mul_ps(_mm256_cvtph_ps(h), vs));
   }
 }
