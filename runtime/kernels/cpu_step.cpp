@@ -1915,17 +1915,57 @@ void seal_int4(const QuantKV<T>& kv, int64_t l) {
   }
 }
 
-// Attention for up to QB queries of row b and kv head h over a quantized cache (attn512::attend's contract: query u
-// is q[u] of token tok[u], sees indices [0, start) and the new tokens its local mask allows). Each key and value
-// row is dequantized once into scratch for the item's queries; int4 queries read a sealed-now key in full
-// precision from j >= fresh_from (their own rule), the others its codes.
 constexpr int QUANT_QB = 8;
+constexpr int64_t QUANT_KB = 4;   // keys whose scores a query takes at once (4 independent dot-product chains)
+constexpr int64_t QUANT_VB = 32;  // value rows dequantized at once, then summed per query in registers
 struct QuantScratch {
   std::vector<float> scores, packed, acc, q;
   std::vector<int64_t> where, rows;
-  alignas(32) float key[256], fresh_key[256], value[256];
+  alignas(32) float key[QUANT_KB * 256], fresh_key[QUANT_KB * 256], value[QUANT_VB * 256];
 };
 
+// dot_row(q, k_j, D) for 4 key rows at once (D % 8 == 0): each key's chain of FMAs in the same order and the same
+// horizontal sum, so the same bits; the 4 chains are independent, so their latencies overlap.
+inline void dot4(const float* q, const float* const* k, int64_t D, float* out) {
+  __m256 acc[QUANT_KB];
+  _Pragma("GCC unroll 4") for (int j = 0; j < QUANT_KB; ++j) acc[j] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; d += 8) {
+    const __m256 x = _mm256_loadu_ps(q + d);
+    _Pragma("GCC unroll 4") for (int j = 0; j < QUANT_KB; ++j) acc[j] = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[j] + d), acc[j]);
+  }
+  _Pragma("GCC unroll 4") for (int j = 0; j < QUANT_KB; ++j) out[j] = avx2::hsum(acc[j]);
+}
+
+// acc[0, 8R) += p_j * v_j[0, 8R) for the keys j < count whose weight is not zero, in key order, with the sums in
+// registers: add_row's operations (one FMA per lane per key), so the same bits.
+template <int R>
+inline void sum_values(float* acc, const float* p, const float* v, int64_t ldv, int64_t count) {
+  __m256 a[R];
+  _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r) a[r] = _mm256_loadu_ps(acc + 8 * r);
+  for (int64_t j = 0; j < count; ++j) {
+    if (p[j] == 0.0f) continue;  // a zero weight adds nothing: skipped, so co-queries never change a result
+    const __m256 w = _mm256_set1_ps(p[j]);
+    _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r) a[r] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + j * ldv + 8 * r), a[r]);
+  }
+  _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r) _mm256_storeu_ps(acc + 8 * r, a[r]);
+}
+
+inline void sum_values_chunk(int R, float* acc, const float* p, const float* v, int64_t ldv, int64_t count) {
+  switch (R) {
+    case 8: return sum_values<8>(acc, p, v, ldv, count);
+    case 6: return sum_values<6>(acc, p, v, ldv, count);
+    case 4: return sum_values<4>(acc, p, v, ldv, count);
+    default: return sum_values<2>(acc, p, v, ldv, count);  // D % 16 == 0: R is even
+  }
+}
+
+// Attention for up to QB queries of row b and kv head h over a quantized cache (attn512::attend's contract: query u
+// is q[u] of token tok[u], sees indices [0, start) and the new tokens its local mask allows). Key rows are
+// dequantized QUANT_KB at a time into scratch, each query's scores of them taken as independent chains (dot4);
+// value rows QUANT_VB at a time, each query's sums kept in registers over them, 64 channels at a time. int4 queries
+// read a sealed-now key in full precision from j >= fresh_from (their own rule), the others its codes. Every score
+// and every channel's sum is formed as the one-row-at-a-time loop formed it (dot_row, add_row), so the blocking
+// changes no bit.
 template <typename T>
 void attend_quant(const QuantKV<T>& kv, int64_t l, int64_t b, int64_t h, int nq, const int64_t* tok, int64_t start,
                   int64_t count, const bool* local, int64_t Tn, const float* q, float scale, T* const* out,
@@ -1939,37 +1979,59 @@ void attend_quant(const QuantKV<T>& kv, int64_t l, int64_t b, int64_t h, int nq,
   kv.walk_rows(b, h, n, s.rows);
   s.scores.assign(QUANT_QB * n, -INFINITY);  // masked keys stay -inf: e^-inf = 0
   int64_t block = 0, o = kv.bs - 1;  // position i's pool block and offset, walked
-  for (int64_t i = 0; i < n; ++i) {
-    if (++o == kv.bs) {
-      o = 0;
-      block = kv.tables[b * kv.W + i / kv.bs];  // one division a block
+  for (int64_t i0 = 0; i0 < n; i0 += QUANT_KB) {
+    const int64_t kk = std::min(QUANT_KB, n - i0);
+    bool staged_any = false, seen[QUANT_KB] = {}, staged[QUANT_KB] = {};
+    for (int64_t j = 0; j < QUANT_KB; ++j) {
+      const int64_t i = i0 + j;
+      float* key = s.key + j * D;
+      if (j >= kk) {  // past the end: a zero row, its scores never kept
+        std::fill(key, key + D, 0.0f);
+        continue;
+      }
+      if (++o == kv.bs) {
+        o = 0;
+        block = kv.tables[b * kv.W + i / kv.bs];  // one division a block
+      }
+      for (int u = 0; u < nq; ++u) seen[j] |= visible(u, i);
+      if (!seen[j]) {
+        std::fill(key, key + D, 0.0f);
+        continue;
+      }
+      const T* open = kv.format == KV_INT4 ? kv.open_key(l, block, o, h) : nullptr;  // int4's residual, by block
+      const T* stage = kv.format == KV_INT4 && !open ? kv.staged_key(l, block, o, h) : nullptr;
+      if (open)
+        widen_row(open, key, D);
+      else
+        kv.key_codes(l, block, h, s.rows[i], key);
+      if (stage) widen_row(stage, s.fresh_key + j * D, D);
+      staged[j] = stage != nullptr;
+      staged_any |= staged[j];
     }
-    bool any = false;
-    for (int u = 0; u < nq; ++u) any |= visible(u, i);
-    if (!any) continue;
-    const T* open = kv.format == KV_INT4 ? kv.open_key(l, block, o, h) : nullptr;  // int4's residual, by block
-    const T* staged = kv.format == KV_INT4 && !open ? kv.staged_key(l, block, o, h) : nullptr;
-    if (open)
-      widen_row(open, s.key, D);
-    else
-      kv.key_codes(l, block, h, s.rows[i], s.key);
-    if (staged) widen_row(staged, s.fresh_key, D);
     for (int u = 0; u < nq; ++u) {
-      if (!visible(u, i)) continue;
-      const float* key = staged && i >= fresh[u] ? s.fresh_key : s.key;
-      s.scores[u * n + i] = dot_row(q + u * D, key, D) * scale;
+      const float* rows[QUANT_KB];
+      for (int64_t j = 0; j < QUANT_KB; ++j)
+        rows[j] = (staged_any && staged[j] && i0 + j >= fresh[u] ? s.fresh_key : s.key) + j * D;
+      float dots[QUANT_KB];
+      dot4(q + u * D, rows, D, dots);
+      for (int64_t j = 0; j < kk; ++j)
+        if (seen[j] && visible(u, i0 + j)) s.scores[u * n + i0 + j] = dots[j] * scale;
     }
   }
   for (int u = 0; u < nq; ++u)  // causal queries see a prefix of the keys: no packing
     softmax_visible(s.scores.data() + u * n, n, local ? -1 : start + tok[u] + 1, s.packed, s.where, softmax);
   s.acc.assign(nq * D, 0.0f);
-  for (int64_t i = 0; i < n; ++i) {
-    bool any = false;
-    for (int u = 0; u < nq; ++u) any |= s.scores[u * n + i] != 0.0f;
-    if (!any) continue;
-    kv.value_row(l, s.rows[i], s.value);
-    for (int u = 0; u < nq; ++u)  // a zero weight adds nothing: skipped, so co-queries never change a result
-      if (s.scores[u * n + i] != 0.0f) add_row(s.scores[u * n + i], s.value, s.acc.data() + u * D, D);
+  for (int64_t i0 = 0; i0 < n; i0 += QUANT_VB) {
+    const int64_t kk = std::min(QUANT_VB, n - i0);
+    for (int64_t j = 0; j < kk; ++j) {
+      bool any = false;
+      for (int u = 0; u < nq; ++u) any |= s.scores[u * n + i0 + j] != 0.0f;
+      if (any) kv.value_row(l, s.rows[i0 + j], s.value + j * D);  // rows no query weighs are never read
+    }
+    for (int u = 0; u < nq; ++u)
+      for (int64_t c = 0; c < D; c += 64)
+        sum_values_chunk(static_cast<int>(std::min<int64_t>(64, D - c) / 8), s.acc.data() + u * D + c,
+                         s.scores.data() + u * n + i0, s.value + c, D, kk);
   }
   for (int u = 0; u < nq; ++u)
     for (int64_t d = 0; d < D; ++d) out[u][d] = rnd<T>(s.acc[u * D + d]);
