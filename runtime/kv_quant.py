@@ -191,16 +191,15 @@ def chunked_attention(
     by this very write; query t reads fresh key j in full precision when j >= fresh_from[b, t] (as it would in
     token-by-token decoding, where the group was still open at its step). -> [B, H, T, D].
 
-    Without sinks or fresh keys, a cache whose dequantized k/v take at most DENSE_BYTES is read whole and handed
-    to SDPA (the same math, its fused kernel: a 2k-token prefill over an int8 cache runs ~4x faster)."""
+    Without sinks, a cache whose dequantized k/v take at most DENSE_BYTES is read whole and handed to SDPA (the same
+    math, its fused kernel: a 2k-token prefill over an int8 cache runs ~4x faster). A whole causal prompt (kv_len ==
+    T) is SDPA's own causal case (it skips the masked half); int4's fresh keys are a second copy of the key range
+    that each query sees where its rule says (quantized key j where j < fresh_from, the full-precision one from
+    there), so every visible key is still scored exactly once."""
     B, H, T, D = q.shape
-    if sink_q is None and read_fresh is None and B * H * kv_len * D * 8 <= DENSE_BYTES:  # q's heads bound k/v's
-        k, v = read(0, kv_len)
-        allowed = _chunk_mask(mask, is_causal, 0, kv_len, kv_len, T, 1, q.device)  # [B, 1, T, n] or [T, n]
-        out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=allowed, enable_gqa=True)
-        if allowed is not None:  # a query with no key: zeros, as below (SDPA gives NaN)
-            out = out.masked_fill(~allowed.any(-1, keepdim=True), 0.0)
-        return out.to(q.dtype)
+    copies = 1 if read_fresh is None else 2
+    if sink_q is None and B * H * kv_len * D * 8 * copies <= DENSE_BYTES:  # q's heads bound k/v's
+        return _dense_attention(q, read, kv_len, mask, is_causal, read_fresh, fresh_from)
     scale = D**-0.5
     m = l = acc = None
     for start in range(0, kv_len, chunk):
@@ -238,6 +237,29 @@ def chunked_attention(
         raise ValueError("attention over an empty cache (kv_len 0)")
     out = torch.where(l > 0, acc / l.clamp_min(1e-30), torch.zeros_like(acc))
     return out.reshape(B, H, T, D).to(q.dtype)
+
+
+def _dense_attention(q, read, kv_len, mask, is_causal, read_fresh, fresh_from) -> Tensor:
+    """chunked_attention's math over the whole key range in one SDPA call (its docstring says when)."""
+    B, H, T, D = q.shape
+    k, v = read(0, kv_len)
+    fresh = read_fresh(0, kv_len) if read_fresh is not None else None
+    if fresh is None and mask is None and is_causal and kv_len == T:
+        out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True, enable_gqa=True)
+        return out.to(q.dtype)
+    allowed = _chunk_mask(mask, is_causal, 0, kv_len, kv_len, T, 1, q.device)  # [B, 1, T, n], [T, n] or None
+    if fresh is not None:
+        k_fp, is_fresh = fresh  # [B, Hkv, n, D], [B, n]
+        use = (torch.arange(kv_len, device=q.device) >= fresh_from[..., None]) & is_fresh[:, None]  # [B, T, n]
+        use = use[:, None]
+        base = torch.ones_like(use) if allowed is None else allowed.expand_as(use)
+        allowed = torch.cat([base & ~use, base & use], dim=-1)  # [B, 1, T, 2n]: codes, then full precision
+        k = torch.cat([k.float(), k_fp.float()], dim=2)
+        v = torch.cat([v, v], dim=2)
+    out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=allowed, enable_gqa=True)
+    if allowed is not None:  # a query with no key: zeros, as chunked_attention gives (SDPA gives NaN)
+        out = out.masked_fill(~allowed.any(-1, keepdim=True), 0.0)
+    return out.to(q.dtype)
 
 
 def _chunk_mask(mask, is_causal, start, stop, kv_len, T, g, device) -> Tensor | None:

@@ -3,6 +3,8 @@ cache at the decode's mean context), against figures computed by hand."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from evals.speed.bench_decode import Runner, kv_position_bytes, summarize
@@ -29,3 +31,13 @@ def test_summary_roofline_reads_weights_and_the_kv_cache_at_the_mean_context():
     assert out["tpot_ms"] == pytest.approx(100.0)  # (0.51 - 0.11) / 4
     assert out["kv_bytes_per_token"] == pytest.approx(10 * (100 + 2.5))
     assert out["roofline_share"] == pytest.approx((1000 + 1025) / 1e4 / 0.1)
+
+
+def test_tpot_is_read_per_round_and_refused_where_ttft_noise_exceeds_the_decode():
+    r = Runner("row", call=None, weight_bytes=1000, kv_bytes_per_position=10.0)
+    # rounds decode 0.4, 0.4 and (a slow patch in the third whole call) 4.0 s: the difference of the medians would
+    # say 3.4 s, the median round 0.4 s
+    r.walls = {1: [40.0, 44.0, 41.0], 5: [40.4, 44.4, 45.0]}
+    assert summarize(r, new_tokens=5, bandwidth=1e4, prompt_tokens=8000)["tpot_ms"] == pytest.approx(100.0)
+    r.walls = {1: [40.0, 44.0, 41.0], 5: [39.0, 42.0, 40.8]}  # a slower first call than the whole one
+    assert math.isnan(summarize(r, new_tokens=5, bandwidth=1e4, prompt_tokens=8000)["tpot_ms"])

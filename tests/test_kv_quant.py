@@ -143,6 +143,23 @@ def test_attention_over_a_quantized_pool_equals_sdpa_over_its_dequantized_copy(f
     assert S > 2 * CHUNK
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_whole_causal_prompt_is_sdpas_causal_case(fmt, monkeypatch):
+    """A prompt attending to itself alone (kv_len == T, no mask) runs SDPA's causal kernel: the same attention as
+    the online softmax over the chunks (and int4's fresh keys, written by this very call, read as its rule says)."""
+    B, H, Hkv, D, bs, S = 1, 4, 2, 16, 16, 300
+    gen = torch.Generator().manual_seed(3)
+    k, v, q = (torch.randn(B, h, S, D, generator=gen) for h in (Hkv, Hkv, H))
+    results = {}
+    for dense in (True, False):
+        monkeypatch.setattr(kv_quant, "DENSE_BYTES", 128 << 20 if dense else 0)
+        pool = KVPool(1, 32, bs, Hkv, D, fmt, torch.float32, open_blocks=4)
+        tables, slots = torch.arange(32)[None], torch.arange(S)[None]
+        pool.write(0, k, v, slots, tables, [S])
+        results[dense] = pool.attend(0, q, tables, S, is_causal=True, query_index=slots)
+    torch.testing.assert_close(results[True], results[False], rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3", "int4"])
 def test_dequantized_pool_is_close_to_what_was_written(fmt):
     pool = KVPool(1, 8, 16, 2, 16, fmt, torch.float32, open_blocks=2)
@@ -178,9 +195,12 @@ def test_int4_keeps_the_open_group_in_full_precision_until_it_is_final():
     assert pool.open_of[1] == -1 and sorted(pool.free_open) == [0, 1]
 
 
-def test_int4_attention_does_not_depend_on_how_the_sequence_is_chunked():
+@pytest.mark.parametrize("dense", [True, False], ids=["dense", "chunked"])
+def test_int4_attention_does_not_depend_on_how_the_sequence_is_chunked(dense, monkeypatch):
     """A query reads each key group as it would have token by token: in full precision while the group was still
-    open at the query's own step, quantized after, so chunked writes give token-by-token decoding's attention."""
+    open at the query's own step, quantized after, so chunked writes give token-by-token decoding's attention.
+    Both readings: one SDPA call over the codes and the fresh keys side by side, and the online softmax."""
+    monkeypatch.setattr(kv_quant, "DENSE_BYTES", kv_quant.DENSE_BYTES if dense else 0)
     torch.manual_seed(0)
     bs, H, D = 8, 2, 16
     k, v, q = torch.randn(1, H, 30, D), torch.randn(1, H, 30, D), torch.randn(1, 4, 30, D)
