@@ -1561,6 +1561,51 @@ inline void softmax_visible(float* sc, int64_t n, int64_t prefix, std::vector<fl
   for (size_t j = 0; j < packed.size(); ++j) sc[where[j]] = packed[j];
 }
 
+// dot_row(q, k_j, D) for 4 key rows at once (D % 8 == 0): each key's chain of FMAs in dot_row's order and the
+// same horizontal sum, so the same bits; the 4 chains are independent, so their latencies overlap.
+constexpr int64_t KEYS4 = 4;
+template <typename T>
+inline void dot4(const float* q, const T* const* k, int64_t D, float* out) {
+  __m256 acc[KEYS4];
+  _Pragma("GCC unroll 4") for (int j = 0; j < KEYS4; ++j) acc[j] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; d += 8) {
+    const __m256 x = _mm256_loadu_ps(q + d);
+    _Pragma("GCC unroll 4") for (int j = 0; j < KEYS4; ++j) acc[j] = _mm256_fmadd_ps(x, lanes8(k[j] + d), acc[j]);
+  }
+  _Pragma("GCC unroll 4") for (int j = 0; j < KEYS4; ++j) out[j] = avx2::hsum(acc[j]);
+}
+
+// acc[c, c + 8R) += p[j] * v[j][c, c + 8R) for the value rows j < count that are given (nullptr: skipped), in key
+// order, the sums in registers: add_row's operations (one FMA per lane per key), so the same bits.
+template <int R, typename T>
+inline void sum_rows(float* acc, const float* p, const T* const* v, int64_t count, int64_t c) {
+  __m256 a[R];
+  _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r) a[r] = _mm256_loadu_ps(acc + c + 8 * r);
+  for (int64_t j = 0; j < count; ++j) {
+    if (!v[j]) continue;
+    const __m256 w = _mm256_set1_ps(p[j]);
+    _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r) a[r] = _mm256_fmadd_ps(w, lanes8(v[j] + c + 8 * r), a[r]);
+  }
+  _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r) _mm256_storeu_ps(acc + c + 8 * r, a[r]);
+}
+
+// sum_rows over all D channels (D % 8 == 0), 64 at a time (8 registers of sums)
+template <typename T>
+inline void sum_rows_all(float* acc, const float* p, const T* const* v, int64_t count, int64_t D) {
+  for (int64_t c = 0; c < D; c += 64) {
+    switch (std::min<int64_t>(64, D - c) / 8) {
+      case 8: sum_rows<8>(acc, p, v, count, c); break;
+      case 7: sum_rows<7>(acc, p, v, count, c); break;
+      case 6: sum_rows<6>(acc, p, v, count, c); break;
+      case 5: sum_rows<5>(acc, p, v, count, c); break;
+      case 4: sum_rows<4>(acc, p, v, count, c); break;
+      case 3: sum_rows<3>(acc, p, v, count, c); break;
+      case 2: sum_rows<2>(acc, p, v, count, c); break;
+      default: sum_rows<1>(acc, p, v, count, c);
+    }
+  }
+}
+
 // Attention of token t of row b for g query heads of kv head h (their roped queries q [g, D]): keys at indices
 // [0, start) and the chunk's indices start + j that the row's local mask allows (causal: j <= t). Each key and
 // value row is read once for the g heads. scores: scratch [g, start + count]; acc: scratch [g, D].
@@ -1574,19 +1619,42 @@ void attend(const KVView<T>& kv, int64_t l, int64_t b, int64_t h, int64_t t, int
   const T* vbase = kv.v + l * kv.layer_stride;
   auto visible = [&](int64_t i) { return i < start || (local ? local[t * Tn + (i - start)] : i - start <= t); };
   scores.assign(g * n, -INFINITY);  // masked keys: e^-inf = 0
-  for (int64_t i = 0; i < n; ++i) {
-    if (!visible(i)) continue;
-    const T* k = kbase + kv.at(b, h, i);
-    for (int64_t head = 0; head < g; ++head) scores[head * n + i] = dot_row(q + head * D, k, D) * scale;
+  const bool blocked = D % 8 == 0;  // keys 4 at a time (dot4), value sums in registers (sum_rows): the same bits
+  for (int64_t i0 = 0; i0 < n; i0 += blocked ? KEYS4 : 1) {
+    if (blocked && i0 + KEYS4 <= n) {
+      const T* k[KEYS4];
+      for (int64_t j = 0; j < KEYS4; ++j) k[j] = kbase + kv.at(b, h, visible(i0 + j) ? i0 + j : 0);
+      for (int64_t head = 0; head < g; ++head) {
+        float dots[KEYS4];
+        dot4(q + head * D, k, D, dots);
+        for (int64_t j = 0; j < KEYS4; ++j)
+          if (visible(i0 + j)) scores[head * n + i0 + j] = dots[j] * scale;
+      }
+      continue;
+    }
+    for (int64_t i = i0; i < std::min(n, i0 + (blocked ? KEYS4 : 1)); ++i) {
+      if (!visible(i)) continue;
+      const T* k = kbase + kv.at(b, h, i);
+      for (int64_t head = 0; head < g; ++head) scores[head * n + i] = dot_row(q + head * D, k, D) * scale;
+    }
   }
   acc.assign(g * D, 0.0f);
   const int64_t prefix = local ? -1 : start + t + 1;  // causal: the visible keys are a prefix
   for (int64_t head = 0; head < g; ++head)
     softmax_visible(scores.data() + head * n, n, prefix, packed, where, softmax_packed8);
-  for (int64_t i = 0; i < n; ++i) {
-    if (!visible(i)) continue;
-    const T* v = vbase + kv.at(b, h, i);
-    for (int64_t head = 0; head < g; ++head) add_row(scores[head * n + i], v, acc.data() + head * D, D);
+  constexpr int64_t VB = 32;
+  for (int64_t i0 = 0; i0 < n; i0 += VB) {
+    const int64_t kk = std::min(VB, n - i0);
+    const T* v[VB];
+    for (int64_t j = 0; j < kk; ++j) v[j] = visible(i0 + j) ? vbase + kv.at(b, h, i0 + j) : nullptr;
+    for (int64_t head = 0; head < g; ++head) {
+      if (blocked) {
+        sum_rows_all(acc.data() + head * D, scores.data() + head * n + i0, v, kk, D);
+        continue;
+      }
+      for (int64_t j = 0; j < kk; ++j)
+        if (v[j]) add_row(scores[head * n + i0 + j], v[j], acc.data() + head * D, D);
+    }
   }
   for (int64_t head = 0; head < g; ++head)
     for (int64_t i = 0; i < D; ++i) out[head * out_stride + i] = rnd<T>(acc[head * D + i]);
@@ -1916,52 +1984,16 @@ void seal_int4(const QuantKV<T>& kv, int64_t l) {
 }
 
 constexpr int QUANT_QB = 8;
-constexpr int64_t QUANT_KB = 4;   // keys whose scores a query takes at once (4 independent dot-product chains)
 constexpr int64_t QUANT_VB = 32;  // value rows dequantized at once, then summed per query in registers
 struct QuantScratch {
   std::vector<float> scores, packed, acc, q;
   std::vector<int64_t> where, rows;
-  alignas(32) float key[QUANT_KB * 256], fresh_key[QUANT_KB * 256], value[QUANT_VB * 256];
+  alignas(32) float key[KEYS4 * 256], fresh_key[KEYS4 * 256], value[QUANT_VB * 256];
 };
-
-// dot_row(q, k_j, D) for 4 key rows at once (D % 8 == 0): each key's chain of FMAs in the same order and the same
-// horizontal sum, so the same bits; the 4 chains are independent, so their latencies overlap.
-inline void dot4(const float* q, const float* const* k, int64_t D, float* out) {
-  __m256 acc[QUANT_KB];
-  _Pragma("GCC unroll 4") for (int j = 0; j < QUANT_KB; ++j) acc[j] = _mm256_setzero_ps();
-  for (int64_t d = 0; d < D; d += 8) {
-    const __m256 x = _mm256_loadu_ps(q + d);
-    _Pragma("GCC unroll 4") for (int j = 0; j < QUANT_KB; ++j) acc[j] = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[j] + d), acc[j]);
-  }
-  _Pragma("GCC unroll 4") for (int j = 0; j < QUANT_KB; ++j) out[j] = avx2::hsum(acc[j]);
-}
-
-// acc[0, 8R) += p_j * v_j[0, 8R) for the keys j < count whose weight is not zero, in key order, with the sums in
-// registers: add_row's operations (one FMA per lane per key), so the same bits.
-template <int R>
-inline void sum_values(float* acc, const float* p, const float* v, int64_t ldv, int64_t count) {
-  __m256 a[R];
-  _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r) a[r] = _mm256_loadu_ps(acc + 8 * r);
-  for (int64_t j = 0; j < count; ++j) {
-    if (p[j] == 0.0f) continue;  // a zero weight adds nothing: skipped, so co-queries never change a result
-    const __m256 w = _mm256_set1_ps(p[j]);
-    _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r) a[r] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + j * ldv + 8 * r), a[r]);
-  }
-  _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r) _mm256_storeu_ps(acc + 8 * r, a[r]);
-}
-
-inline void sum_values_chunk(int R, float* acc, const float* p, const float* v, int64_t ldv, int64_t count) {
-  switch (R) {
-    case 8: return sum_values<8>(acc, p, v, ldv, count);
-    case 6: return sum_values<6>(acc, p, v, ldv, count);
-    case 4: return sum_values<4>(acc, p, v, ldv, count);
-    default: return sum_values<2>(acc, p, v, ldv, count);  // D % 16 == 0: R is even
-  }
-}
 
 // Attention for up to QB queries of row b and kv head h over a quantized cache (attn512::attend's contract: query u
 // is q[u] of token tok[u], sees indices [0, start) and the new tokens its local mask allows). Key rows are
-// dequantized QUANT_KB at a time into scratch, each query's scores of them taken as independent chains (dot4);
+// dequantized KEYS4 at a time into scratch, each query's scores of them taken as independent chains (dot4);
 // value rows QUANT_VB at a time, each query's sums kept in registers over them, 64 channels at a time. int4 queries
 // read a sealed-now key in full precision from j >= fresh_from (their own rule), the others its codes. Every score
 // and every channel's sum is formed as the one-row-at-a-time loop formed it (dot_row, add_row), so the blocking
@@ -1979,10 +2011,10 @@ void attend_quant(const QuantKV<T>& kv, int64_t l, int64_t b, int64_t h, int nq,
   kv.walk_rows(b, h, n, s.rows);
   s.scores.assign(QUANT_QB * n, -INFINITY);  // masked keys stay -inf: e^-inf = 0
   int64_t block = 0, o = kv.bs - 1;  // position i's pool block and offset, walked
-  for (int64_t i0 = 0; i0 < n; i0 += QUANT_KB) {
-    const int64_t kk = std::min(QUANT_KB, n - i0);
-    bool staged_any = false, seen[QUANT_KB] = {}, staged[QUANT_KB] = {};
-    for (int64_t j = 0; j < QUANT_KB; ++j) {
+  for (int64_t i0 = 0; i0 < n; i0 += KEYS4) {
+    const int64_t kk = std::min(KEYS4, n - i0);
+    bool staged_any = false, seen[KEYS4] = {}, staged[KEYS4] = {};
+    for (int64_t j = 0; j < KEYS4; ++j) {
       const int64_t i = i0 + j;
       float* key = s.key + j * D;
       if (j >= kk) {  // past the end: a zero row, its scores never kept
@@ -2009,10 +2041,10 @@ void attend_quant(const QuantKV<T>& kv, int64_t l, int64_t b, int64_t h, int nq,
       staged_any |= staged[j];
     }
     for (int u = 0; u < nq; ++u) {
-      const float* rows[QUANT_KB];
-      for (int64_t j = 0; j < QUANT_KB; ++j)
+      const float* rows[KEYS4];
+      for (int64_t j = 0; j < KEYS4; ++j)
         rows[j] = (staged_any && staged[j] && i0 + j >= fresh[u] ? s.fresh_key : s.key) + j * D;
-      float dots[QUANT_KB];
+      float dots[KEYS4];
       dot4(q + u * D, rows, D, dots);
       for (int64_t j = 0; j < kk; ++j)
         if (seen[j] && visible(u, i0 + j)) s.scores[u * n + i0 + j] = dots[j] * scale;
@@ -2028,10 +2060,13 @@ void attend_quant(const QuantKV<T>& kv, int64_t l, int64_t b, int64_t h, int nq,
       for (int u = 0; u < nq; ++u) any |= s.scores[u * n + i0 + j] != 0.0f;
       if (any) kv.value_row(l, s.rows[i0 + j], s.value + j * D);  // rows no query weighs are never read
     }
-    for (int u = 0; u < nq; ++u)
-      for (int64_t c = 0; c < D; c += 64)
-        sum_values_chunk(static_cast<int>(std::min<int64_t>(64, D - c) / 8), s.acc.data() + u * D + c,
-                         s.scores.data() + u * n + i0, s.value + c, D, kk);
+    for (int u = 0; u < nq; ++u) {
+      const float* p = s.scores.data() + u * n + i0;
+      const float* rows[QUANT_VB];
+      for (int64_t j = 0; j < kk; ++j)  // a zero weight adds nothing: skipped, so co-queries never change a result
+        rows[j] = p[j] != 0.0f ? s.value + j * D : nullptr;
+      sum_rows_all(s.acc.data() + u * D, p, rows, kk, D);
+    }
   }
   for (int u = 0; u < nq; ++u)
     for (int64_t d = 0; d < D; ++d) out[u][d] = rnd<T>(s.acc[u * D + d]);
