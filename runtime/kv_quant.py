@@ -220,8 +220,8 @@ def chunked_attention(
         fresh = read_fresh(start, stop) if read_fresh is not None else None
         if fresh is not None:
             k_fp, is_fresh = fresh
-            use = (torch.arange(start, stop, device=q.device) >= fresh_from[..., None]) & is_fresh[:, None]  # [B,T,n]
-            use = use[:, None, None].expand(-1, -1, g, -1, -1).reshape(B, 1, g * T, stop - start)
+            use = _reads_fresh(start, stop, fresh_from, is_fresh)[:, None, None]  # [B, 1, 1, T, n]
+            use = use.expand(-1, -1, g, -1, -1).reshape(B, 1, g * T, stop - start)
             s = torch.where(use, qf @ k_fp.float().transpose(-1, -2), s)
         allowed = _chunk_mask(mask, is_causal, start, stop, kv_len, T, g, q.device)
         if allowed is not None:
@@ -250,8 +250,7 @@ def _dense_attention(q, read, kv_len, mask, is_causal, read_fresh, fresh_from) -
     allowed = _chunk_mask(mask, is_causal, 0, kv_len, kv_len, T, 1, q.device)  # [B, 1, T, n], [T, n] or None
     if fresh is not None:
         k_fp, is_fresh = fresh  # [B, Hkv, n, D], [B, n]
-        use = (torch.arange(kv_len, device=q.device) >= fresh_from[..., None]) & is_fresh[:, None]  # [B, T, n]
-        use = use[:, None]
+        use = _reads_fresh(0, kv_len, fresh_from, is_fresh)[:, None]
         base = torch.ones_like(use) if allowed is None else allowed.expand_as(use)
         allowed = torch.cat([base & ~use, base & use], dim=-1)  # [B, 1, T, 2n]: codes, then full precision
         k = torch.cat([k.float(), k_fp.float()], dim=2)
@@ -260,6 +259,11 @@ def _dense_attention(q, read, kv_len, mask, is_causal, read_fresh, fresh_from) -
     if allowed is not None:  # a query with no key: zeros, as chunked_attention gives (SDPA gives NaN)
         out = out.masked_fill(~allowed.any(-1, keepdim=True), 0.0)
     return out.to(q.dtype)
+
+
+def _reads_fresh(start: int, stop: int, fresh_from: Tensor, is_fresh: Tensor) -> Tensor:
+    """[B, T, n]: whether query t reads key start + j in full precision (a fresh key at or past fresh_from[b, t])."""
+    return (torch.arange(start, stop, device=fresh_from.device) >= fresh_from[..., None]) & is_fresh[:, None]
 
 
 def _chunk_mask(mask, is_causal, start, stop, kv_len, T, g, device) -> Tensor | None:

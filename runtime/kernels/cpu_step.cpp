@@ -1575,6 +1575,8 @@ inline void dot4(const float* q, const T* const* k, int64_t D, float* out) {
   _Pragma("GCC unroll 4") for (int j = 0; j < KEYS4; ++j) out[j] = avx2::hsum(acc[j]);
 }
 
+constexpr int64_t VALUE_ROWS = 32;  // value rows an attention sums at a time, the sums in registers
+
 // acc[c, c + 8R) += p[j] * v[j][c, c + 8R) for the value rows j < count that are given (nullptr: skipped), in key
 // order, the sums in registers: add_row's operations (one FMA per lane per key), so the same bits.
 template <int R, typename T>
@@ -1620,32 +1622,32 @@ void attend(const KVView<T>& kv, int64_t l, int64_t b, int64_t h, int64_t t, int
   auto visible = [&](int64_t i) { return i < start || (local ? local[t * Tn + (i - start)] : i - start <= t); };
   scores.assign(g * n, -INFINITY);  // masked keys: e^-inf = 0
   const bool blocked = D % 8 == 0;  // keys 4 at a time (dot4), value sums in registers (sum_rows): the same bits
-  for (int64_t i0 = 0; i0 < n; i0 += blocked ? KEYS4 : 1) {
-    if (blocked && i0 + KEYS4 <= n) {
-      const T* k[KEYS4];
-      for (int64_t j = 0; j < KEYS4; ++j) k[j] = kbase + kv.at(b, h, visible(i0 + j) ? i0 + j : 0);
-      for (int64_t head = 0; head < g; ++head) {
-        float dots[KEYS4];
-        dot4(q + head * D, k, D, dots);
-        for (int64_t j = 0; j < KEYS4; ++j)
-          if (visible(i0 + j)) scores[head * n + i0 + j] = dots[j] * scale;
-      }
-      continue;
+  for (int64_t i0 = 0; blocked && i0 < n; i0 += KEYS4) {
+    bool seen[KEYS4];
+    const T* k[KEYS4];
+    for (int64_t j = 0; j < KEYS4; ++j) {  // a key past the end or masked: row 0 stands in, its score not kept
+      seen[j] = i0 + j < n && visible(i0 + j);
+      k[j] = kbase + kv.at(b, h, seen[j] ? i0 + j : 0);
     }
-    for (int64_t i = i0; i < std::min(n, i0 + (blocked ? KEYS4 : 1)); ++i) {
-      if (!visible(i)) continue;
-      const T* k = kbase + kv.at(b, h, i);
-      for (int64_t head = 0; head < g; ++head) scores[head * n + i] = dot_row(q + head * D, k, D) * scale;
+    for (int64_t head = 0; head < g; ++head) {
+      float dots[KEYS4];
+      dot4(q + head * D, k, D, dots);
+      for (int64_t j = 0; j < KEYS4; ++j)
+        if (seen[j]) scores[head * n + i0 + j] = dots[j] * scale;
     }
+  }
+  for (int64_t i = 0; !blocked && i < n; ++i) {
+    if (!visible(i)) continue;
+    const T* k = kbase + kv.at(b, h, i);
+    for (int64_t head = 0; head < g; ++head) scores[head * n + i] = dot_row(q + head * D, k, D) * scale;
   }
   acc.assign(g * D, 0.0f);
   const int64_t prefix = local ? -1 : start + t + 1;  // causal: the visible keys are a prefix
   for (int64_t head = 0; head < g; ++head)
     softmax_visible(scores.data() + head * n, n, prefix, packed, where, softmax_packed8);
-  constexpr int64_t VB = 32;
-  for (int64_t i0 = 0; i0 < n; i0 += VB) {
-    const int64_t kk = std::min(VB, n - i0);
-    const T* v[VB];
+  for (int64_t i0 = 0; i0 < n; i0 += VALUE_ROWS) {
+    const int64_t kk = std::min(VALUE_ROWS, n - i0);
+    const T* v[VALUE_ROWS];
     for (int64_t j = 0; j < kk; ++j) v[j] = visible(i0 + j) ? vbase + kv.at(b, h, i0 + j) : nullptr;
     for (int64_t head = 0; head < g; ++head) {
       if (blocked) {
@@ -1984,17 +1986,16 @@ void seal_int4(const QuantKV<T>& kv, int64_t l) {
 }
 
 constexpr int QUANT_QB = 8;
-constexpr int64_t QUANT_VB = 32;  // value rows dequantized at once, then summed per query in registers
 struct QuantScratch {
   std::vector<float> scores, packed, acc, q;
   std::vector<int64_t> where, rows;
-  alignas(32) float key[KEYS4 * 256], fresh_key[KEYS4 * 256], value[QUANT_VB * 256];
+  alignas(32) float key[KEYS4 * 256], fresh_key[KEYS4 * 256], value[VALUE_ROWS * 256];
 };
 
 // Attention for up to QB queries of row b and kv head h over a quantized cache (attn512::attend's contract: query u
 // is q[u] of token tok[u], sees indices [0, start) and the new tokens its local mask allows). Key rows are
 // dequantized KEYS4 at a time into scratch, each query's scores of them taken as independent chains (dot4);
-// value rows QUANT_VB at a time, each query's sums kept in registers over them, 64 channels at a time. int4 queries
+// value rows VALUE_ROWS at a time, each query's sums kept in registers over them, 64 channels at a time. int4 queries
 // read a sealed-now key in full precision from j >= fresh_from (their own rule), the others its codes. Every score
 // and every channel's sum is formed as the one-row-at-a-time loop formed it (dot_row, add_row), so the blocking
 // changes no bit.
@@ -2013,20 +2014,18 @@ void attend_quant(const QuantKV<T>& kv, int64_t l, int64_t b, int64_t h, int nq,
   int64_t block = 0, o = kv.bs - 1;  // position i's pool block and offset, walked
   for (int64_t i0 = 0; i0 < n; i0 += KEYS4) {
     const int64_t kk = std::min(KEYS4, n - i0);
-    bool staged_any = false, seen[KEYS4] = {}, staged[KEYS4] = {};
+    bool seen[KEYS4] = {}, staged[KEYS4] = {};
     for (int64_t j = 0; j < KEYS4; ++j) {
       const int64_t i = i0 + j;
       float* key = s.key + j * D;
-      if (j >= kk) {  // past the end: a zero row, its scores never kept
-        std::fill(key, key + D, 0.0f);
-        continue;
+      if (j < kk) {
+        if (++o == kv.bs) {
+          o = 0;
+          block = kv.tables[b * kv.W + i / kv.bs];  // one division a block
+        }
+        for (int u = 0; u < nq; ++u) seen[j] |= visible(u, i);
       }
-      if (++o == kv.bs) {
-        o = 0;
-        block = kv.tables[b * kv.W + i / kv.bs];  // one division a block
-      }
-      for (int u = 0; u < nq; ++u) seen[j] |= visible(u, i);
-      if (!seen[j]) {
+      if (!seen[j]) {  // past the end or masked for every query: a zero row, its scores not kept
         std::fill(key, key + D, 0.0f);
         continue;
       }
@@ -2038,23 +2037,22 @@ void attend_quant(const QuantKV<T>& kv, int64_t l, int64_t b, int64_t h, int nq,
         kv.key_codes(l, block, h, s.rows[i], key);
       if (stage) widen_row(stage, s.fresh_key + j * D, D);
       staged[j] = stage != nullptr;
-      staged_any |= staged[j];
     }
     for (int u = 0; u < nq; ++u) {
       const float* rows[KEYS4];
       for (int64_t j = 0; j < KEYS4; ++j)
-        rows[j] = (staged_any && staged[j] && i0 + j >= fresh[u] ? s.fresh_key : s.key) + j * D;
+        rows[j] = (staged[j] && i0 + j >= fresh[u] ? s.fresh_key : s.key) + j * D;
       float dots[KEYS4];
       dot4(q + u * D, rows, D, dots);
-      for (int64_t j = 0; j < kk; ++j)
+      for (int64_t j = 0; j < KEYS4; ++j)
         if (seen[j] && visible(u, i0 + j)) s.scores[u * n + i0 + j] = dots[j] * scale;
     }
   }
   for (int u = 0; u < nq; ++u)  // causal queries see a prefix of the keys: no packing
     softmax_visible(s.scores.data() + u * n, n, local ? -1 : start + tok[u] + 1, s.packed, s.where, softmax);
   s.acc.assign(nq * D, 0.0f);
-  for (int64_t i0 = 0; i0 < n; i0 += QUANT_VB) {
-    const int64_t kk = std::min(QUANT_VB, n - i0);
+  for (int64_t i0 = 0; i0 < n; i0 += VALUE_ROWS) {
+    const int64_t kk = std::min(VALUE_ROWS, n - i0);
     for (int64_t j = 0; j < kk; ++j) {
       bool any = false;
       for (int u = 0; u < nq; ++u) any |= s.scores[u * n + i0 + j] != 0.0f;
@@ -2062,7 +2060,7 @@ void attend_quant(const QuantKV<T>& kv, int64_t l, int64_t b, int64_t h, int nq,
     }
     for (int u = 0; u < nq; ++u) {
       const float* p = s.scores.data() + u * n + i0;
-      const float* rows[QUANT_VB];
+      const float* rows[VALUE_ROWS];
       for (int64_t j = 0; j < kk; ++j)  // a zero weight adds nothing: skipped, so co-queries never change a result
         rows[j] = p[j] != 0.0f ? s.value + j * D : nullptr;
       sum_rows_all(s.acc.data() + u * D, p, rows, kk, D);
