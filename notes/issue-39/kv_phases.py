@@ -2,6 +2,9 @@
 TPOT and the CPU step's attention phase per token (ext.profile). Usage, from the repository root:
 
     PYTHONPATH=. python notes/issue-39/kv_phases.py PROMPT_TOKENS NEW_TOKENS [FORMATS] [ROUNDS]
+
+FORMATS: comma-separated KV dtypes, each optionally with the AVX2 quantized attention's piece size (int8:1024;
+int8:0 turns the split off), e.g. auto,int8:0,int8:1024.
 """
 
 import sys
@@ -24,13 +27,16 @@ ext = cpu_step.extension()
 prompt = [(i * 7919) % 40000 + 100 for i in range(length)]
 params = SamplingParams(max_tokens=new, ignore_eos=True)
 for _ in range(rounds):
-    for fmt in formats:
+    for spec in formats:
+        fmt, _, piece = spec.partition(":")
+        if piece:
+            ext.set_kv_piece(int(piece) or 1 << 40)
         ext.profile(True)
         t0 = time.perf_counter()
         out = generate(model, [prompt], params, kv_cache=KVCacheSpec(dtype=fmt))
         phases = ext.profile(False)  # norm, qkv, rope+kv write, attention, o, gate_up, act, down (seconds)
         print(
-            f"{fmt:9s} own TPOT {out.timing.tpot_s * 1e3:.1f} ms, attention {phases[3] * 1e3 / new:.2f} ms a token, "
+            f"{spec:14s} own TPOT {out.timing.tpot_s * 1e3:.1f} ms, attention {phases[3] * 1e3 / new:.2f} ms a token, "
             f"step {sum(phases) * 1e3 / new:.2f} ms a token, call {time.perf_counter() - t0:.1f} s",
             flush=True,
         )

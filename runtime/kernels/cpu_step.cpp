@@ -45,6 +45,7 @@
 #include <cstring>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace qspec {
@@ -1513,10 +1514,11 @@ void silu_mul(const T* gate_up, T* out, int64_t n) {
 // Softmax in place of the scores of one query's visible keys, p[0, nv) packed in key order. The max, the
 // exponentials and their sum run over exactly these: lane l of the sum takes keys l, l + 8, ..., every exponential
 // goes through exp8 (a partial last block is masked, never a scalar tail), and each probability is e * (1 / sum).
+// Returns the sum and writes the max (a piece's statistics, for merging pieces: softmax_visible).
 // The result therefore depends only on the sequence of visible scores: not on the chunk's length, nor on where
 // masked keys sit, so a position's attention is the same bits in a 1-token decode step, as row t of a chain, as a
 // tree node (its ancestors interleaved with masked siblings) or beside other rows of a batch.
-inline void softmax_packed8(float* p, int64_t nv) {
+inline float softmax_packed8(float* p, int64_t nv, float* max_out) {
   float mx = -INFINITY;
   for (int64_t i = 0; i < nv; ++i) mx = std::max(mx, p[i]);  // the max is exact in any order
   const __m256 vmx = _mm256_set1_ps(mx);
@@ -1535,17 +1537,34 @@ inline void softmax_packed8(float* p, int64_t nv) {
       sum = _mm256_add_ps(sum, e);
     }
   }
-  const float inv = 1.0f / avx2::hsum(sum);
+  const float total = avx2::hsum(sum), inv = 1.0f / total;
   for (int64_t i = 0; i < nv; ++i) p[i] *= inv;
+  *max_out = mx;
+  return total;
 }
+using Softmax = float (*)(float*, int64_t, float*);  // -> the exponentials' sum; the max through the pointer
+
+// A run of one query's visible keys softmaxed alone: local key indices [lo, hi), its max and exponentials' sum.
+struct Piece {
+  int64_t lo = 0, hi = 0;
+  float max = 0.0f, sum = 0.0f;
+};
 
 // One query's scores sc[0, n), masked keys -inf, to probabilities (masked: 0) through `softmax` (this ISA's
 // softmax_packed8 / softmax_packed16). prefix >= 0: the visible keys are [0, prefix) (causal rows: no packing); else
-// they are packed, in key order, into `packed`.
+// they are packed, in key order, into `packed`. The visible keys are cut, in key order, into pieces of `piece` keys,
+// each softmaxed alone and recorded in `pieces` when given (piece >= n: one softmax over them all).
 inline void softmax_visible(float* sc, int64_t n, int64_t prefix, std::vector<float>& packed,
-                            std::vector<int64_t>& where, void (*softmax)(float*, int64_t)) {
+                            std::vector<int64_t>& where, Softmax softmax, int64_t piece = INT64_MAX,
+                            std::vector<Piece>* pieces = nullptr) {
+  if (pieces) pieces->clear();
+  float mx;
   if (prefix >= 0) {
-    softmax(sc, prefix);
+    for (int64_t lo = 0; lo < prefix; lo += std::min(piece, prefix)) {
+      const int64_t hi = prefix - lo <= piece ? prefix : lo + piece;
+      const float sum = softmax(sc + lo, hi - lo, &mx);
+      if (pieces) pieces->push_back({lo, hi, mx, sum});
+    }
     std::fill(sc + prefix, sc + n, 0.0f);
     return;
   }
@@ -1556,9 +1575,23 @@ inline void softmax_visible(float* sc, int64_t n, int64_t prefix, std::vector<fl
       packed.push_back(sc[i]);
       where.push_back(i);
     }
-  softmax(packed.data(), static_cast<int64_t>(packed.size()));
+  const int64_t nv = static_cast<int64_t>(packed.size());
+  for (int64_t lo = 0; lo < nv; lo += std::min(piece, nv)) {
+    const int64_t hi = nv - lo <= piece ? nv : lo + piece;
+    const float sum = softmax(packed.data() + lo, hi - lo, &mx);
+    if (pieces) pieces->push_back({where[lo], where[hi - 1] + 1, mx, sum});
+  }
   std::fill(sc, sc + n, 0.0f);
-  for (size_t j = 0; j < packed.size(); ++j) sc[where[j]] = packed[j];
+  for (int64_t j = 0; j < nv; ++j) sc[where[j]] = packed[j];
+}
+
+// The number of keys query token t of a row sees: its cached [0, start) and the new tokens its local mask allows
+// (causal: j <= t).
+inline int64_t visible_keys(int64_t start, int64_t count, int64_t t, const bool* local, int64_t Tn) {
+  if (!local) return start + t + 1;
+  int64_t n = start;
+  for (int64_t j = 0; j < count; ++j) n += local[t * Tn + j];
+  return n;
 }
 
 // dot_row(q, k_j, D) for 4 key rows at once (D % 8 == 0): each key's chain of FMAs in dot_row's order and the
@@ -1692,7 +1725,7 @@ inline __m512 exp16(__m512 x) {  // exp8's Cephes expf on 16 lanes
 }
 
 // softmax_packed8 with 16 lanes (exp16, masked tail): the same contract, for the AVX-512 attention.
-inline void softmax_packed16(float* p, int64_t nv) {
+inline float softmax_packed16(float* p, int64_t nv, float* max_out) {
   float mx = -INFINITY;
   for (int64_t i = 0; i < nv; ++i) mx = std::max(mx, p[i]);
   const __m512 vmx = _mm512_set1_ps(mx);
@@ -1704,8 +1737,10 @@ inline void softmax_packed16(float* p, int64_t nv) {
     _mm512_mask_storeu_ps(p + i, live, e);
     sum = _mm512_add_ps(sum, e);
   }
-  const float inv = 1.0f / _mm512_reduce_add_ps(sum);
+  const float total = _mm512_reduce_add_ps(sum), inv = 1.0f / total;
   for (int64_t i = 0; i < nv; ++i) p[i] *= inv;
+  *max_out = mx;
+  return total;
 }
 
 
@@ -1935,13 +1970,14 @@ struct QuantKV {
     if (format != KV_INT4) return dequant_scaled_row(c, format == KV_FP8, half_value(v_scale[t]), out, D);
     dequant_asym4_row(c, v_scale + t, v_min + t, false, out, D);
   }
-  // each position's row index for kv head h of sequence b, walked block by block: no division per row in the
-  // attention's loops (four 64-bit divisions per row and pass before: the int8 KV cost at long context)
-  void walk_rows(int64_t b, int64_t h, int64_t n, std::vector<int64_t>& rows) const {
-    rows.resize(n);
-    for (int64_t i0 = 0, j = 0; i0 < n; i0 += bs, ++j) {
-      const int64_t base = (static_cast<int64_t>(tables[b * W + j]) * Hkv + h) * bs;
-      for (int64_t o = 0; o < bs && i0 + o < n; ++o) rows[i0 + o] = base + o;
+  // each position's row index for kv head h of sequence b, positions [from, to) (rows[i - from]), walked block by
+  // block: no division per row in the attention's loops (four 64-bit divisions per row and pass before: the int8 KV
+  // cost at long context)
+  void walk_rows(int64_t b, int64_t h, int64_t from, int64_t to, std::vector<int64_t>& rows) const {
+    rows.resize(to - from);
+    for (int64_t i = from; i < to;) {
+      const int64_t j = i / bs, base = (static_cast<int64_t>(tables[b * W + j]) * Hkv + h) * bs;
+      for (int64_t o = i - j * bs; o < bs && i < to; ++o, ++i) rows[i - from] = base + o;
     }
   }
 };
@@ -1989,31 +2025,44 @@ constexpr int QUANT_QB = 8;
 struct QuantScratch {
   std::vector<float> scores, packed, acc, q;
   std::vector<int64_t> where, rows;
+  std::vector<Piece> pieces[QUANT_QB];
   alignas(32) float key[KEYS4 * 256], fresh_key[KEYS4 * 256], value[VALUE_ROWS * 256];
 };
 
+// The AVX2 quantized attention splits a long context over the cores: a work item reads the keys [from, to) of one
+// row and kv head, `from` a multiple of `piece` at or before the row's first new index (every earlier key is cached,
+// so seen by every query: key `from` is each query's visible key number `from`). Each query's visible keys are cut
+// into pieces of `piece` keys by their number in its own visible sequence, softmaxed and summed alone, and merged
+// after every item has run (merge_pieces). A piece's keys are the same in a decode step, a chain or a tree, so the
+// split keeps the shape invariance; a query that sees at most `piece` keys is one piece, computed as before.
+int64_t g_kv_piece = 1024;  // set_kv_piece (tests)
+struct KeyRange {
+  int64_t from = 0, to = 0, piece = INT64_MAX;
+};
+
 // Attention for up to QB queries of row b and kv head h over a quantized cache (attn512::attend's contract: query u
-// is q[u] of token tok[u], sees indices [0, start) and the new tokens its local mask allows). Key rows are
-// dequantized KEYS4 at a time into scratch, each query's scores of them taken as independent chains (dot4);
-// value rows VALUE_ROWS at a time, each query's sums kept in registers over them, 64 channels at a time. int4 queries
-// read a sealed-now key in full precision from j >= fresh_from (their own rule), the others its codes. Every score
-// and every channel's sum is formed as the one-row-at-a-time loop formed it (dot_row, add_row), so the blocking
-// changes no bit.
+// is q[u] of token tok[u], sees indices [0, start) and the new tokens its local mask allows), over the keys of
+// `range`. Key rows are dequantized KEYS4 at a time into scratch, each query's scores of them taken as independent
+// chains (dot4); value rows VALUE_ROWS at a time, each query's sums kept in registers over them, 64 channels at a
+// time. int4 queries read a sealed-now key in full precision from j >= fresh_from (their own rule), the others its
+// codes. Every score and every channel's sum is formed as the one-row-at-a-time loop formed it (dot_row, add_row),
+// so the blocking changes no bit. A query that is one piece gets its output; else each of its pieces in range goes
+// to part[u] + piece number * (D + 2): the sums, then the piece's max and exponentials' sum.
 template <typename T>
 void attend_quant(const QuantKV<T>& kv, int64_t l, int64_t b, int64_t h, int nq, const int64_t* tok, int64_t start,
-                  int64_t count, const bool* local, int64_t Tn, const float* q, float scale, T* const* out,
-                  QuantScratch& s, void (*softmax)(float*, int64_t)) {
-  const int64_t D = kv.D, n = start + count;
+                  int64_t count, const bool* local, int64_t Tn, const float* q, float scale, KeyRange range,
+                  T* const* out, float* const* part, QuantScratch& s, Softmax softmax) {
+  const int64_t D = kv.D, from = range.from, n = range.to - from;  // scores and rows by local index i - from
   auto visible = [&](int u, int64_t i) {
     return i < start || (local ? local[tok[u] * Tn + (i - start)] : i - start <= tok[u]);
   };
   int64_t fresh[QUANT_QB];
-  for (int u = 0; u < nq; ++u) fresh[u] = kv.format == KV_INT4 ? kv.fresh_from(start + tok[u]) : n;
-  kv.walk_rows(b, h, n, s.rows);
+  for (int u = 0; u < nq; ++u) fresh[u] = kv.format == KV_INT4 ? kv.fresh_from(start + tok[u]) : range.to;
+  kv.walk_rows(b, h, from, range.to, s.rows);
   s.scores.assign(QUANT_QB * n, -INFINITY);  // masked keys stay -inf: e^-inf = 0
-  int64_t block = 0, o = kv.bs - 1;  // position i's pool block and offset, walked
-  for (int64_t i0 = 0; i0 < n; i0 += KEYS4) {
-    const int64_t kk = std::min(KEYS4, n - i0);
+  int64_t block = kv.tables[b * kv.W + from / kv.bs], o = from % kv.bs - 1;  // position i's block and offset, walked
+  for (int64_t i0 = from; i0 < range.to; i0 += KEYS4) {
+    const int64_t kk = std::min(KEYS4, range.to - i0);
     bool seen[KEYS4] = {}, staged[KEYS4] = {};
     for (int64_t j = 0; j < KEYS4; ++j) {
       const int64_t i = i0 + j;
@@ -2034,7 +2083,7 @@ void attend_quant(const QuantKV<T>& kv, int64_t l, int64_t b, int64_t h, int nq,
       if (open)
         widen_row(open, key, D);
       else
-        kv.key_codes(l, block, h, s.rows[i], key);
+        kv.key_codes(l, block, h, s.rows[i - from], key);
       if (stage) widen_row(stage, s.fresh_key + j * D, D);
       staged[j] = stage != nullptr;
     }
@@ -2045,12 +2094,16 @@ void attend_quant(const QuantKV<T>& kv, int64_t l, int64_t b, int64_t h, int nq,
       float dots[KEYS4];
       dot4(q + u * D, rows, D, dots);
       for (int64_t j = 0; j < KEYS4; ++j)
-        if (seen[j] && visible(u, i0 + j)) s.scores[u * n + i0 + j] = dots[j] * scale;
+        if (seen[j] && visible(u, i0 + j)) s.scores[u * n + i0 + j - from] = dots[j] * scale;
     }
   }
-  for (int u = 0; u < nq; ++u)  // causal queries see a prefix of the keys: no packing
-    softmax_visible(s.scores.data() + u * n, n, local ? -1 : start + tok[u] + 1, s.packed, s.where, softmax);
-  s.acc.assign(nq * D, 0.0f);
+  size_t most = 1;  // pieces a query has in range
+  for (int u = 0; u < nq; ++u) {  // causal queries see a prefix of the keys: no packing
+    const int64_t prefix = local ? -1 : std::min(range.to, start + tok[u] + 1) - from;
+    softmax_visible(s.scores.data() + u * n, n, prefix, s.packed, s.where, softmax, range.piece, &s.pieces[u]);
+    most = std::max(most, s.pieces[u].size());
+  }
+  s.acc.assign(nq * most * D, 0.0f);
   for (int64_t i0 = 0; i0 < n; i0 += VALUE_ROWS) {
     const int64_t kk = std::min(VALUE_ROWS, n - i0);
     for (int64_t j = 0; j < kk; ++j) {
@@ -2060,14 +2113,48 @@ void attend_quant(const QuantKV<T>& kv, int64_t l, int64_t b, int64_t h, int nq,
     }
     for (int u = 0; u < nq; ++u) {
       const float* p = s.scores.data() + u * n + i0;
-      const float* rows[VALUE_ROWS];
-      for (int64_t j = 0; j < kk; ++j)  // a zero weight adds nothing: skipped, so co-queries never change a result
-        rows[j] = p[j] != 0.0f ? s.value + j * D : nullptr;
-      sum_rows_all(s.acc.data() + u * D, p, rows, kk, D);
+      for (size_t k = 0; k < s.pieces[u].size(); ++k) {
+        const Piece& pc = s.pieces[u][k];
+        if (pc.hi <= i0 || pc.lo >= i0 + kk) continue;
+        const float* rows[VALUE_ROWS];
+        for (int64_t j = 0; j < kk; ++j)  // a zero weight adds nothing: skipped, so co-queries never change a result
+          rows[j] = p[j] != 0.0f && i0 + j >= pc.lo && i0 + j < pc.hi ? s.value + j * D : nullptr;
+        sum_rows_all(s.acc.data() + (u * most + k) * D, p, rows, kk, D);
+      }
     }
   }
-  for (int u = 0; u < nq; ++u)
-    for (int64_t d = 0; d < D; ++d) out[u][d] = rnd<T>(s.acc[u * D + d]);
+  for (int u = 0; u < nq; ++u) {
+    const float* acc = s.acc.data() + u * most * D;
+    if ((visible_keys(start, count, tok[u], local, Tn) - 1) / range.piece == 0) {  // one piece: the output
+      for (int64_t d = 0; d < D; ++d) out[u][d] = rnd<T>(acc[d]);
+      continue;
+    }
+    for (size_t k = 0; k < s.pieces[u].size(); ++k) {
+      float* dst = part[u] + (from / range.piece + static_cast<int64_t>(k)) * (D + 2);
+      std::copy(acc + k * D, acc + (k + 1) * D, dst);
+      dst[D] = s.pieces[u][k].max;
+      dst[D + 1] = s.pieces[u][k].sum;
+    }
+  }
+}
+
+// A query's output from its `pieces` partial attentions (attend_quant's part layout, in piece order): each piece's
+// sums weighed by its share of the whole softmax, sum_k e^(max_k - M) / sum_j sum_j e^(max_j - M), in piece order.
+template <typename T>
+void merge_pieces(const float* part, int64_t pieces, int64_t D, T* out) {
+  float top = -INFINITY, total = 0.0f;
+  for (int64_t k = 0; k < pieces; ++k) top = std::max(top, part[k * (D + 2) + D]);
+  std::vector<float> w(pieces);
+  for (int64_t k = 0; k < pieces; ++k) {
+    w[k] = part[k * (D + 2) + D + 1] * std::exp(part[k * (D + 2) + D] - top);
+    total += w[k];
+  }
+  for (int64_t k = 0; k < pieces; ++k) w[k] /= total;
+  for (int64_t d = 0; d < D; ++d) {
+    float sum = 0.0f;
+    for (int64_t k = 0; k < pieces; ++k) sum += part[k * (D + 2) + d] * w[k];
+    out[d] = rnd<T>(sum);
+  }
 }
 
 // ---- the quantized attention with AVX-512: 16 lanes, key and value rows dequantized in registers ----------------
@@ -2125,7 +2212,7 @@ void attend_quant(const QuantKV<T>& kv, int64_t l, int64_t b, int64_t h, int nq,
   };
   int64_t fresh[QUANT_QB];
   for (int u = 0; u < nq; ++u) fresh[u] = int4 ? kv.fresh_from(start + tok[u]) : n;
-  kv.walk_rows(b, h, n, s.rows);  // no division per row in the loops below
+  kv.walk_rows(b, h, 0, n, s.rows);  // no division per row in the loops below
   s.scores.assign(QUANT_QB * n, -INFINITY);  // masked keys stay -inf: e^-inf = 0
   int64_t block = 0, o = kv.bs - 1;  // position i's pool block and offset, walked
   for (int64_t i = 0; i < n; ++i) {
@@ -2205,22 +2292,35 @@ void write_layer_quant(const QuantKV<T>& kv, int64_t l, const std::vector<int64_
 }
 
 // One layer's attention over a quantized pool: work items of up to QUANT_QB queries (token, head) of one row and
-// kv head, so each dequantized key and value row serves all of them; split over the cores unless it is tiny.
+// kv head, so each dequantized key and value row serves all of them; split over the cores unless it is tiny. The
+// AVX2 family also splits a long context into key ranges of g_kv_piece keys (3 kv heads on 2 cores were 2 items
+// against 1), merging each query's pieces afterwards; the AVX-512 family keeps one range.
 template <typename T>
 void attention_layer_quant(const QuantKV<T>& kv, int64_t l, const std::vector<int64_t>& live, int64_t B, int64_t Tn,
                            const int64_t* st, const int64_t* cn, const bool* lm, int64_t local_stride, int64_t group,
                            const T* qkv, int64_t qkv_size, const T* cos_p, const T* sin_p, float scale, T* attn,
                            int64_t q_size, bool threaded) {
-  const int64_t D = kv.D, Hkv = kv.Hkv;
+  const int64_t D = kv.D, Hkv = kv.Hkv, H = Hkv * group;
   const bool wide = isa() >= ISA_AVX512;  // the AVX-512 family's attention (its own bits, as for full precision)
+  const int64_t piece = wide ? INT64_MAX : g_kv_piece;
   std::vector<int64_t> item_row, item_first, row_first(B + 1, 0);  // row_first: the row's first index in `live`
-  for (int64_t b = 0; b < B; ++b) row_first[b + 1] = row_first[b] + cn[b];
+  std::vector<KeyRange> item_keys;
+  int64_t most = 1;  // pieces of the longest row
+  for (int64_t b = 0; b < B; ++b) {
+    row_first[b + 1] = row_first[b] + cn[b];
+    if (cn[b]) most = std::max(most, (st[b] + cn[b] - 1) / piece + 1);
+  }
   for (int64_t b = 0; b < B; ++b)
     for (int64_t h = 0; h < Hkv; ++h)
       for (int64_t f = 0; f < cn[b] * group; f += QUANT_QB) {
-        item_row.push_back(b * Hkv + h);
-        item_first.push_back(f);
+        const int64_t cached = st[b] / piece;  // whole pieces before the first new index: one item each
+        for (int64_t k = 0; k <= cached; ++k) {
+          item_row.push_back(b * Hkv + h);
+          item_first.push_back(f);
+          item_keys.push_back({k * piece, k < cached ? (k + 1) * piece : st[b] + cn[b], piece});
+        }
       }
+  std::vector<float> partial(most > 1 ? live.size() * H * most * (D + 2) : 0);  // [live, H, most, D + 2]
   auto attend_items = [&](int64_t begin, int64_t end) {
     QuantScratch s;
     s.q.resize(QUANT_QB * D);
@@ -2229,18 +2329,21 @@ void attention_layer_quant(const QuantKV<T>& kv, int64_t l, const std::vector<in
       const int nq = static_cast<int>(std::min<int64_t>(QUANT_QB, cn[b] * group - item_first[i]));
       int64_t tok[QUANT_QB];
       T* outs[QUANT_QB];
+      float* parts[QUANT_QB];
       for (int u = 0; u < nq; ++u) {  // query f of this (row, kv head): token f / group, head h * group + f % group
         const int64_t f = item_first[i] + u, t = f / group, head = h * group + f % group, r = row_first[b] + t;
         const int64_t row = live[r];
         tok[u] = t;
         rope(qkv + r * qkv_size + head * D, cos_p + row * D, sin_p + row * (D / 2), s.q.data() + u * D, D);
         outs[u] = attn + r * q_size + head * D;
+        parts[u] = partial.empty() ? nullptr : partial.data() + (r * H + head) * most * (D + 2);
       }
       const bool* mask = lm ? lm + b * local_stride : nullptr;
       if (wide)
         attn512q::attend_quant(kv, l, b, h, nq, tok, st[b], cn[b], mask, Tn, s.q.data(), scale, outs, s);
       else
-        attend_quant(kv, l, b, h, nq, tok, st[b], cn[b], mask, Tn, s.q.data(), scale, outs, s, softmax_packed8);
+        attend_quant(kv, l, b, h, nq, tok, st[b], cn[b], mask, Tn, s.q.data(), scale, item_keys[i], outs, parts, s,
+                     softmax_packed8);
     }
   };
   const int64_t items = static_cast<int64_t>(item_row.size());
@@ -2248,6 +2351,15 @@ void attention_layer_quant(const QuantKV<T>& kv, int64_t l, const std::vector<in
     at::parallel_for(0, items, 1, attend_items);
   else
     attend_items(0, items);
+  if (partial.empty()) return;
+  for (int64_t b = 0; b < B; ++b)  // the queries of more than one piece: merged, in piece order
+    for (int64_t t = 0; t < cn[b]; ++t) {
+      const int64_t pieces = (visible_keys(st[b], cn[b], t, lm ? lm + b * local_stride : nullptr, Tn) - 1) / piece + 1;
+      if (pieces == 1) continue;
+      const int64_t r = row_first[b] + t;
+      for (int64_t head = 0; head < H; ++head)
+        merge_pieces(partial.data() + (r * H + head) * most * (D + 2), pieces, D, attn + r * q_size + head * D);
+    }
 }
 
 // y (rows of the compute type) = x @ W^T through the kernels, rounded to T as the Python layers round.
@@ -2854,6 +2966,11 @@ void set_isa(const std::string& name) {
   g_isa_cap = name == "avx2" ? ISA_AVX2 : name == "avx512" ? ISA_AVX512 : name == "avx512bf16" ? ISA_AVX512BF16 : ISA_AMX;
 }
 
+int64_t set_kv_piece(int64_t keys) {  // -> the previous setting
+  TORCH_CHECK(keys > 0, "set_kv_piece: keys per piece must be positive, got ", keys);
+  return std::exchange(g_kv_piece, keys);
+}
+
 void set_amx(const std::string& mode) {
   TORCH_CHECK(mode == "off" || mode == "exact" || mode == "approximate", "AMX row policy: off | exact | approximate, got ",
               mode);
@@ -2907,6 +3024,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("weight"), py::arg("x"), py::arg("block_rows"));
   m.def("native_bf16_gemm", &qspec::native_bf16_gemm, "whether bf16 GEMMs run on native bf16 dot products");
   m.def("set_isa", &qspec::set_isa, "cap the kernel family: avx2 | avx512 | avx512bf16 (tests)");
+  m.def("set_kv_piece", &qspec::set_kv_piece, "keys per piece of the AVX2 quantized attention's long-context split (-> the previous)");
   m.def("set_amx", &qspec::set_amx, "AMX row policy: off (default) | exact | approximate (see cpu_step.cpp)");
   m.def("amx_mode", &qspec::amx_mode, "the AMX row policy in use");
   m.attr("AMX_MIN_ROWS") = qspec::AMX_MIN_ROWS;
