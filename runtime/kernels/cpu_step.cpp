@@ -21,7 +21,9 @@
 // weight format: linear kernels never choose their kernel or sum order by row count (AMX only by explicit request,
 // below); norms, rope and SiLU are per row; attention sums each query's softmax over its visible keys only, packed
 // in key order (softmax_packed8/16), so neither the chunk length nor masked keys between a tree node's ancestors
-// move a term. tests/test_shape_invariance.py checks it bit for bit.
+// move a term; where the AVX2 quantized attention cuts a long context into pieces, it cuts each query's own visible
+// keys by their number, so a piece holds the same keys in every shape. tests/test_shape_invariance.py checks it bit
+// for bit (tests/test_cpu_step_kv_quant.py over quantized caches, pieces included).
 //
 // Kernel families, chosen at run time (set_isa caps them for tests): AVX2 + FMA + F16C (the baseline this file is
 // compiled for); AVX-512; AVX512-BF16 (vdpbf16ps for bf16 x bf16, and int4 codes as bf16 128 + code, exactly);
