@@ -1516,10 +1516,10 @@ void silu_mul(const T* gate_up, T* out, int64_t n) {
 // Softmax in place of the scores of one query's visible keys, p[0, nv) packed in key order. The max, the
 // exponentials and their sum run over exactly these: lane l of the sum takes keys l, l + 8, ..., every exponential
 // goes through exp8 (a partial last block is masked, never a scalar tail), and each probability is e * (1 / sum).
-// Returns the sum and writes the max (a piece's statistics, for merging pieces: softmax_visible).
 // The result therefore depends only on the sequence of visible scores: not on the chunk's length, nor on where
 // masked keys sit, so a position's attention is the same bits in a 1-token decode step, as row t of a chain, as a
-// tree node (its ancestors interleaved with masked siblings) or beside other rows of a batch.
+// tree node (its ancestors interleaved with masked siblings) or beside other rows of a batch. Returns the sum and
+// writes the max: a piece's statistics, for merging the pieces of a long context (softmax_visible, merge_pieces).
 inline float softmax_packed8(float* p, int64_t nv, float* max_out) {
   float mx = -INFINITY;
   for (int64_t i = 0; i < nv; ++i) mx = std::max(mx, p[i]);  // the max is exact in any order
