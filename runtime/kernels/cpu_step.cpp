@@ -2140,8 +2140,9 @@ void attend_quant(const QuantKV<T>& kv, int64_t l, int64_t b, int64_t h, int nq,
   }
 }
 
-// A query's output from its `pieces` partial attentions (attend_quant's part layout, in piece order): each piece's
-// sums weighed by its share of the whole softmax, sum_k e^(max_k - M) / sum_j sum_j e^(max_j - M), in piece order.
+// A query's output from its `pieces` partial attentions (attend_quant's part layout, in piece order): piece k's
+// sums weighed by its share of the whole softmax, w_k = sum_k e^(max_k - M) / (sum over j of sum_j e^(max_j - M)),
+// M the largest max, added in piece order.
 template <typename T>
 void merge_pieces(const float* part, int64_t pieces, int64_t D, T* out) {
   float top = -INFINITY, total = 0.0f;
