@@ -78,6 +78,13 @@ class EngineConfig:
     decode_kernel: str = "auto"
     # KV storage (runtime.kv_quant): auto (the compute dtype) | int8 | fp8_e4m3 | int4; quantized = approximate
     kv_cache_dtype: str = "auto"
+    # speculation only while at most this many requests are in the engine (running, prefilling or waiting; None:
+    # always). Above it the step is plain batched decoding: B x (k + 1) verification rows are compute-bound on a
+    # CPU long before they fill a GPU, so a large batch gains more from batching than from drafts (vLLM's
+    # speculative_disable_by_batch_size). Requests being prefilled count, so a batch that is filling up does not
+    # pay the draft's prompt prefill for one speculative step. Lossless either way; a seeded sampled request's
+    # exact draws then depend on how many others were in the engine beside it.
+    spec_max_batch: int | None = None
 
     def scheduler_config(self, model_max_len: int) -> SchedulerConfig:
         return SchedulerConfig(
@@ -156,6 +163,7 @@ class LLMEngine:
         self.num_prompt_tokens_computed = 0
         self.num_spec_proposed = 0
         self.num_spec_accepted = 0
+        self.num_plain_steps = 0  # steps that decoded plainly above spec_max_batch
         self.num_finished = 0
         self.num_aborted = 0
         self.num_failed = 0
@@ -225,9 +233,22 @@ class LLMEngine:
         decodes = [w for w in sched.work if w.num_tokens == 1 and w.samples]
         prefills = [w for w in sched.work if not (w.num_tokens == 1 and w.samples)]
         outputs: list[RequestOutput | None] = []
+        plain_steps: set[str] = set()  # requests with output decoded plainly this step
         if self.speculator is not None:  # a request's first token is drawn plainly, as in every loop
-            speculating = [w.seq for w in decodes if w.seq.output_ids]
-            decodes = [w for w in decodes if not w.seq.output_ids]
+            limit, queue = self.config.spec_max_batch, self.scheduler
+            crowded = limit is not None and len(queue.running) + len(queue.waiting) > limit
+            continuing = [w.seq for w in decodes if w.seq.output_ids]
+            # with a limit, a request with one token left (nothing to draft) takes a plain step, not a proposal
+            # whose draft would prefill a request it never drafted for (after steps above the limit: seconds on a
+            # CPU). Without one every continuing request verifies, so its seeded draws match the static loop's.
+            speculating = [
+                s
+                for s in continuing
+                if not crowded and (limit is None or draft_budget(len(s.output_ids), s.params.max_tokens) > 0)
+            ]
+            plain_steps = {s.request_id for s in continuing} - {s.request_id for s in speculating}
+            self.num_plain_steps += crowded and bool(continuing)
+            decodes = [w for w in decodes if not w.seq.output_ids or w.seq.request_id in plain_steps]
             if speculating:
                 outputs += self._speculative_decode(speculating)
         sampling: list[tuple[Sequence, Tensor]] = []  # (sequence, hidden state its next token comes from)
@@ -236,12 +257,13 @@ class LLMEngine:
                 continue
             for part, hidden in self._isolated(lambda g: [(g, self._forward(g))], group, outputs):  # [B, T, H]
                 for b, w in enumerate(part):
+                    plain = w.num_tokens == 1 and w.seq.request_id in plain_steps
                     start = w.seq.num_computed_tokens
                     self.num_prompt_tokens_computed += max(
                         0, min(w.seq.num_prompt_tokens, start + w.num_tokens) - start
                     )
                     computed = w.num_tokens
-                    if w.samples and self.speculator is not None and w.seq.output_ids:
+                    if w.samples and self.speculator is not None and w.seq.output_ids and not plain:
                         # a preempted sequence recomputed: its last token stays the next speculative step's
                         # first input, as if it had never been preempted (its draws do not depend on memory)
                         w.seq.last_hidden = hidden[b, w.num_tokens - 2].clone()
@@ -565,6 +587,7 @@ class LLMEngine:
             "generation_tokens_per_second": self.tokens_per_second(),
             "spec_tokens_proposed_total": self.num_spec_proposed,
             "spec_tokens_accepted_total": self.num_spec_accepted,
+            "spec_plain_steps_total": self.num_plain_steps,
             "paged_decode_kernel_launches_total": self.cache.kernel_launches,
             **{f"request_{n}_seconds_sum": self.latency_sums[n] for n in LATENCY_METRICS},
             **{f"request_{n}_seconds_count": self.latency_counts[n] for n in LATENCY_METRICS},

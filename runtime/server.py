@@ -899,6 +899,14 @@ def build_parser() -> ArgumentParser:
     )
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     add_speculator_args(ap)  # --speculator {ngram,draft,medusa,quant-draft,eagle}: speculation in the engine step
+    ap.add_argument(
+        "--spec-max-batch",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --speculator: speculate only while at most N requests are in the engine, plain batched steps above "
+        "(default: always speculate; evals.speculation.bench_engine_spec measures where it stops paying)",
+    )
     return ap
 
 
@@ -921,6 +929,8 @@ def check_args(ap: ArgumentParser, args) -> None:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.kv_cache_gb <= 0:
         ap.error("--kv-cache-gb must be > 0")
+    if args.spec_max_batch is not None and args.spec_max_batch < 1:
+        ap.error("--spec-max-batch must be >= 1")
     check_speculator_args(ap, args)  # an unknown speculator, a broken plug-in or a bad option
 
 
@@ -936,6 +946,7 @@ def engine_config(args) -> EngineConfig:
         max_model_len=args.max_model_len,
         decode_kernel=args.decode_kernel,
         kv_cache_dtype=args.kv_cache_dtype,
+        spec_max_batch=args.spec_max_batch,
     )
 
 

@@ -100,6 +100,66 @@ def test_greedy_output_equals_plain_greedy(name, loop):
     assert accepted > 0 or name in ("draft", "medusa", "medusa-chain")
 
 
+def staggered_run(engine: LLMEngine, prompts, params, first: int = 2) -> tuple[list[list[int]], list[str]]:
+    """The first requests alone for a few steps, then the rest join: (tokens per request, each step's mode:
+    "spec" when it verified drafts, "plain" when it decoded plainly above spec_max_batch, "" otherwise)."""
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts[:first], params[:first])]
+    tokens, modes = {}, []
+
+    def step():
+        plain, proposed = engine.num_plain_steps, engine.num_spec_proposed
+        for out in engine.step():
+            tokens[out.request_id] = out.output_ids
+        modes.append(
+            "plain" if engine.num_plain_steps > plain else "spec" if engine.num_spec_proposed > proposed else ""
+        )
+
+    for _ in range(6):
+        step()
+    ids += [engine.add_request(p, sp) for p, sp in zip(prompts[first:], params[first:])]
+    while engine.has_unfinished():
+        step()
+    return [tokens[i] for i in ids], modes
+
+
+@pytest.mark.parametrize("name", ["ngram", "draft", "draft+lookup", "medusa"])
+def test_engine_decodes_plainly_above_spec_max_batch(name):
+    """spec_max_batch = 2: two requests speculate, three more join and every step with more than 2 decoding
+    requests is a plain batched step, then speculation resumes as they finish. Greedy output stays plain greedy
+    decoding's, and the speculator's per-request state is released."""
+    model = random_model(CFG, seed=0)
+    prompts = repetitive_prompts(5, seed=4)
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (60, 50, 14, 12, 10)]
+    plain = [generate(model, [p], sp).tokens[0] for p, sp in zip(prompts, params)]
+    settings = {"kv_cache_bytes": 1 << 22, "block_size": 4, "max_num_batched_tokens": 24, "spec_max_batch": 2}
+    spec = speculators(model, 3)[name]
+    engine = LLMEngine(model, config=EngineConfig(**settings), speculator=spec)
+    tokens, modes = staggered_run(engine, prompts, params)
+    assert tokens == plain
+    assert "spec" in modes[:6] and "plain" in modes and "spec" in modes[modes.index("plain") :], modes
+    assert engine.block_manager.num_used_blocks == 0
+    inner = spec.inner if isinstance(spec, LookupFirstSpeculator) else spec
+    if isinstance(inner, DraftModelSpeculator):
+        assert not inner.seqs and inner.blocks.num_used_blocks == 0
+
+
+def test_draft_catches_up_after_plain_steps():
+    """A draft identical to the target (fp32) has every draft accepted only if, after plain batched steps (above
+    spec_max_batch), it catches up on the tokens it did not see: its proposals are then the target's own greedy
+    tokens, where a draft that skipped them would be rejected. (64-token draft blocks: its first pool holds every
+    row, so it catches up by feeding the missed tokens, not by a rebuilt pool's fresh prefill.)"""
+    model = random_model(CFG, seed=0)
+    prompts = repetitive_prompts(5, seed=4)
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (60, 50, 14, 12, 10)]
+    settings = {"kv_cache_bytes": 1 << 22, "block_size": 4, "max_num_batched_tokens": 24, "spec_max_batch": 2}
+    spec = DraftModelSpeculator(model, model, k=3, block_size=64)
+    engine = LLMEngine(model, config=EngineConfig(**settings), speculator=spec)
+    tokens, modes = staggered_run(engine, prompts, params)
+    assert tokens == [generate(model, [p], sp).tokens[0] for p, sp in zip(prompts, params)]
+    assert "spec" in modes[:6] and "plain" in modes and "spec" in modes[modes.index("plain") :], modes
+    assert engine.num_spec_proposed > 0 and engine.num_spec_accepted == engine.num_spec_proposed
+
+
 @pytest.mark.parametrize("loop", LOOPS)
 def test_greedy_stops_like_plain_decoding(loop):
     """EOS (token 1 here) and max_tokens end each row at the same token as plain decoding, mid-acceptance."""
@@ -479,3 +539,19 @@ def test_samples_of_one_prompt_share_its_prefill_and_equal_each_run_alone(name):
     together = speculative_generate(model, [prompt] * len(params), params, spec).tokens
     assert together == [speculative_generate(model, [prompt], [p], spec).tokens[0] for p in params]
     assert len({tuple(t) for t in together}) > 1  # really sampled
+
+
+def test_a_request_with_one_token_left_takes_a_plain_step_under_a_limit():
+    """With spec_max_batch set, a request that may add only one more token has nothing to draft: it decodes
+    plainly instead of asking the speculator (whose draft would first prefill the whole request). Without a limit
+    it still verifies, so seeded draws stay those of the static loop."""
+    model = random_model(CFG, seed=0)
+    prompt, params = repetitive_prompts(1, seed=4)[0], SamplingParams(max_tokens=2, ignore_eos=True)
+    for limit, asked in ((4, False), (None, True)):
+        spec = speculators(model, 3)["draft"]
+        calls = []
+        real = spec.propose
+        spec.propose = lambda state, calls=calls, real=real: calls.append(len(state.ids)) or real(state)
+        engine = LLMEngine(model, config=EngineConfig(kv_cache_bytes=1 << 22, spec_max_batch=limit), speculator=spec)
+        assert engine.generate([prompt], params)[0].output_ids == generate(model, [prompt], params).tokens[0]
+        assert bool(calls) is asked, (limit, calls)

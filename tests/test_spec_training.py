@@ -10,6 +10,8 @@ import torch
 
 from runtime.cliutil import EXIT_INTERRUPTED
 from runtime.data import wiki_split
+from runtime.kernels import cpu_step
+from runtime.kernels.cpu_step import FAMILY_FLAGS
 from runtime.loader import load_model, load_tokenizer, resolve
 from runtime.model import random_model
 from runtime.prompts import CATEGORIES
@@ -23,6 +25,7 @@ from speculate.training import (
     StepResult,
     TrainingProgress,
     answer_features,
+    bf16_autocast_pays,
     head_dir,
     learning_rate,
     target_answers,
@@ -196,3 +199,16 @@ def test_distill_loss_counts_only_predictions_inside_the_answer():
         kl = [(teacher[b, t + k].exp() * (teacher[b, t + k] - student[k - 1, b, t])).sum() for b, t in kept]
         expected.append(torch.stack(kl).mean())
     assert loss.item() == pytest.approx(torch.stack(expected).mean().item(), rel=1e-5)
+
+
+@pytest.mark.parametrize("flags", [{"avx2", "fma", "f16c"}, FAMILY_FLAGS["avx512"], FAMILY_FLAGS["avx512bf16"]])
+def test_bf16_autocast_only_where_the_cpu_has_bf16_dot_products(monkeypatch, flags):
+    """The trainers' default: bf16 autocast on a GPU and on CPUs with avx512_bf16, fp32 where bf16 GEMMs are
+    emulated (AVX2, plain AVX-512: 6-7x slower than fp32 there); --bf16 / --no-bf16 override it."""
+    monkeypatch.setattr(cpu_step, "cpu_flags", lambda: set(flags))
+    native = "avx512_bf16" in flags
+    assert bf16_autocast_pays("cpu") is native and bf16_autocast_pays("cuda") is True
+    for trainer in (medusa_train, eagle_train):
+        ap = trainer.build_parser()
+        assert ap.parse_args([]).bf16 is None  # resolved by bf16_autocast_pays in main
+        assert ap.parse_args(["--bf16"]).bf16 is True and ap.parse_args(["--no-bf16"]).bf16 is False

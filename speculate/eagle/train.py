@@ -34,8 +34,10 @@ from speculate.training import (
     StepResult,
     Trainee,
     TrainerInputs,
+    add_bf16_args,
     add_data_args,
     answer_ends,
+    bf16_autocast_pays,
     check_answer_args,
     load_trainer_inputs,
     predicts_answer,
@@ -155,7 +157,7 @@ def build_parser() -> ArgumentParser:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="default: cuda if present")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--no-bf16", dest="bf16", action="store_false", help="train in fp32 (default: bf16 autocast)")
+    add_bf16_args(ap)
     return ap
 
 
@@ -205,6 +207,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = build_parser()
     args = ap.parse_args(argv)
     check_args(ap, args)
+    args.bf16 = bf16_autocast_pays(args.device) if args.bf16 is None else args.bf16
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)

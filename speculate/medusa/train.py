@@ -31,8 +31,10 @@ from speculate.training import (
     StepResult,
     Trainee,
     TrainerInputs,
+    add_bf16_args,
     add_data_args,
     answer_ends,
+    bf16_autocast_pays,
     check_answer_args,
     load_trainer_inputs,
     predicts_answer,
@@ -157,9 +159,7 @@ def build_parser() -> ArgumentParser:
         default=64,
         help="sampled softmax over the union of the target's top-N (0: full vocab)",
     )
-    ap.add_argument(
-        "--no-bf16", dest="bf16", action="store_false", help="train in fp32 (default: bf16 autocast, ~2x on CPU)"
-    )
+    add_bf16_args(ap)
     return ap
 
 
@@ -230,6 +230,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = build_parser()
     args = ap.parse_args(argv)
     check_args(ap, args)
+    args.bf16 = bf16_autocast_pays("cpu") if args.bf16 is None else args.bf16
     inputs = load_trainer_inputs(ap, args, "medusa", log=_log)
     if args.calibrate:
         calibrate(ap, args, inputs)
