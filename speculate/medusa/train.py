@@ -212,6 +212,7 @@ def medusa_trainee(args, inputs: TrainerInputs) -> Trainee:
     def step_fn(step: int) -> StepResult:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
             tokens, hidden = data.batch(step * args.batch_size, args.batch_size)
+            hidden = hidden if args.bf16 else hidden.float()  # features are stored in bf16
             loss, top1 = distill_loss(heads, model, hidden, args.candidates, answer_ends(tokens, cfg.eos_token_ids))
         return StepResult(loss, top1, hidden.shape[0] * hidden.shape[1])
 
