@@ -320,10 +320,10 @@ CALIBRATED_RUNS = {
 }
 
 
-# the resume logic is one (quantize.cli.run_calibration): GPTQ and a plug-in by default, AWQ's two under -m slow
+# the resume logic is one (quantize.cli.run_calibration): GPTQ by default, AWQ's two and a plug-in under -m slow
 # (~18 s each on an AVX2 machine)
 @pytest.mark.parametrize(
-    "method", [m if m in ("gptq", "plugin") else pytest.param(m, marks=pytest.mark.slow) for m in CALIBRATED_RUNS]
+    "method", [m if m == "gptq" else pytest.param(m, marks=pytest.mark.slow) for m in CALIBRATED_RUNS]
 )
 def test_ctrl_c_keeps_layers_and_resume_equals_uninterrupted(tmp_path, method):
     tool = method.split("+")[0]

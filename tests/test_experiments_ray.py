@@ -59,6 +59,7 @@ def comparable(record: dict) -> dict:
     return out
 
 
+@pytest.mark.slow  # ~27 s on AVX2; test_outside_plugins_run_as_rows_on_ray_workers keeps Ray rows in the default suite
 def test_tiny_config_on_ray_gives_the_serial_records(tmp_path):
     main([str(TINY), "--results-dir", str(tmp_path / "serial")])
     main([str(TINY), "--results-dir", str(tmp_path / "ray"), "--ray"])

@@ -455,8 +455,16 @@ def test_held_out_tables_equal_a_count_by_hand():
 SMALL = TINY_CONFIGS["llama"]
 
 
-@pytest.mark.parametrize("loop", LOOPS)
-@pytest.mark.parametrize("kind", ["draft", "draft+lookup", "medusa"])
+# the engine runs 4000 requests (~20 s each on AVX2): its draft+lookup and Medusa cases run under -m slow; the
+# static loop covers both by default and the engine's draft case keeps its scheduling in the default suite
+@pytest.mark.parametrize(
+    "kind,loop",
+    [
+        pytest.param(k, loop, marks=pytest.mark.slow) if (loop == "engine" and k != "draft") else (k, loop)
+        for k in ["draft", "draft+lookup", "medusa"]
+        for loop in LOOPS
+    ],
+)
 def test_sampled_two_token_continuations_match_plain_sampling(kind, loop):
     """Temperature 1, a tiny random target and a different tiny draft (or random Medusa heads, or the draft behind
     prompt lookup: the prompt ends with a token it holds earlier, so the first step drafts by lookup and the next
