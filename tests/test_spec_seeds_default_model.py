@@ -64,7 +64,10 @@ def speculator(name: str, model, heads: dict):
 # whose seeded draws tests/test_spec_generate.py checks on tiny models; n-gram keeps the default model's case
 @pytest.mark.parametrize(
     "name",
-    [n if n == "ngram" else pytest.param(n, marks=pytest.mark.slow) for n in SPECULATORS],
+    [
+        pytest.param(n, marks=pytest.mark.slow) if n in ("medusa", "eagle", "quant-draft", "draft") else n
+        for n in SPECULATORS
+    ],
 )
 def test_seeded_request_alone_in_a_batch_of_8_and_in_the_engine(default_model, heads, name):
     model, tokenizer, _ = default_model
