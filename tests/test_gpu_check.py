@@ -47,7 +47,9 @@ def test_gpu_check_smoke_core(tmp_path):
     assert exact["llama-1b_fp32_greedy_identical_eager"] and exact["llama-1b_fp32_greedy_identical_compiled"]
     assert exact["smollm2-135m_fp32_greedy_identical_eager"]
     assert record["every_path_runs"] is True
-    assert record["sections"]["speculation"]["ngram"]["identical"]
+    spec = record["sections"]["speculation"]
+    assert spec["ngram"]["identical"] and spec["ngram_copying"]["identical"]
+    assert spec["ngram_copying"]["acceptance_rate"] > 0.9
     assert record["sections"]["paged"]["all_correct"]
     statuses = {b["bar"]: b["status"] for b in record["bars"]}
     assert all("smoke" in s or s == "unmeasured" for s in statuses.values())
@@ -70,3 +72,27 @@ def test_bad_arguments_are_named(capsys):
     with pytest.raises(SystemExit):
         main(["--smoke", "--sections", "decode,warp-drive"])
     assert "unknown sections: ['warp-drive']" in capsys.readouterr().err
+
+
+def test_copying_weights_make_greedy_repeat_the_last_token_and_restore_exactly():
+    """The speculation bar's copying weights: inside the block greedy decoding repeats the prompt's last token (so
+    a copying speculator's drafts match); after it, every weight is back bit for bit."""
+    import torch
+
+    from evals.speed.gpu_check import SMOKE_SHAPES, copying_weights, random_model_on
+    from runtime.decoding import generate
+    from runtime.sampling import SamplingParams
+
+    model = random_model_on(SMOKE_SHAPES["llama-1b"], torch.device("cpu"), torch.float32, seed=1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                p.mul_(40.0)  # layers that change the residual stream: plain greedy no longer repeats a token
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    prompt, params = [[5, 9, 11, 7, 3, 8]], SamplingParams(max_tokens=12, ignore_eos=True)
+    plain = generate(model, prompt, params).tokens[0]
+    assert len(set(plain)) > 1, plain  # the precondition: without the block the output is not one token repeated
+    with copying_weights(model):
+        assert generate(model, prompt, params).tokens[0] == [8] * 12
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert generate(model, prompt, params).tokens[0] == plain
