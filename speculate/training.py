@@ -152,6 +152,12 @@ def bf16_autocast_pays(device: torch.device | str) -> bool:
     return device.type == "cpu" and isa_supported("avx512bf16")
 
 
+def resolve_bf16(args, device: torch.device | str) -> None:
+    """args.bf16 as --bf16 / --no-bf16 set it, or where neither was given, whether bf16 autocast pays on ``device``."""
+    if args.bf16 is None:
+        args.bf16 = bf16_autocast_pays(device)
+
+
 def add_bf16_args(ap) -> None:
     """--bf16 / --no-bf16 (one spelling for both trainers); neither: bf16_autocast_pays decides."""
     where = "a GPU, or a CPU with avx512_bf16"
@@ -266,17 +272,32 @@ class TrainingData:
             yield self.held_out_rows(list(range(i, min(i + size, self.n_held_out))))
 
 
+def widened(rows: Callable, bf16: bool) -> Callable:
+    """Answer rows as a trainer computes: the cached bf16 features as they are under bf16 autocast, widened to
+    fp32 for fp32 training (training and held-out rows alike)."""
+    if bf16:
+        return rows
+
+    def fp32_rows(index: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens, hidden = rows(index)
+        return tokens, hidden.float()
+
+    return fp32_rows
+
+
 def training_data(model, tokenizer, args, model_name: str, log=None) -> TrainingData:
     """The trainer's --data: ``answers`` (the target's own answers, features cached) or ``wiki`` windows (features
     computed per batch). args: --data, --answers-per-category, --answer-tokens, --model, --seed, --seqlen,
-    --train-tokens and --eval-windows (held-out rows). A split too small for its held-out rows: ValueError."""
+    --train-tokens, --eval-windows (held-out rows) and bf16 (resolved: ``resolve_bf16``). A split too small for its
+    held-out rows: ValueError."""
     if args.data == "answers":
         data = load_answer_features(model, tokenizer, args.model, model_name, answer_spec(args), args.seed, log)
         if len(data) <= args.eval_windows:
             raise ValueError(f"only {len(data)} answers for {args.eval_windows} held-out rows; lower --eval-windows")
         held_out, train = data.split(args.eval_windows)
         unit = f"answers x {data.tokens.shape[1]} positions"
-        return TrainingData(train.rows, held_out.rows, len(train), len(held_out), unit)
+        train_rows, held_out_rows = widened(train.rows, args.bf16), widened(held_out.rows, args.bf16)
+        return TrainingData(train_rows, held_out_rows, len(train), len(held_out), unit)
     if log is not None:
         log(f"tokenizing up to {args.train_tokens:,} tokens of the training split")
     windows = training_windows(tokenizer, args.seqlen, args.train_tokens, args.seed)

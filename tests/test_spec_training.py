@@ -119,14 +119,17 @@ def test_heads_live_under_one_directory_per_kind_and_model(monkeypatch, tmp_path
     [(medusa_train, load_medusa, ["--num-heads", "2"]), (eagle_train, load_eagle, ["--window", "3", "--reuse", "1"])],
     ids=["medusa", "eagle"],
 )
-def test_trainer_on_the_targets_own_answers(tmp_path, monkeypatch, trainer, loader, extra):
+# bf16 autocast: ~2 min on an AVX2 CPU (emulated bf16 GEMMs), so -m slow
+@pytest.mark.parametrize("precision", ["--no-bf16", pytest.param("--bf16", marks=pytest.mark.slow)])
+def test_trainer_on_the_targets_own_answers(tmp_path, monkeypatch, trainer, loader, extra, precision):
     """--data answers: the target answers training-split prompts (cached under $QSPEC_HOME), the heads fit on
-    the answer positions, and the held-out table comes from held-out answers."""
+    the answer positions, and the held-out table comes from held-out answers; under bf16 autocast and in fp32
+    (the cached bf16 features widened for training and held-out rows alike), whatever this CPU's default."""
     ckpt = save_tiny_checkpoint(tmp_path / "ckpt", max_len=1024)  # whole prompts: passages of up to ~600 tokens
     monkeypatch.setenv("QSPEC_HOME", str(tmp_path / "home"))
     data = ["--data", "answers", "--answers-per-category", "1", "--answer-tokens", "6", "--eval-windows", "2"]
     out = tmp_path / "head"
-    args = ["--model", str(ckpt), *data, "--batch-size", "2", *extra, "--max-steps", "2", "--minutes", "5"]
+    args = ["--model", str(ckpt), *data, "--batch-size", "2", *extra, precision, "--max-steps", "2", "--minutes", "5"]
     trainer.main([*args, "--out", str(out)])
     cached = list((tmp_path / "home" / "data").glob("answers-*"))
     assert len(cached) == 2  # the answers and their features, shared by the next trainer

@@ -37,10 +37,10 @@ from speculate.training import (
     add_bf16_args,
     add_data_args,
     answer_ends,
-    bf16_autocast_pays,
     check_answer_args,
     load_trainer_inputs,
     predicts_answer,
+    resolve_bf16,
     train_head,
 )
 
@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = build_parser()
     args = ap.parse_args(argv)
     check_args(ap, args)
-    args.bf16 = bf16_autocast_pays(args.device) if args.bf16 is None else args.bf16
+    resolve_bf16(args, args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)

@@ -34,10 +34,10 @@ from speculate.training import (
     add_bf16_args,
     add_data_args,
     answer_ends,
-    bf16_autocast_pays,
     check_answer_args,
     load_trainer_inputs,
     predicts_answer,
+    resolve_bf16,
     train_head,
 )
 
@@ -212,7 +212,6 @@ def medusa_trainee(args, inputs: TrainerInputs) -> Trainee:
     def step_fn(step: int) -> StepResult:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
             tokens, hidden = data.batch(step * args.batch_size, args.batch_size)
-            hidden = hidden if args.bf16 else hidden.float()  # features are stored in bf16
             loss, top1 = distill_loss(heads, model, hidden, args.candidates, answer_ends(tokens, cfg.eos_token_ids))
         return StepResult(loss, top1, hidden.shape[0] * hidden.shape[1])
 
@@ -231,7 +230,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = build_parser()
     args = ap.parse_args(argv)
     check_args(ap, args)
-    args.bf16 = bf16_autocast_pays("cpu") if args.bf16 is None else args.bf16
+    resolve_bf16(args, "cpu")
     inputs = load_trainer_inputs(ap, args, "medusa", log=_log)
     if args.calibrate:
         calibrate(ap, args, inputs)
