@@ -47,6 +47,7 @@ def test_gpu_check_smoke_core(tmp_path):
     assert exact["llama-1b_fp32_greedy_identical_eager"] and exact["llama-1b_fp32_greedy_identical_compiled"]
     assert exact["smollm2-135m_fp32_greedy_identical_eager"]
     assert record["every_path_runs"] is True
+    assert {"graph_ms", "head_argmax_ms", "loop_ms"} <= set(record["sections"]["decode"]["llama-1b_b1"])
     spec = record["sections"]["speculation"]
     assert spec["ngram"]["identical"] and spec["ngram_copying"]["identical"]
     assert spec["ngram_copying"]["acceptance_rate"] > 0.9

@@ -308,11 +308,29 @@ def decode_point(
     return res
 
 
+@torch.no_grad()
+def step_parts_ms(c: Check, model: Transformer, B: int, max_len: int, mode: str) -> dict:
+    """The compiled decode step's pieces timed alone, back to back with one sync at the end: the captured decoder
+    graph at T = 1 and the eager head + argmax. What a generated token costs beyond the two is the loop's own
+    (the per-step sync, Python, host-to-device copies): where the time above the bandwidth floor goes."""
+    decoder = compiled_decoder(model, B, max_len, mode)  # the one generate() used: same batch and capacity
+    tokens = torch.zeros(B, 1, dtype=torch.long, device=c.device)
+    positions = torch.full((B, 1), max_len // 2, dtype=torch.long, device=c.device)  # a slot the next prefill rewrites
+    last = decoder(tokens, positions)[:, -1]  # warm
+    n = 4 if c.smoke else 50
+    graph = c.timed(lambda: [decoder(tokens, positions) for _ in range(n)]) / n
+    head = c.timed(lambda: [model.logits(last).argmax(-1) for _ in range(n)]) / n
+    return {"graph_ms": 1e3 * graph, "head_argmax_ms": 1e3 * head}
+
+
 def decode_case(c: Check, out: dict, shape: str, B: int, hf, with_static: bool, mode: str) -> None:
     n1, n2 = (4, 12) if c.smoke else (32, 160)  # prompt 32 + 160 + 32 padding: one 256-slot static cache
     model = c.model(shape, torch.bfloat16)
     prompts = [c.tokens(32, 10 + b, model.config.vocab_size) for b in range(B)]
     res = decode_point(c, model, hf, prompts, n1, n2, with_static, mode)
+    if mode != "off":
+        parts = step_parts_ms(c, model, B, 32 + n2, mode)
+        res.update(parts, loop_ms=res["ours_compiled_ms"] - parts["graph_ms"] - parts["head_argmax_ms"])
     floor = floor_ms(c, model)
     res["floor_ms"] = floor
     res["floor_share"] = floor / res["ours_compiled_ms"] if B == 1 else None
