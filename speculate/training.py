@@ -98,7 +98,8 @@ def training_prompts(tokenizer, spec: AnswerSpec) -> list[list[int]]:
 @torch.inference_mode()
 def target_answers(model, tokenizer, spec: AnswerSpec, model_name: str, log=None) -> list[list[int]]:
     """prompt + answer token ids per training prompt, the answers greedy from ``model``; cached per model and
-    spec in $QSPEC_HOME/data (generated once: ~15 min for the default 1.5k prompts on a 2-core CPU in bf16)."""
+    spec in $QSPEC_HOME/data (generated once in bf16 for the default 1.5k prompts: ~15 min on a 2-core CPU with
+    avx512_bf16, ~50-90 min on an AVX2-only one, where bf16 prompts are emulated)."""
     path = spec.cache_path(model_name)
     if path.is_file():
         return json.loads(path.read_text())["sequences"]
