@@ -158,6 +158,8 @@ def test_failed_build_leaves_nothing(tmp_path, tiny_model):
     assert builds(tmp_path) == []
 
 
+# 22-45 s; resuming an interrupted GPTQ run stays in the default suite (test_cli_newcomer's Ctrl-C case)
+@pytest.mark.slow
 def test_an_interrupted_calibration_build_resumes_to_the_same_checkpoint(tmp_path, tiny_model, monkeypatch):
     from quantize import gptq
 
