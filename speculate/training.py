@@ -99,7 +99,7 @@ def training_prompts(tokenizer, spec: AnswerSpec) -> list[list[int]]:
 def target_answers(model, tokenizer, spec: AnswerSpec, model_name: str, log=None) -> list[list[int]]:
     """prompt + answer token ids per training prompt, the answers greedy from ``model``; cached per model and
     spec in $QSPEC_HOME/data (generated once in bf16 for the default 1.5k prompts: ~15 min on a 2-core CPU with
-    avx512_bf16, ~50-90 min on an AVX2-only one, where bf16 prompts are emulated)."""
+    avx512_bf16; ~50-90 min on an AVX2-only one, 41-88 s a batch of 32, notes/issue-39.md)."""
     path = spec.cache_path(model_name)
     if path.is_file():
         return json.loads(path.read_text())["sequences"]
@@ -171,9 +171,9 @@ def answer_features(
     model, sequences: list[list[int]], span: int, seed: int, batch: int = 8, bf16: bool | None = None
 ) -> AnswerFeatures:
     """Target features of the answers, the whole prompt in context (a window cut from the prompt would change
-    every hidden state of a copying answer). Rows shuffled with a fixed seed; hidden kept in bf16 (the trainers
-    run under bf16 autocast). Sequences are right-padded per batch: attention is causal, so padding after a
-    row's end never reaches its positions."""
+    every hidden state of a copying answer). Rows shuffled with a fixed seed; hidden kept in bf16 (half the
+    memory; fp32 training widens the rows it reads: ``widened``). Sequences are right-padded per batch: attention
+    is causal, so padding after a row's end never reaches its positions."""
     if any(len(s) <= span for s in sequences):
         raise ValueError(f"every sequence needs more than {span} tokens (the answer span and a prompt)")
     order = list(range(len(sequences)))
