@@ -1264,34 +1264,45 @@ void dense_rows(const Weight& w, const Acts& a, int64_t n0, int64_t m0, float* y
   return avx2::dense_block<RB, MB, false>(w, a, n0, m0, y, ldy);
 }
 
-// Blocking: each dense block reads RB = 4 weight rows once for every activation row (in blocks of MB <= 4);
-// each quantized block reads TB tiles for MB activation rows, TB * MB <= 8 independent accumulator chains (AVX2:
+template <int RB>
+void dense_rows_mb(const Weight& w, const Acts& a, int64_t n, int64_t m0, int64_t mb, float* y, int64_t ldy,
+                   int level) {
+  switch (mb) {
+    case 4: return dense_rows<RB, 4>(w, a, n, m0, y, ldy, level);
+    case 3: return dense_rows<RB, 3>(w, a, n, m0, y, ldy, level);
+    case 2: return dense_rows<RB, 2>(w, a, n, m0, y, ldy, level);
+    default: return dense_rows<RB, 1>(w, a, n, m0, y, ldy, level);
+  }
+}
+
+// Blocking: each dense block reads RB weight rows once for every activation row (in blocks of MB <= 4); each
+// quantized block reads TB tiles for MB activation rows, TB * MB <= 8 independent accumulator chains (AVX2:
 // 4 outputs, each in two chains: even and odd columns). Weight rows / tiles are the outer loop, so they are read
 // from memory once per call. No blocking changes an output's sum order.
+// AVX2 has 16 vector registers: RB x MB accumulators + RB weight vectors + one activation vector must fit, or
+// accumulators spill and each k step waits on a store and a reload (4 x 4 spilled 5 chains: a 9-row verification
+// ran at a fraction of the FMA peak). There multi-row calls split the rows into near-equal blocks of <= 4 (9 = 3 +
+// 3 + 3) and take 3 weight rows per block where a block has 3 or 4 rows (12 chains + 3 + 1 registers).
 void run_dense(const Weight& w, const Acts& a, int64_t n_begin, int64_t n_end, float* y, int64_t ldy, int level) {
+  const int64_t M = a.M;
+  const bool avx2_regs = level < ISA_AVX512;
+  const int64_t blocks = (M + 3) / 4;
+  const int64_t widest = avx2_regs ? (M + blocks - 1) / blocks : std::min<int64_t>(M, 4);
+  const int64_t rb = avx2_regs && widest >= 3 ? 3 : 4;
+  auto block_rows = [&](int64_t i, int64_t m0) -> int64_t {  // rows of activation block i (starting at m0)
+    if (!avx2_regs) return std::min<int64_t>(4, M - m0);
+    return M / blocks + (i < M % blocks ? 1 : 0);
+  };
   for (int64_t n = n_begin; n < n_end;) {
-    const bool four = n + 4 <= n_end;
-    for (int64_t m0 = 0; m0 < a.M;) {
-      const int64_t left = a.M - m0;
-      const int mb = left >= 4 ? 4 : static_cast<int>(left);
-      if (four) {
-        switch (mb) {
-          case 4: dense_rows<4, 4>(w, a, n, m0, y, ldy, level); break;
-          case 3: dense_rows<4, 3>(w, a, n, m0, y, ldy, level); break;
-          case 2: dense_rows<4, 2>(w, a, n, m0, y, ldy, level); break;
-          default: dense_rows<4, 1>(w, a, n, m0, y, ldy, level); break;
-        }
-      } else {
-        switch (mb) {
-          case 4: dense_rows<1, 4>(w, a, n, m0, y, ldy, level); break;
-          case 3: dense_rows<1, 3>(w, a, n, m0, y, ldy, level); break;
-          case 2: dense_rows<1, 2>(w, a, n, m0, y, ldy, level); break;
-          default: dense_rows<1, 1>(w, a, n, m0, y, ldy, level); break;
-        }
-      }
+    const int64_t rows = n + rb <= n_end ? rb : 1;
+    for (int64_t i = 0, m0 = 0; m0 < M; ++i) {
+      const int64_t mb = block_rows(i, m0);
+      if (rows == 4) dense_rows_mb<4>(w, a, n, m0, mb, y, ldy, level);
+      else if (rows == 3) dense_rows_mb<3>(w, a, n, m0, mb, y, ldy, level);
+      else dense_rows_mb<1>(w, a, n, m0, mb, y, ldy, level);
       m0 += mb;
     }
-    n += four ? 4 : 1;
+    n += rows;
   }
 }
 
