@@ -18,9 +18,11 @@ from quantize.fplinear import FPLinear, quantize_fp4, quantize_fp8
 from quantize.qembedding import tie_quantized_embedding
 from quantize.qlinear import QuantLinear, set_module
 from quantize.rtn_weight import quantize_weight
+from runtime.config import DTYPES
+from runtime.loader import load_model
 
-# the named copies the speed benchmarks time (evals.speed.bench_decode's qspec rows,
-# evals.speculation.spec_cost --dtype)
+# the named copies the speed benchmarks time (evals.speed.bench_decode's qspec rows, the targets of
+# evals.speculation.spec_cost and specbench --dtype)
 NAMED_COPIES = (
     "fp32",
     "bf16",
@@ -111,3 +113,14 @@ def named_fast_copy(base: nn.Module, name: str) -> nn.Module:
     cfg = QuantConfig(bits=bits, group_size=group, sym=bits == 8)
     head = INT8_HEAD if name.endswith("-int8head") else None
     return fast_quantized_copy(base, cfg, head=head, int8_activations=layers in ("w8a8", "w4a8"))
+
+
+def load_named_copy(spec: str, name: str):
+    """(model, ModelConfig, checkpoint dir) of a model spec as the named copy ``name``: fp32 / bf16 load in that
+    dtype, every other copy is built from the fp32 weights (its codes are the ones a checkpoint of them holds)."""
+    if name in ("fp32", "bf16"):
+        return load_model(spec, dtype=DTYPES[name])
+    if name not in NAMED_COPIES:
+        raise ValueError(f"unknown copy {name!r}; choose from {', '.join(NAMED_COPIES)}")
+    model, config, path = load_model(spec, dtype=torch.float32)
+    return named_fast_copy(model, name), config, path

@@ -24,7 +24,8 @@ from tests.tiny_models import TINY_CONFIGS, tiny_model_config
 ext = cpu_step.extension()
 pytestmark = pytest.mark.skipif(ext is None, reason="the C++ decode step could not be built here")
 FAMILIES = [f for f in ("avx2", "avx512", "avx512bf16") if ext is not None and cpu_step.isa_supported(f)]
-FORMATS = ["fp32", "bf16", "int8", "int4", "fp8", "int4-fp32"]  # int4-fp32: int4 codes, fp32 activations
+# int4-fp32: int4 codes, fp32 activations; w8a8 / w4a8: int8 / int4 codes, int8 activations (per token, dynamic)
+FORMATS = ["fp32", "bf16", "int8", "int4", "fp8", "int4-fp32", "w8a8", "w4a8"]
 K = 4  # drafts per step: chains of K + 1 rows
 
 
@@ -57,9 +58,9 @@ def build(fmt: str, cfg, seed: int = 0, std: float = 0.1, head_dtype: torch.dtyp
         if fmt == "fp8":
             layer = FPLinear(quantize_fp8(w, block=32 if "down" in name else 0), compute_dtype=compute)
         else:
-            bits = 8 if fmt == "int8" else 4
+            bits = 8 if fmt in ("int8", "w8a8") else 4
             qw = rtn_quantize(w, bits, -1 if bits == 8 else 32, act_order="qkv" in name)
-            layer = QuantLinear(qw, compute_dtype=compute, path="cpu")
+            layer = QuantLinear(qw, act_quant=fmt.startswith("w"), compute_dtype=compute, path="cpu")
         set_module(model, name, layer)
     return model
 

@@ -86,11 +86,15 @@ def test_every_speculator_matches_plain_greedy():
     assert over["tokens"] == sum(c["tokens"] for c in cats) and over["steps"] == sum(c["steps"] for c in cats)
 
 
-def test_cli_smoke(tmp_path):
+@pytest.mark.parametrize("dtype", ["fp32", "w4a8-int8head"])
+def test_cli_smoke(tmp_path, dtype):
+    """A target in any named copy (a quantized one: lossless = equal to plain decoding of that copy)."""
     out = tmp_path / "s.json"
     main(
         [
             "--smoke",
+            "--dtype",
+            dtype,
             "--per-category",
             "1",
             "--batch-sizes",
@@ -104,6 +108,7 @@ def test_cli_smoke(tmp_path):
             "--methods",
             "plain",
             "ngram:k=2",
+            "draft:layers=1,k=2",
             "--strict",
             "--out",
             str(out),
@@ -111,6 +116,7 @@ def test_cli_smoke(tmp_path):
     )
     rec = json.loads(out.read_text())
     assert rec["complete"] and {r["category"] for r in rec["rows"]} == {"qa", "overall"}
+    assert rec["dtype"] == dtype and all(r["identical"] for r in rec["rows"]) and not rec["not_identical"]
     with pytest.raises(SuiteError, match="unknown speculator 'lookahead'"):
         parse_method("lookahead")
     with pytest.raises(SystemExit):

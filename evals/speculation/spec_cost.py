@@ -56,8 +56,7 @@ from evals.speculation.specbench_suite import (
     TimedSpeculator,
     plain_decode,
 )
-from quantize.fast_copy import named_fast_copy
-from runtime.config import DTYPES
+from quantize.fast_copy import NAMED_COPIES, load_named_copy
 from runtime.kv_cache import KVCache
 from runtime.loader import DEFAULT_MODEL, load_model
 from runtime.model import prefill_meta, random_model
@@ -563,10 +562,10 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
     m.add_argument("--threads", type=int, default=None)
     m.add_argument(
         "--dtype",
-        choices=("fp32", "bf16", "int8", "int4"),
+        choices=NAMED_COPIES,
         default="fp32",
-        help="target weights: fp32 / bf16 dense, or RTN int8 per-channel / int4 g64 codes with bf16 activations "
-        "(evals.speed.bench_decode's rows)",
+        help="target weights: fp32 / bf16 dense, or a quantized copy (evals.speed.bench_decode's qspec rows: RTN "
+        "int8 per-channel / int4 g64 codes with bf16 activations, w8a8 / w4a8 with int8 activations, -int8head)",
     )
     m.add_argument("--out", required=True)
     c = sub.add_parser("choose-draft", help="the default draft for this model, by measured acceptance per cost")
@@ -606,11 +605,7 @@ def measured_target(args) -> tuple[object, BuildContext]:
     """The model --dtype asks for, and where its speculators' heads come from."""
     if args.smoke:
         return random_model(SMOKE_CONFIG), BuildContext(smoke=True)
-    quantized = args.dtype in ("int8", "int4")
-    dtype = torch.float32 if quantized else DTYPES[args.dtype]  # codes come from the fp32 weights
-    model, _, path = load_model(args.model or DEFAULT_MODEL, dtype=dtype)
-    if quantized:
-        model = named_fast_copy(model, args.dtype)
+    model, _, path = load_named_copy(args.model or DEFAULT_MODEL, args.dtype)
     return model, BuildContext(target_path=path)  # heads from $QSPEC_HOME/<kind>/MODEL
 
 

@@ -54,8 +54,8 @@ from evals.speculation.specbench_suite import (
     run_suite,
     smoke_suite,
 )
-from runtime.config import DTYPES
-from runtime.loader import DEFAULT_MODEL, load_model, load_tokenizer
+from quantize.fast_copy import NAMED_COPIES, load_named_copy, named_fast_copy
+from runtime.loader import DEFAULT_MODEL, load_tokenizer
 from runtime.model import random_model
 from runtime.prompts import CATEGORIES, SuiteError, build_suite, encode_messages
 from runtime.provenance import module_command, provenance
@@ -97,9 +97,10 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument(
         "--dtype",
-        choices=("fp32", "bf16"),
+        choices=NAMED_COPIES,
         default="fp32",
-        help="target dtype; lossless = equal to plain decoding in it",
+        help="target weights: fp32 / bf16, or a quantized copy (evals.speed.bench_decode's qspec rows: int8, int4, "
+        "w4a8-int8head, ...); lossless = equal to plain decoding of that target",
     )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--smoke", action="store_true", help="tiny random model, synthetic prompts: seconds")
@@ -117,7 +118,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
 
 
 def smoke_workload(args) -> Workload:
-    model = random_model(SMOKE_CONFIG, seed=args.seed).set_dtype(DTYPES[args.dtype])
+    model = named_fast_copy(random_model(SMOKE_CONFIG, seed=args.seed), args.dtype)
     suite = smoke_suite(args.per_category, args.seed, SMOKE_CONFIG.vocab_size)
     prompts = [(c, p) for c, p in suite if c in args.categories]
     meta = [{"category": c, "prompt_tokens": len(p)} for c, p in prompts]
@@ -126,7 +127,7 @@ def smoke_workload(args) -> Workload:
 
 def model_workload(args) -> Workload:
     """The model's wiki categories (runtime.prompts) and, when asked, HumanEval's first prompts."""
-    model, _, path = load_model(args.model, dtype=DTYPES[args.dtype])
+    model, _, path = load_named_copy(args.model, args.dtype)
     tokenizer = load_tokenizer(str(path))
     wiki = set(args.categories) & set(CATEGORIES)
     suite = [
