@@ -17,11 +17,14 @@ from evals.speculation.spec_cost import (
     Profile,
     Shapes,
     choose_draft,
+    choose_k,
     forward_time,
     load_profile,
     measure,
     predict_speedup,
     predict_suite,
+    speedup_by_k,
+    truncated_to_k,
 )
 from evals.speculation.specbench_suite import SMOKE_CONFIG, build_method
 from quantize.qlinear import QuantLinear
@@ -44,6 +47,68 @@ def test_curve_and_speedup_exact():
         Profile("bad", "measured", {4: 1.0})
     with pytest.raises(CostError, match="empty"):
         predict_speedup(2.0, {}, 0.0, p)
+
+
+def simulated_row(method: str, seed: int, k: int, steps: int = 400) -> tuple[dict, list[tuple[int, int]]]:
+    """A suite row counted as speculate.generate counts steps ((offered, accepted) per step: an n-gram-like
+    speculator offers 0..k drafts, a draft model k), and the steps themselves."""
+    gen = torch.Generator().manual_seed(seed)
+    outcomes = []
+    for _ in range(steps):
+        offered = k if method == "draft" else int(torch.randint(0, k + 1, (1,), generator=gen))
+        accepted = 0
+        while accepted < offered and float(torch.rand(1, generator=gen)) < 0.75 - 0.1 * accepted:
+            accepted += 1
+        outcomes.append((offered, accepted))
+    proposed_at = [sum(o > j for o, _ in outcomes) for j in range(k)]
+    accepted_at = [sum(a > j for _, a in outcomes) for j in range(k)]
+    hist: dict[str, int] = {}
+    for o, _ in outcomes:
+        hist[str(o + 1)] = hist.get(str(o + 1), 0) + 1
+    row = {
+        "method": method,
+        "category": "overall",
+        "batch": 1,
+        "fed_tokens_hist": hist,
+        "per_position_acceptance": [a / max(p, 1) for a, p in zip(accepted_at, proposed_at)],
+        "tokens_per_step": 1 + sum(a for _, a in outcomes) / steps,
+        "mean_fed_tokens": 1 + sum(o for o, _ in outcomes) / steps,
+        "draft_s_per_step": 0.02 * sum(o for o, _ in outcomes) / steps,
+        "decode_speedup_vs_plain": 1.3,
+    }
+    return row, outcomes
+
+
+@pytest.mark.parametrize("method", ["draft", "ngram"])
+def test_a_row_cut_to_smaller_k_equals_the_steps_cut_to_k(method):
+    """The oracle: the simulated steps themselves with every step's drafts cut to k (min(offered, k) fed,
+    min(accepted, k) accepted); truncated_to_k sees only the row's counts."""
+    row, outcomes = simulated_row(method, seed=3, k=6)
+    for k in range(1, 7):
+        tokens, fed = truncated_to_k(row, k)
+        assert tokens == pytest.approx(1 + sum(min(a, k) for _, a in outcomes) / len(outcomes), rel=1e-12)
+        want: dict[int, int] = {}
+        for o, _ in outcomes:
+            want[1 + min(o, k)] = want.get(1 + min(o, k), 0) + 1
+        assert fed == want
+    assert truncated_to_k(row, 6)[0] == pytest.approx(row["tokens_per_step"], rel=1e-12)  # its own k: as measured
+
+
+def test_speedup_by_k_and_the_best_k_by_hand():
+    # c(T) of a compute-bound CPU: cheap to 4 rows, dear beyond; a draft token 0.05 s; every step offers 4 drafts
+    p = Profile("cpu", "measured", {1: 1.0, 2: 1.1, 3: 1.2, 4: 1.3, 5: 2.0})
+    row = {"method": "d", "category": "overall", "batch": 1, "fed_tokens_hist": {"5": 10},
+           "per_position_acceptance": [0.8, 0.6, 0.5, 0.4], "mean_fed_tokens": 5.0, "draft_s_per_step": 0.2,
+           "decode_speedup_vs_plain": 1.0}  # fmt: skip
+    curve = speedup_by_k(row, 0.05, p, [1, 2, 3, 4])
+    want = [1.8 / 1.15, 2.4 / 1.3, 2.9 / 1.45, 3.3 / 2.2]  # tokens 1 + cumulative acceptance; k x 0.05 + c(k + 1)
+    assert [c["predicted_speedup"] for c in curve] == pytest.approx(want, abs=1e-4)
+    suite = {"rows": [row, {**row, "method": "medusa:tree=8"}, {**row, "method": "plain"}],
+             "speculators": {"medusa:tree=8": {"tree_size": 8}}}  # fmt: skip
+    (choice,) = choose_k(suite, p)  # trees and plain are not cut by k
+    assert choice["best_k"] == 3 and choice["k_run"] == 4 and choice["draft_s_per_token"] == pytest.approx(0.05)
+    with pytest.raises(CostError, match="no chain speculator"):
+        choose_k(suite, p, category="qa")
 
 
 def test_roofline_by_hand():

@@ -36,6 +36,11 @@ term of this model.
     python -m evals.speculation.spec_cost measure --out results/cpu_profile.json        # this machine's curve (quiet!)
     python -m evals.speculation.spec_cost predict --suite results/specbench.json --profile results/cpu_profile.json
     python -m evals.speculation.spec_cost predict --suite results/specbench.json --profile h200
+    python -m evals.speculation.spec_cost choose-k --suite results/specbench.json --profile results/cpu_profile.json
+
+``choose-k`` cuts each chain speculator of a suite to k = 1 .. the k it ran with: a step's first k drafts are
+verified as they were, so the suite's acceptance by position gives the tokens per step at every smaller k, and the
+profile's c(T) prices each: where verifying many rows is dear (a compute-bound CPU) the best k is small.
 """
 
 from __future__ import annotations
@@ -371,6 +376,61 @@ def choose_draft(suite: dict, profile: Profile, cfg=None, context: int = 512, ba
     return choice, rows
 
 
+def truncated_to_k(row: dict, k: int) -> tuple[float, dict[int, int]]:
+    """(tokens per step, fed-token histogram) a suite row would have had with at most k drafts a step: each
+    step's first k drafts are verified exactly as they were (acceptance at depth j depends only on drafts 0..j),
+    so accepted_at[j] = per_position_acceptance[j] x (steps offering > j drafts) for j < k, and a step that fed T
+    tokens feeds min(T, k + 1). A row of batch 1 or of several (rows are counted per row-step)."""
+    hist = {int(t): n for t, n in row["fed_tokens_hist"].items()}
+    steps = sum(hist.values())
+    if steps <= 0:
+        raise CostError(f"{row['method']}: the fed-token histogram is empty (no speculative steps)")
+    rates = row.get("per_position_acceptance") or []
+    accepted = sum(rates[j] * sum(n for t, n in hist.items() if t - 1 > j) for j in range(min(k, len(rates))))
+    fed: dict[int, int] = {}
+    for t, n in hist.items():
+        fed[min(t, k + 1)] = fed.get(min(t, k + 1), 0) + n
+    return 1.0 + accepted / steps, fed
+
+
+def speedup_by_k(row: dict, draft_s_per_token: float, profile: Profile, ks: list[int]) -> list[dict]:
+    """Predicted speedup of a suite row's speculator cut to each k in ks (draft cost: seconds per drafted token x
+    the drafts a step makes): the measured acceptance by position against this machine's c(T)."""
+    out = []
+    for k in ks:
+        tokens, fed = truncated_to_k(row, k)
+        drafted = sum((t - 1) * n for t, n in fed.items()) / sum(fed.values())
+        pred = predict_speedup(tokens, fed, draft_s_per_token * drafted, profile)
+        out.append({"k": k, "tokens_per_step": round(tokens, 4), "drafts_per_step": round(drafted, 4),
+                    "predicted_speedup": round(pred, 4)})  # fmt: skip
+    return out
+
+
+def choose_k(suite: dict, profile: Profile, cfg=None, context: int = 512, category: str = "overall") -> list[dict]:
+    """For each chain speculator measured in the suite (``category``, the profile's batch): the predicted speedup
+    at every k up to the one it ran with, and the best k. Trees (Medusa, EAGLE) are sized by their tree, not k."""
+    describe = suite.get("speculators", {})
+    out = []
+    for r in suite["rows"]:
+        if r["method"] == "plain" or r["category"] != category or r["batch"] != profile.batch:
+            continue
+        if "tree_size" in describe.get(r["method"], {}) or "fed_tokens_hist" not in r:
+            continue
+        k_max = max(int(t) for t in r["fed_tokens_hist"]) - 1
+        per_step = profile_draft_seconds(r, describe, profile, cfg, context)
+        per_step = r["draft_s_per_step"] if per_step is None else per_step
+        per_token = per_step / max(r.get("mean_fed_tokens", 1.0) - 1.0, 1e-9)
+        curve = speedup_by_k(r, per_token, profile, list(range(1, k_max + 1)))
+        best = max(curve, key=lambda c: c["predicted_speedup"])
+        measured = r.get("decode_speedup_vs_plain", r.get("speedup_vs_plain"))
+        out.append({"method": r["method"], "category": category, "batch": r["batch"], "k_run": k_max,
+                    "measured_speedup": measured, "draft_s_per_token": per_token, "best_k": best["k"],
+                    "best_predicted_speedup": best["predicted_speedup"], "curve": curve})  # fmt: skip
+    if not out:
+        raise CostError(f"the suite has no chain speculator measured in {category!r} at batch {profile.batch}")
+    return out
+
+
 # ---- measuring this machine ----------------------------------------------------------------------------
 
 
@@ -574,6 +634,13 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
     c.add_argument("--model", default=None)
     c.add_argument("--context", type=int, default=512)
     c.add_argument("--write", action="store_true", help="save it as the model's default draft ($QSPEC_HOME)")
+    ck = sub.add_parser("choose-k", help="each chain speculator of a suite cut to k = 1.. its k: predicted speedups")
+    ck.add_argument("--suite", required=True, help="an evals.speculation.specbench JSON record")
+    ck.add_argument("--profile", required=True, help=f"a profile JSON (measured / gpu_check) or one of {list(GPUS)}")
+    ck.add_argument("--model", default=None, help="model whose shapes a roofline profile uses")
+    ck.add_argument("--context", type=int, default=512)
+    ck.add_argument("--category", default="overall")
+    ck.add_argument("--out", default=None)
     p = sub.add_parser("predict", help="predicted vs measured speedup per (batch, category, method)")
     p.add_argument("--suite", required=True, help="an evals.speculation.specbench JSON record")
     p.add_argument("--profile", required=True, help=f"a profile JSON (measured / gpu_check) or one of {list(GPUS)}")
@@ -688,6 +755,26 @@ def choose_draft_command(ap: argparse.ArgumentParser, args) -> None:
         print(f"[spec_cost] default draft for this model -> {path}", file=sys.stderr)
 
 
+def choose_k_command(ap: argparse.ArgumentParser, args) -> None:
+    """``choose-k``: per chain speculator of the suite, the predicted speedup at each k and the best one."""
+    suite = json.loads(Path(args.suite).read_text())
+    cfg = load_model(args.model or DEFAULT_MODEL, dtype=torch.float32)[1] if args.profile in GPUS else None
+    try:
+        profile = load_profile(args.profile, cfg, args.context)
+        rows = choose_k(suite, profile, cfg, args.context, args.category)
+    except CostError as err:
+        ap.error(str(err))
+    for r in rows:
+        curve = " ".join(f"k={c['k']}:{c['predicted_speedup']:.2f}x" for c in r["curve"])
+        measured = "" if r["measured_speedup"] is None else f", measured {r['measured_speedup']:.2f}x at k={r['k_run']}"
+        print(f"{r['method']}: best k = {r['best_k']} ({r['best_predicted_speedup']:.2f}x{measured}); {curve}")
+    if args.out:
+        record = {**provenance(), "suite": args.suite, "profile": profile.name,
+                  "kind": profile.kind, "category": args.category, "rows": rows}  # fmt: skip
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(record, indent=2))
+
+
 def predict_command(ap: argparse.ArgumentParser, args) -> None:
     """``predict``: predicted against measured speedup per (batch, category, method) of a suite record."""
     suite = json.loads(Path(args.suite).read_text())
@@ -720,6 +807,8 @@ def main(argv: list[str] | None = None) -> None:
         measure_command(ap, args, argv)
     elif args.cmd == "choose-draft":
         choose_draft_command(ap, args)
+    elif args.cmd == "choose-k":
+        choose_k_command(ap, args)
     else:
         predict_command(ap, args)
 

@@ -1287,11 +1287,10 @@ void run_dense(const Weight& w, const Acts& a, int64_t n_begin, int64_t n_end, f
   const int64_t M = a.M;
   const bool avx2_regs = level < ISA_AVX512;
   const int64_t blocks = (M + 3) / 4;
-  const int64_t widest = avx2_regs ? (M + blocks - 1) / blocks : std::min<int64_t>(M, 4);
-  const int64_t rb = avx2_regs && widest >= 3 ? 3 : 4;
+  // AVX2: near-equal blocks, 3 weight rows when the widest has >= 3 rows; AVX-512: blocks of 4 x 4 weight rows
+  const int64_t rb = avx2_regs && (M + blocks - 1) / blocks >= 3 ? 3 : 4;
   auto block_rows = [&](int64_t i, int64_t m0) -> int64_t {  // rows of activation block i (starting at m0)
-    if (!avx2_regs) return std::min<int64_t>(4, M - m0);
-    return M / blocks + (i < M % blocks ? 1 : 0);
+    return avx2_regs ? M / blocks + (i < M % blocks ? 1 : 0) : std::min<int64_t>(4, M - m0);
   };
   for (int64_t n = n_begin; n < n_end;) {
     const int64_t rows = n + rb <= n_end ? rb : 1;
