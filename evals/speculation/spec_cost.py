@@ -755,35 +755,40 @@ def choose_draft_command(ap: argparse.ArgumentParser, args) -> None:
         print(f"[spec_cost] default draft for this model -> {path}", file=sys.stderr)
 
 
-def choose_k_command(ap: argparse.ArgumentParser, args) -> None:
-    """``choose-k``: per chain speculator of the suite, the predicted speedup at each k and the best one."""
+def suite_rows(ap: argparse.ArgumentParser, args, rows_of) -> tuple[Profile, list[dict]]:
+    """The profile of a ``predict`` / ``choose-k`` call and rows_of(suite, profile, cfg) on its suite record (a
+    CostError is the command's one-line error)."""
     suite = json.loads(Path(args.suite).read_text())
     cfg = load_model(args.model or DEFAULT_MODEL, dtype=torch.float32)[1] if args.profile in GPUS else None
     try:
         profile = load_profile(args.profile, cfg, args.context)
-        rows = choose_k(suite, profile, cfg, args.context, args.category)
+        return profile, rows_of(suite, profile, cfg)
     except CostError as err:
         ap.error(str(err))
+
+
+def save_rows(args, profile: Profile, rows: list[dict], **extra) -> None:
+    if args.out:
+        record = {**provenance(), "suite": args.suite, "profile": profile.name, "kind": profile.kind, **extra}
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({**record, "rows": rows}, indent=2))
+
+
+def choose_k_command(ap: argparse.ArgumentParser, args) -> None:
+    """``choose-k``: per chain speculator of the suite, the predicted speedup at each k and the best one."""
+    profile, rows = suite_rows(ap, args, lambda s, p, cfg: choose_k(s, p, cfg, args.context, args.category))
     for r in rows:
         curve = " ".join(f"k={c['k']}:{c['predicted_speedup']:.2f}x" for c in r["curve"])
         measured = "" if r["measured_speedup"] is None else f", measured {r['measured_speedup']:.2f}x at k={r['k_run']}"
         print(f"{r['method']}: best k = {r['best_k']} ({r['best_predicted_speedup']:.2f}x{measured}); {curve}")
-    if args.out:
-        record = {**provenance(), "suite": args.suite, "profile": profile.name,
-                  "kind": profile.kind, "category": args.category, "rows": rows}  # fmt: skip
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(record, indent=2))
+    save_rows(args, profile, rows, category=args.category)
 
 
 def predict_command(ap: argparse.ArgumentParser, args) -> None:
     """``predict``: predicted against measured speedup per (batch, category, method) of a suite record."""
-    suite = json.loads(Path(args.suite).read_text())
-    cfg = load_model(args.model or DEFAULT_MODEL, dtype=torch.float32)[1] if args.profile in GPUS else None
-    try:
-        profile = load_profile(args.profile, cfg, args.context)
-        rows = predict_suite(suite, profile, cfg, args.context, args.draft_from_suite)
-    except CostError as err:
-        ap.error(str(err))
+    profile, rows = suite_rows(
+        ap, args, lambda s, p, cfg: predict_suite(s, p, cfg, args.context, args.draft_from_suite)
+    )
     print(
         f"{'batch':>5s} {'category':14s} {'method':34s} {'tok/step':>8s} {'predicted':>9s} {'measured':>8s} error",
         file=sys.stderr,
@@ -796,9 +801,7 @@ def predict_command(ap: argparse.ArgumentParser, args) -> None:
             f"{r['predicted_speedup']:8.2f}x {meas:>8s} {err}",
             file=sys.stderr,
         )
-    if args.out:
-        record = {**provenance(), "suite": args.suite, "profile": profile.name, "kind": profile.kind, "rows": rows}
-        Path(args.out).write_text(json.dumps(record, indent=2))
+    save_rows(args, profile, rows)
 
 
 def main(argv: list[str] | None = None) -> None:
