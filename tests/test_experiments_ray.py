@@ -174,6 +174,7 @@ def test_two_rows_needing_one_checkpoint_build_it_once(tmp_path):
     assert again[0]["results"]["fidelity"] == res["fidelity"]
 
 
+@pytest.mark.slow  # ~30 s (Ray start-up); outside plugins run serially by default (test_plugin_outside)
 def test_outside_plugins_run_as_rows_on_ray_workers(tmp_path, monkeypatch):
     """A speculator and a quantizer from a package outside qspec, named module:attr in a config, run as rows on
     the cluster's workers: the quantizer's checkpoint is built through quantize.plugin and scored, the speculator

@@ -111,6 +111,7 @@ def test_generate_runs_an_outside_speculator_and_reloads_an_outside_quantizers_c
     assert generate_text(capsys, ["--model", str(out), "--prompt", PROMPT, "--max-tokens", "4"]).strip()
 
 
+@pytest.mark.slow  # ~12 s (a server start); the server builds speculators through the registry generate uses
 def test_server_serves_a_completion_with_an_outside_speculator(outside, tiny_checkpoint, capsys):
     aiohttp = pytest.importorskip("aiohttp")
     from tests.serve_helpers import running_server, wait_idle

@@ -75,8 +75,9 @@ SPECULATORS = {
 }
 
 
-# quant-draft (~9 s) under -m slow: the server wires it through the same draft-model engine path as "draft"
-SERVED = [pytest.param(n, marks=pytest.mark.slow) if n == "quant-draft" else n for n in SPECULATORS]
+# quant-draft and eagle (~10 s each) under -m slow: the server wires them through the same engine paths as "draft"
+# and "medusa" (a candidate tree); EAGLE's own exactness is tested on generate and the engine by default
+SERVED = [pytest.param(n, marks=pytest.mark.slow) if n in ("quant-draft", "eagle") else n for n in SPECULATORS]
 
 
 @pytest.mark.parametrize("name", SERVED)

@@ -127,7 +127,12 @@ PACKED_INT4 = pytest.mark.xfail(
 
 @pytest.mark.parametrize(
     "bits, path",
-    [(8, None), (4, "dense"), (4, "cpu"), pytest.param(4, "cpu_int4", marks=[PACKED_INT4, pytest.mark.slow])],
+    [
+        pytest.param(8, None, marks=pytest.mark.slow),  # the int4 cases below take the same draft paths
+        (4, "dense"),
+        (4, "cpu"),
+        pytest.param(4, "cpu_int4", marks=[PACKED_INT4, pytest.mark.slow]),
+    ],
     ids=["int8", "int4", "int4-step", "int4-packed"],
 )
 @pytest.mark.parametrize("batch", [2, pytest.param(1, marks=pytest.mark.slow)])
