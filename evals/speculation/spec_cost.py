@@ -291,12 +291,10 @@ def predict_suite(
         if r["method"] == "plain" or "fed_tokens_hist" not in r or r["batch"] != profile.batch:
             continue
         method = r["method"]
-        draft = None if draft_from_suite else profile_draft_seconds(r, describe, profile, cfg, context)
-        draft = r["draft_s_per_step"] if draft is None else draft
+        draft = step_draft_seconds(r, describe, profile, cfg, context, draft_from_suite)
         tree = "tree_size" in describe.get(method, {})  # Medusa / EAGLE: every step verifies a candidate tree
         pred = predict_speedup(r["tokens_per_step"], r["fed_tokens_hist"], draft, profile, tree)
-        # the decode phase: what the model predicts (the prefill is no speculation cost); older records: end to end
-        measured = r.get("decode_speedup_vs_plain", r.get("speedup_vs_plain"))
+        measured = measured_speedup(r)
         rows.append(
             {
                 "batch": r["batch"],
@@ -312,6 +310,21 @@ def predict_suite(
             }
         )
     return rows
+
+
+def measured_speedup(row: dict) -> float | None:
+    """The decode phase's speedup: what the model predicts (the prefill is no speculation cost); older records:
+    end to end."""
+    return row.get("decode_speedup_vs_plain", row.get("speedup_vs_plain"))
+
+
+def step_draft_seconds(
+    row: dict, describe: dict, profile: Profile, cfg=None, context: int = 512, from_suite: bool = False
+) -> float:
+    """A suite row's propose() seconds per step: the profile's (profile_draft_seconds) where it knows the method
+    and from_suite is off, else the suite's own measurement."""
+    seconds = None if from_suite else profile_draft_seconds(row, describe, profile, cfg, context)
+    return row["draft_s_per_step"] if seconds is None else seconds
 
 
 def profile_draft_seconds(row: dict, describe: dict, profile: Profile, cfg=None, context: int = 512) -> float | None:
@@ -417,12 +430,11 @@ def choose_k(suite: dict, profile: Profile, cfg=None, context: int = 512, catego
         if "tree_size" in describe.get(r["method"], {}) or "fed_tokens_hist" not in r:
             continue
         k_max = max(int(t) for t in r["fed_tokens_hist"]) - 1
-        per_step = profile_draft_seconds(r, describe, profile, cfg, context)
-        per_step = r["draft_s_per_step"] if per_step is None else per_step
-        per_token = per_step / max(r.get("mean_fed_tokens", 1.0) - 1.0, 1e-9)
+        drafts_per_step = max(r.get("mean_fed_tokens", 1.0) - 1.0, 1e-9)
+        per_token = step_draft_seconds(r, describe, profile, cfg, context) / drafts_per_step
         curve = speedup_by_k(r, per_token, profile, list(range(1, k_max + 1)))
         best = max(curve, key=lambda c: c["predicted_speedup"])
-        measured = r.get("decode_speedup_vs_plain", r.get("speedup_vs_plain"))
+        measured = measured_speedup(r)
         out.append({"method": r["method"], "category": category, "batch": r["batch"], "k_run": k_max,
                     "measured_speedup": measured, "draft_s_per_token": per_token, "best_k": best["k"],
                     "best_predicted_speedup": best["predicted_speedup"], "curve": curve})  # fmt: skip
