@@ -264,6 +264,27 @@ def test_fixed_drafts_feed_k_plus_one_tokens_every_step():
     assert out.tokens == plain  # random drafts change nothing but the work done
 
 
+def test_steps_without_drafts_cost_the_measured_empty_step(tmp_path):
+    """An n-gram step with no match feeds 1 token through the speculative loop: priced at empty_step_s, not c(1)."""
+    p = Profile("x", "measured", {1: 1.0, 5: 2.0}, empty_step_s=1.5)
+    # 2 tokens/step; half the steps empty (1.5 s), half feed 5 (2.0 s): 2 x 1.0 / 1.75
+    assert predict_speedup(2.0, {1: 3, 5: 3}, 0.0, p) == pytest.approx(2.0 / 1.75)
+    assert predict_speedup(2.0, {1: 3, 5: 3}, 0.0, Profile("y", "measured", {1: 1.0, 5: 2.0})) == pytest.approx(2 / 1.5)
+    with pytest.raises(CostError, match="empty step"):
+        Profile("bad", "measured", {1: 1.0}, empty_step_s=0.0)
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({"kind": "measured", "verify_s": {"1": 1.0}, "empty_step_s": 1.25}))
+    assert load_profile(str(path)).empty_step_s == 1.25
+    model = random_model(SMOKE_CONFIG, seed=0)
+    prompts = torch.randint(2, SMOKE_CONFIG.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0)).tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    out = speculative_generate(model, prompts, params, FixedDrafts(3, SMOKE_CONFIG.vocab_size, empty=True))
+    assert out.stats.drafted == 0 and out.stats.steps == 5 and out.tokens == generate(model, prompts, params).tokens
+    prof = measure(model, {}, context=16, Ts=[1, 3], repeats=1)
+    assert prof.empty_step_s is not None and prof.empty_step_s > 0
+    assert measure(model, {}, context=16, Ts=[1], repeats=1, in_loop=False).empty_step_s is None
+
+
 def test_in_loop_profile_has_no_separate_overheads():
     """--timing loop: c(T) is a step of the real loops, so the overhead terms stay zero and the speedup is
     tokens_per_step x c(1) / (draft + E[c(T)])."""

@@ -28,6 +28,10 @@ decoding, and a speculative loop whose drafts are fixed at k random tokens, so e
 subtracts the forward; on this CPU o_spec was ~6 ms, a fifth of c(1), which a forward-only model misses.
 Roofline profiles assume 0 (captured steps); a gpu_check record may carry ``decode_overhead_s`` / ``step_overhead_s``.
 
+A step that offered no drafts (an n-gram step without a match: T = 1) costs what the speculative loop's step costs,
+not a plain step: ``measure --timing loop`` times it apart (``empty_step_s``); without it such a step is priced
+at c(1) + o_spec.
+
 Between measured T the curve is interpolated linearly, beyond the last point extrapolated from the last two.
 The prediction is of the decode phase (after the first token), so ``predict`` checks it against the suite's
 ``decode_speedup_vs_plain``: the prefill is the same for every method (a draft model adds its own) and is no
@@ -91,6 +95,9 @@ class Profile:
     # T -> seconds of a speculative step that verifies a T-node candidate tree (tree attention mask; the CPU
     # loop runs trees eager where chains use the compiled step); empty: trees cost what chains do (roofline)
     tree_verify_s: dict[int, float] = field(default_factory=dict)
+    # seconds of a speculative step that offered no drafts (T = 1: an n-gram step without a match), measured in the
+    # real loop: it runs the speculative loop's step, not the plain one; None: c(1) + o_spec
+    empty_step_s: float | None = None
 
     def __post_init__(self):
         if not self.verify_s or 1 not in self.verify_s:
@@ -98,6 +105,8 @@ class Profile:
         for curve in (self.verify_s, self.tree_verify_s):
             if any(t < 1 or s <= 0 for t, s in curve.items()):
                 raise CostError(f"profile {self.name!r}: every T must be >= 1 and every cost > 0")
+        if self.empty_step_s is not None and self.empty_step_s <= 0:
+            raise CostError(f"profile {self.name!r}: the empty step's cost must be > 0")
 
     def verify(self, T: float, tree: bool = False) -> float:
         """c(T) of a chain (or, with ``tree`` and a tree curve, of a T-node tree): linear between measured points,
@@ -114,18 +123,25 @@ class Profile:
         (t0, c0), (t1, c1) = pts[-2], pts[-1]
         return c1 + max(c1 - c0, 0.0) * (T - t1) / (t1 - t0)
 
+    def step(self, T: int, tree: bool = False) -> float:
+        """A speculative step's target cost and loop work beyond propose(), for a step that fed T tokens."""
+        if T == 1 and not tree and self.empty_step_s is not None:
+            return self.empty_step_s
+        return self.verify(T, tree) + self.step_overhead_s
+
 
 def predict_speedup(
     tokens_per_step: float, fed_hist: dict, draft_s: float, profile: Profile, tree: bool = False
 ) -> float:
     """tokens_per_step x (c(1) + o_plain) / (draft_s + E[c(T)] + o_spec), T distributed as fed_hist {T: steps};
-    tree: the steps verify candidate trees (the profile's tree curve where it has one)."""
+    tree: the steps verify candidate trees (the profile's tree curve where it has one); a step that fed 1 token
+    (no drafts offered) costs the profile's empty speculative step where it measured one."""
     steps = sum(fed_hist.values())
     if steps <= 0:
         raise CostError("the fed-token histogram is empty (no speculative steps)")
-    mean_verify = sum(n * profile.verify(int(t), tree) for t, n in fed_hist.items()) / steps
+    mean_step = sum(n * profile.step(int(t), tree) for t, n in fed_hist.items()) / steps
     plain_step = profile.verify(1) + profile.decode_overhead_s
-    return tokens_per_step * plain_step / (draft_s + mean_verify + profile.step_overhead_s)
+    return tokens_per_step * plain_step / (draft_s + mean_step)
 
 
 # ---- roofline profiles ---------------------------------------------------------------------------------
@@ -260,6 +276,7 @@ def load_profile(spec: str, cfg=None, context: int = 512) -> Profile:
             float(raw.get("decode_overhead_s", 0.0)),
             float(raw.get("step_overhead_s", 0.0)),
             {int(t): float(c) for t, c in raw.get("tree_verify_s", {}).items()},
+            raw.get("empty_step_s"),
         )
     if "verify_curve_s" in raw or "verify_curve_ms" in raw:
         scale, curve = (1.0, raw["verify_curve_s"]) if "verify_curve_s" in raw else (1e-3, raw["verify_curve_ms"])
@@ -460,9 +477,10 @@ def measure(
 
     in_loop (the default): c(T) and propose() are timed inside the real loops, so their host work is inside the
     curve: c(1) is a plain decoding step, c(T > 1) a speculative step whose T - 1 drafts are rejected (FixedDrafts)
-    less its propose(), a draft's cost its propose() per step of a real speculative run; no separate overhead
-    terms; tree_Ts: the same for steps that verify a T-node candidate tree (FixedDrafts with a tree). Otherwise
-    c(T) is a bare target forward over T new tokens, propose() is called alone, and the loops'
+    less its propose(), the empty step a speculative step that offers no drafts (the n-gram's steps without a
+    match), a draft's cost its propose() per step of a real speculative run; no separate overhead terms;
+    tree_Ts: the same for steps that verify a T-node candidate tree (FixedDrafts with a tree). Otherwise c(T) is a
+    bare target forward over T new tokens, propose() is called alone, and the loops'
     own overheads are measured apart (loop_overheads)."""
     gen = torch.Generator().manual_seed(0)
     capacity = context + max(Ts) + 64
@@ -471,10 +489,13 @@ def measure(
     with torch.inference_mode():
         if in_loop:  # the real loops prefill for themselves
             verify = {T: loop_step_seconds(model, prompts, T, repeats) for T in Ts}
+            empty = loop_step_seconds(model, prompts, 1, repeats, empty=True)
             trees = {T: loop_step_seconds(model, prompts, T, repeats, tree=True) for T in tree_Ts}
             draft = {label: loop_draft_seconds(model, prompts, sp, repeats) for label, sp in speculators.items()}
             notes = f"in-loop steps of {OVERHEAD_STEPS} from context {context}, batch {batch}, median of {repeats}"
-            return Profile("cpu-measured", "measured", verify, draft, notes, batch, tree_verify_s=trees)
+            return Profile(
+                "cpu-measured", "measured", verify, draft, notes, batch, tree_verify_s=trees, empty_step_s=empty
+            )
         cache, hidden = prefill(model, prompts, capacity)  # the drafts' states and the bare forwards read it
         draft = {}
         for label, sp in speculators.items():
@@ -529,12 +550,15 @@ class FixedDrafts(Speculator):
     """k random drafts per row, every step: the target rejects them almost surely, so each step feeds T = k + 1
     tokens and a timed run shows the speculative loop's own per-step work beside the forward it pays for.
     tree: the drafts as a k-node candidate tree (a chain-shaped CandidateTree), so each step runs the loop's
-    tree verification (tree mask, eager) as Medusa and EAGLE steps do."""
+    tree verification (tree mask, eager) as Medusa and EAGLE steps do. empty: every step offers none of its k
+    drafts (num_drafted 0, as an n-gram step without a match), so each step feeds T = 1 through the speculative loop."""
 
     name = "fixed-drafts"
 
-    def __init__(self, k: int, vocab_size: int, seed: int = 0, tree: bool = False):
-        self.k, self.vocab_size = check_k(k), vocab_size
+    def __init__(self, k: int, vocab_size: int, seed: int = 0, tree: bool = False, empty: bool = False):
+        if tree and empty:
+            raise ValueError("a candidate tree always feeds its nodes: tree and empty exclude each other")
+        self.k, self.vocab_size, self.empty = check_k(k), vocab_size, empty
         self.generator = torch.Generator().manual_seed(seed)
         self.tree = CandidateTree.chain(k) if tree else None
 
@@ -547,7 +571,7 @@ class FixedDrafts(Speculator):
         if self.tree is not None:
             root = torch.tensor([seq[-1] for seq in state.token_ids], device=state.device)[:, None]
             return Proposal(tokens=torch.cat([root, tokens], 1), tree=self.tree)
-        return Proposal(tokens=tokens, num_drafted=torch.full((B,), self.k, device=state.device))
+        return Proposal(tokens=tokens, num_drafted=torch.full((B,), 0 if self.empty else self.k, device=state.device))
 
 
 OVERHEAD_K = 4  # drafts per step of the overhead run: T = 5, inside the measured curve
@@ -560,17 +584,25 @@ def plain_step(model, rows: list[list[int]], params: SamplingParams) -> float:
     return decode_s / max(len(out.timing.step_times_s), 1)
 
 
-def loop_step_seconds(model, prompts: torch.Tensor, T: int, repeats: int, tree: bool = False) -> float:
+def loop_step_seconds(
+    model, prompts: torch.Tensor, T: int, repeats: int, tree: bool = False, empty: bool = False
+) -> float:
     """Seconds per step of the real loop from ``prompts`` (greedy, EOS ignored, OVERHEAD_STEPS steps, median
     of repeated runs): T = 1 is a plain decoding step (plain_step), T > 1 a speculative step feeding T tokens (T - 1
-    rejected FixedDrafts; tree: a T-node candidate tree) less the drafts' propose()."""
+    rejected FixedDrafts; tree: a T-node candidate tree) less the drafts' propose(); empty (T = 1): a speculative
+    step whose speculator offered no drafts."""
     rows = prompts.tolist()
     params = SamplingParams(temperature=0.0, max_tokens=OVERHEAD_STEPS + 1, ignore_eos=True)
-    if T == 1 and not tree:
+    if empty:
+        if T != 1 or tree:
+            raise CostError(f"a step without drafts feeds 1 token, got T = {T}{' (a tree)' if tree else ''}")
+        drafts = FixedDrafts(1, model.config.vocab_size, empty=True)
+    elif T == 1 and not tree:
         return median_of(lambda: plain_step(model, rows, params), repeats)
-    if T < 2:
+    elif T < 2:
         raise CostError(f"a candidate tree step feeds at least 2 tokens, got T = {T}")
-    drafts = FixedDrafts(T - 1, model.config.vocab_size, tree=tree)
+    else:
+        drafts = FixedDrafts(T - 1, model.config.vocab_size, tree=tree)
 
     def spec_step() -> float:
         out = speculative_generate(model, rows, params, drafts, compile="off")
@@ -706,6 +738,8 @@ def print_profile(prof: Profile) -> None:
     print(" ".join(f"T={t}:{c / c1:.2f}" for t, c in prof.verify_s.items()), file=sys.stderr)
     if prof.tree_verify_s:
         print("trees " + " ".join(f"T={t}:{c / c1:.2f}" for t, c in prof.tree_verify_s.items()), file=sys.stderr)
+    if prof.empty_step_s is not None:
+        print(f"a speculative step without drafts: {prof.empty_step_s / c1:.2f} c(1)", file=sys.stderr)
     print(
         f"c(1) {c1 * 1e3:.1f} ms; loop overhead per step: plain {prof.decode_overhead_s * 1e3:.2f} ms, "
         f"speculative {prof.step_overhead_s * 1e3:.2f} ms",
@@ -738,6 +772,7 @@ def measure_command(ap: argparse.ArgumentParser, args, argv: list[str] | None) -
         "batch": prof.batch,
         "decode_overhead_s": prof.decode_overhead_s,
         "step_overhead_s": prof.step_overhead_s,
+        "empty_step_s": prof.empty_step_s,
         "dtype": args.dtype,
         "timing": args.timing,
     }

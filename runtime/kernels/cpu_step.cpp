@@ -275,10 +275,11 @@ inline void pair8(const uint8_t* tile, int64_t j, int half, __m256& lo, __m256& 
   } else {
     // 16 bytes: row r's (col 2j, col 2j+1) at bytes 2r, 2r+1 -> 8 dwords, low word = col 2j, high word = 2j+1
     __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(tile + j * 2 * NR + 16 * half));
-    if (KIND == I8) {
-      __m256i d = _mm256_cvtepi8_epi16(b);  // 16 int16: word 2r = col 2j, 2r+1 = col 2j+1
-      lo = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(d, 16), 16));
-      hi = _mm256_cvtepi32_ps(_mm256_srai_epi32(d, 16));
+    if (KIND == I8) {  // bytes to [col 2j of rows 0-7, col 2j+1 of rows 0-7], each half sign-extended (no shifts:
+      // this core runs vector shifts at half the rate of shuffles, and three a pair bounded a decode step)
+      const __m128i split = _mm_shuffle_epi8(b, _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15));
+      lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(split));
+      hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(split, split)));
     } else {  // FP8 e4m3 -> fp16 bits (exponent bias 15 vs 7: the value / 256) -> fp32
       __m256i v = _mm256_cvtepu8_epi16(b);
       __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(v, _mm256_set1_epi16(0x7f)), 7),
@@ -744,7 +745,12 @@ struct QActs {
   std::vector<int32_t> qsum;    // [M, groups]
   std::vector<uint32_t> pairs;  // [M, Kp / 2]: (q 2j, q 2j+1) as int16 words (vpmaddwd)
   std::vector<uint32_t> split;  // [M, Kp / 8, 2]: an 8-column block's even, odd columns as 4 bytes (VNNI int4)
+  std::vector<__m256i> spread;  // [M, Kp / 4]: vpmaddubsw's activation vector of each 4-column step (AVX2 int4)
 };
+
+// Rows below this many take the vpmaddubsw kernel tile by tile (maddubs_tile) with their activations spread once
+// per call; from it on a tile's nibbles are expanded once for all rows (run_expanded).
+constexpr int64_t EXPAND_ROWS = 4;
 
 // VNNI reads 4 (int8) or 8 (int4) columns per load: groups must not end inside one
 inline bool quads_fit(const Weight& w) { return w.ngroups == 1 || w.group % (w.kind == I4 ? 8 : 4) == 0; }
@@ -815,6 +821,15 @@ void quantize_row(const Weight& w, const float* src, int64_t m, QActs& a, int fa
       _mm_storeu_si128(reinterpret_cast<__m128i*>(a.split.data() + (m * (a.Kp / 8) + c / 8) * 2), _mm_shuffle_epi8(b, order));
     }
   }
+  if (fam == MADDUBS2 && a.M < EXPAND_ROWS) {  // step s (columns 4s..4s+3): (q 4s, q 4s+1) x 8 | (q 4s+2, q 4s+3) x 8
+    const __m256i spread = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
+                                            2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
+    for (int64_t s4 = 0; s4 < a.Kp / 4; ++s4) {
+      int32_t four;
+      std::memcpy(&four, q + 4 * s4, 4);
+      a.spread[m * (a.Kp / 4) + s4] = _mm256_shuffle_epi8(_mm256_set1_epi32(four), spread);
+    }
+  }
 }
 
 void prepare(const Weight& w, const float* x, int64_t M, int64_t ldx, QActs& a, int fam) {
@@ -825,6 +840,7 @@ void prepare(const Weight& w, const float* x, int64_t M, int64_t ldx, QActs& a, 
   a.qsum.resize(M * w.ngroups);
   if (fam == MADD2 || fam == MADD512) a.pairs.resize(M * a.Kp / 2);  // vpmaddubsw and VNNI read q itself
   if (fam == VNNI && w.kind == I4) a.split.resize(M * a.Kp / 4);
+  if (fam == MADDUBS2 && M < EXPAND_ROWS) a.spread.resize(M * a.Kp / 4);
   std::vector<float> gathered;
   for (int64_t m = 0; m < M; ++m) quantize_row(w, x + m * ldx, m, a, fam, gathered);
 }
@@ -883,11 +899,11 @@ void madd_block2(const Weight& w, const QActs& a, int64_t tile0, int half, int64
 
 // The AVX2 int4 kernels' per-group epilogue: a tile's two 8-row halves of int32 group sums, minus zero point x the
 // row's code sum, times the scale, added to the running fp32 totals in group order (the reference's order).
+// sc: the weight's scales (read once a tile by the caller: data_ptr is an out-of-line call).
 template <int MB>
-inline void group_epilogue(const Weight& w, const QActs& a, const ZeroTable& zc, int64_t tile, int64_t g, int64_t m0,
-                           const __m256i (&acc)[2][MB], __m256 (&tot)[2][MB]) {
+inline void group_epilogue(const Weight& w, const QActs& a, const float* sc, const ZeroTable& zc, int64_t tile,
+                           int64_t g, int64_t m0, const __m256i (&acc)[2][MB], __m256 (&tot)[2][MB]) {
   const int64_t G = w.ngroups;
-  const float* sc = w.scales.data_ptr<float>();
   _Pragma("GCC unroll 4") for (int h = 0; h < 2; ++h) {
     const int64_t at = (tile * G + g) * NR + 8 * h;
     const __m256 s = _mm256_loadu_ps(sc + at);
@@ -925,9 +941,8 @@ void maddubs_tile(const Weight& w, const QActs& a, int64_t tile, int64_t m0, flo
   const int64_t Kp = a.Kp, G = w.ngroups;
   const uint8_t* codes = w.tile(tile);
   const ZeroTable zc(w);
+  const float* sc = w.scales.data_ptr<float>();  // once a tile, not per group (an out-of-line call)
   const __m256i low4 = _mm256_set1_epi8(15);
-  const __m256i spread = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,   // low lane: x 2j, 2j + 1
-                                          2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);  // high: x 2j + 2, 2j + 3
   __m256 tot[2][MB];
   for (int64_t g = 0; g < G; ++g) {
     __m256i acc[2][MB];  // rows 0-7, 8-15: int32 sums of the group
@@ -940,18 +955,24 @@ void maddubs_tile(const Weight& w, const QActs& a, int64_t tile, int64_t m0, flo
       __m256i part[2][MB];
       _Pragma("GCC unroll 4") for (int h = 0; h < 2; ++h)
         _Pragma("GCC unroll 4") for (int i = 0; i < MB; ++i) part[h][i] = _mm256_setzero_si256();
-      for (; j < end; j += 2) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + j * NR));
+      const uint8_t* cp = codes + j * NR;
+      const __m256i* xp = a.spread.data() + m0 * (Kp / 4) + j / 2;  // (x 2j, 2j + 1) x 8 | (x 2j + 2, 2j + 3) x 8
+      const auto step = [&](int64_t s) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cp + s * 2 * NR));
         const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
         const __m256i rows[2] = {_mm256_unpacklo_epi8(lo, hi), _mm256_unpackhi_epi8(lo, hi)};
         _Pragma("GCC unroll 4") for (int i = 0; i < MB; ++i) {
-          int32_t four;
-          std::memcpy(&four, a.q.data() + (m0 + i) * Kp + 2 * j, 4);
-          const __m256i x = _mm256_shuffle_epi8(_mm256_set1_epi32(four), spread);
+          const __m256i x = xp[i * (Kp / 4) + s];
           _Pragma("GCC unroll 4") for (int h = 0; h < 2; ++h)
             part[h][i] = _mm256_add_epi16(part[h][i], _mm256_maddubs_epi16(rows[h], x));
         }
+      };
+      if (end - j == 16) {  // a whole block of 8 steps (every one but a group's or K's tail): unrolled
+        _Pragma("GCC unroll 8") for (int64_t s = 0; s < 8; ++s) step(s);
+      } else {
+        for (int64_t s = 0; s < (end - j) / 2; ++s) step(s);
       }
+      j = end;
       _Pragma("GCC unroll 4") for (int h = 0; h < 2; ++h)
         _Pragma("GCC unroll 4") for (int i = 0; i < MB; ++i) {  // the two lanes hold the same rows: add them
           const __m256i both = _mm256_add_epi32(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(part[h][i])),
@@ -959,7 +980,7 @@ void maddubs_tile(const Weight& w, const QActs& a, int64_t tile, int64_t m0, flo
           acc[h][i] = _mm256_add_epi32(acc[h][i], both);
         }
     }
-    group_epilogue<MB>(w, a, zc, tile, g, m0, acc, tot);
+    group_epilogue<MB>(w, a, sc, zc, tile, g, m0, acc, tot);
   }
   store_tile_rows<MB>(w, a, tile, m0, tot, y, ldy);
 }
@@ -988,6 +1009,7 @@ void maddubs_expanded(const Weight& w, const QActs& a, const uint8_t* ex, int64_
                       int64_t ldy) {
   const int64_t Kp = a.Kp, G = w.ngroups;
   const ZeroTable zc(w);
+  const float* sc = w.scales.data_ptr<float>();
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 tot[2][MB];
   for (int64_t g = 0; g < G; ++g) {
@@ -1016,13 +1038,12 @@ void maddubs_expanded(const Weight& w, const QActs& a, const uint8_t* ex, int64_
         _Pragma("GCC unroll 8") for (int i = 0; i < MB; ++i)  // a row's two int16 sums -> its int32
           acc[h][i] = _mm256_add_epi32(acc[h][i], _mm256_madd_epi16(part[h][i], ones));
     }
-    group_epilogue<MB>(w, a, zc, tile, g, m0, acc, tot);
+    group_epilogue<MB>(w, a, sc, zc, tile, g, m0, acc, tot);
   }
   store_tile_rows<MB>(w, a, tile, m0, tot, y, ldy);
 }
 
 // Tiles [t_begin, t_end) for all of a.M >= EXPAND_ROWS rows: each tile expanded once, then every block of rows.
-constexpr int64_t EXPAND_ROWS = 4;
 void run_expanded(const Weight& w, const QActs& a, int64_t t_begin, int64_t t_end, float* y, int64_t ldy) {
   thread_local std::vector<uint8_t> ex;
   ex.resize(NR * a.Kp);
