@@ -34,8 +34,10 @@ NAMED_COPIES = (
     "w8a8",
     "w4a8",
     "w4a8-int8head",
+    "w4a8-w8a8head",
 )
 INT8_HEAD = QuantConfig(bits=8, group_size=-1, sym=True, modules=(), lm_head=True)  # per-channel symmetric
+W8A8_HEAD = QuantConfig(bits=8, group_size=-1, sym=True, modules=(), lm_head=True, act_quant=True)  # + int8 inputs
 
 
 def fast_quantized_copy(
@@ -94,8 +96,9 @@ def named_fast_copy(base: nn.Module, name: str) -> nn.Module:
     """The fp32 base model in one of NAMED_COPIES: dense fp32 (the base itself) / bf16 / bf16 with an fp32 head,
     FP8 e4m3 per-channel, or RTN codes on every decoder linear (int8 per-channel symmetric, int4 group 64
     asymmetric; -int8head: the tied head int8 too), all with bf16 activations; w8a8 / w4a8: the int8 / int4 codes
-    with int8 activations (per token, dynamic; w4a8-int8head: llama.cpp Q4_K_M's shape, int8 activations into
-    4-bit layers and an 8-bit head)."""
+    with int8 activations (per token, dynamic; w4a8-int8head: int8 activations into 4-bit layers and an 8-bit head
+    with bf16 inputs; w4a8-w8a8head: the head's inputs int8 too, llama.cpp Q4_K_M's shape, whose output layer takes
+    Q8_K activations: an integer head, the fastest one-row step on CPUs whose float units bound the head)."""
     if name not in NAMED_COPIES:
         raise ValueError(f"unknown copy {name!r}; choose from {', '.join(NAMED_COPIES)}")
     if name == "fp32":
@@ -108,10 +111,10 @@ def named_fast_copy(base: nn.Module, name: str) -> nn.Module:
         fp8 = QuantConfig(bits=8, group_size=-1, sym=True)
         fp8.extra.update(fmt="e4m3")
         return fast_quantized_copy(base, fp8)
-    layers = name.removesuffix("-int8head")
+    layers = name.removesuffix("-int8head").removesuffix("-w8a8head")
     bits, group = (8, -1) if layers in ("int8", "w8a8") else (4, 64)
     cfg = QuantConfig(bits=bits, group_size=group, sym=bits == 8)
-    head = INT8_HEAD if name.endswith("-int8head") else None
+    head = INT8_HEAD if name.endswith("-int8head") else W8A8_HEAD if name.endswith("-w8a8head") else None
     return fast_quantized_copy(base, cfg, head=head, int8_activations=layers in ("w8a8", "w4a8"))
 
 

@@ -669,7 +669,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
         choices=NAMED_COPIES,
         default="fp32",
         help="target weights: fp32 / bf16 dense, or a quantized copy (evals.speed.bench_decode's qspec rows: RTN "
-        "int8 per-channel / int4 g64 codes with bf16 activations, w8a8 / w4a8 with int8 activations, -int8head)",
+        "int8 per-channel / int4 g64 codes with bf16 activations, w8a8 / w4a8 with int8 activations, "
+        "-int8head / -w8a8head)",
     )
     m.add_argument("--out", required=True)
     c = sub.add_parser("choose-draft", help="the default draft for this model, by measured acceptance per cost")

@@ -17,7 +17,8 @@ Rows: ``qspec:fp32``, ``qspec:bf16`` (bf16 layers and head, fp32 residual stream
 ``qspec:int8`` (per-channel), ``qspec:int4`` (group 64, asymmetric), ``qspec:int4-int8head`` (the tied head
 int8 per-channel), ``qspec:fp8`` (e4m3 weight-only, per-channel scales), ``qspec:w8a8`` (int8 per-channel
 symmetric with int8 per-token activations), ``qspec:w4a8`` (int4 group 64 with int8 activations: an opt-in
-approximation of int4; ``qspec:w4a8-int8head`` with the head int8 too: llama.cpp Q4_K_M's shape),
+approximation of int4; ``qspec:w4a8-int8head`` with the head int8 too, ``qspec:w4a8-w8a8head`` with int8 inputs
+into that head as well: llama.cpp Q4_K_M's shape, whose output layer takes Q8_K activations),
 ``hf:fp32``, ``hf:bf16``,
 ``llama.cpp`` (llama-cpp-python on the GGUF the default model ships as, an optional peer: skipped with a note
 when it is not installed). Quantized rows use round-to-nearest codes (speed does not depend on how codes are
