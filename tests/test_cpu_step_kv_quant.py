@@ -245,7 +245,7 @@ def test_every_family_matches_the_python_reference(fmt, family):
 
 @pytest.fixture(params=[None, 12], ids=["one-piece", "pieces-of-12"])
 def piece(request):
-    """The AVX2 quantized attention's long-context split: off at these lengths (1024 keys a piece) or every 12 keys
+    """The quantized attention's long-context split: off at these lengths (1024 keys a piece) or every 12 keys
     (not a multiple of the block size, so key ranges start inside a block and a chain's pieces cross its new keys)."""
     ext = cpu_step.extension()
     before = ext.set_kv_piece(request.param or 1024)
@@ -255,23 +255,19 @@ def piece(request):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("fmt,layout,kind", SCENARIOS)
-def test_pieces_match_the_python_reference(fmt, layout, kind, dtype):
+def test_pieces_match_the_python_reference(fmt, layout, kind, dtype, family):
     """Contexts split into pieces (each query's visible keys softmaxed and summed 12 at a time on the cores, then
-    merged by their maxima and sums) give PLAIN's logits within TOL; in fp32 not the unsplit bits (the split ran;
-    bf16 rounding can absorb the merge's last-bit differences)."""
+    merged by their maxima and sums) give PLAIN's logits within TOL, in each kernel family; in fp32 not the unsplit
+    bits (the split ran; bf16 rounding can absorb the merge's last-bit differences)."""
     ext = cpu_step.extension()
-    ext.set_isa("avx2")  # the split is the AVX2 family's
+    model, cache, tokens, meta = scenario(fmt, layout, kind, dtype)
+    with torch.inference_mode():
+        whole = model(tokens, copy.deepcopy(meta), copy.deepcopy(cache)).float()
+    previous = ext.set_kv_piece(12)
     try:
-        model, cache, tokens, meta = scenario(fmt, layout, kind, dtype)
-        with torch.inference_mode():
-            whole = model(tokens, copy.deepcopy(meta), copy.deepcopy(cache)).float()
-        previous = ext.set_kv_piece(12)
-        try:
-            got, want, _ = step_and_reference(model, cache, tokens, meta)
-        finally:
-            ext.set_kv_piece(previous)
+        got, want, _ = step_and_reference(model, cache, tokens, meta)
     finally:
-        ext.set_isa("amx")
+        ext.set_kv_piece(previous)
     assert float((got - want).abs().max()) <= TOL[dtype]
     assert dtype == torch.bfloat16 or not torch.equal(got, whole)
 
@@ -296,7 +292,7 @@ def test_positions_are_shape_invariant(fmt, family, piece):
 def test_paged_engine_with_speculation_matches_the_python_layers(fmt, piece, monkeypatch):
     """The serving engine over a quantized pool (ragged rows, n-gram chains rewriting draft slots, int4 groups
     sealed and reopened): the step runs its decode and verification steps, greedy tokens equal the Python layers'
-    (with contexts split in pieces too, where this CPU runs the AVX2 family)."""
+    (with contexts split in pieces too)."""
     from runtime.engine import EngineConfig, LLMEngine
     from runtime.sampling import SamplingParams
     from speculate.ngram import NgramSpeculator

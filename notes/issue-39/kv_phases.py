@@ -3,7 +3,7 @@ TPOT and the CPU step's attention phase per token (ext.profile). Usage, from the
 
     PYTHONPATH=. python notes/issue-39/kv_phases.py PROMPT_TOKENS NEW_TOKENS [FORMATS] [ROUNDS]
 
-FORMATS: comma-separated KV dtypes, each optionally with the AVX2 quantized attention's piece size (int8:1024;
+FORMATS: comma-separated KV dtypes, each optionally with the quantized attention's piece size (int8:1024;
 int8:0 turns the split off), e.g. auto,int8:0,int8:1024.
 """
 

@@ -21,7 +21,7 @@
 // weight format: linear kernels never choose their kernel or sum order by row count (AMX only by explicit request,
 // below); norms, rope and SiLU are per row; attention sums each query's softmax over its visible keys only, packed
 // in key order (softmax_packed8/16), so neither the chunk length nor masked keys between a tree node's ancestors
-// move a term; where the AVX2 quantized attention cuts a long context into pieces, it cuts each query's own visible
+// move a term; where the quantized attention cuts a long context into pieces, it cuts each query's own visible
 // keys by their number, so a piece holds the same keys in every shape. tests/test_shape_invariance.py checks it bit
 // for bit (tests/test_cpu_step_kv_quant.py over quantized caches, pieces included).
 //
@@ -2062,7 +2062,7 @@ struct QuantScratch {
   alignas(32) float key[KEYS4 * 256], fresh_key[KEYS4 * 256], value[VALUE_ROWS * 256];
 };
 
-// The AVX2 quantized attention splits a long context over the cores: a work item reads the keys [from, to) of one
+// The quantized attention (both families) splits a long context over the cores: a work item reads the keys [from, to) of one
 // row and kv head, `from` a multiple of `piece` at or before the row's first new index (every earlier key is cached,
 // so seen by every query: key `from` is each query's visible key number `from`). Each query's visible keys are cut
 // into pieces of `piece` keys by their number in its own visible sequence, softmaxed and summed alone, and merged
@@ -2233,23 +2233,25 @@ inline void codes16(const QuantKV<T>& kv, int64_t l, int64_t block, int64_t h, b
   }
 }
 
-// QuantKV's attention (attend_quant's contract) with each key and value row dequantized into registers once for up
-// to QUANT_QB queries, scores by 16-lane FMA chains and value sums kept in registers (attn512::attend's shape).
+// QuantKV's attention (attend_quant's contract, key range and pieces included) with each key and value row
+// dequantized into registers once for up to QUANT_QB queries, scores by 16-lane FMA chains and value sums kept in
+// registers (attn512::attend's shape). A query's sums for one piece are flushed when its next visible key lies past
+// the piece (or at the end): to its output when it is one piece, else to its part.
 template <typename T>
 void attend_quant(const QuantKV<T>& kv, int64_t l, int64_t b, int64_t h, int nq, const int64_t* tok, int64_t start,
-                  int64_t count, const bool* local, int64_t Tn, const float* q, float scale, T* const* out,
-                  QuantScratch& s) {
-  const int64_t D = kv.D, C = D / 16, n = start + count;
+                  int64_t count, const bool* local, int64_t Tn, const float* q, float scale, KeyRange range,
+                  T* const* out, float* const* part, QuantScratch& s) {
+  const int64_t D = kv.D, C = D / 16, from = range.from, n = range.to - from;  // scores and rows by i - from
   const bool int4 = kv.format == KV_INT4;
   auto visible = [&](int u, int64_t i) {
     return i < start || (local ? local[tok[u] * Tn + (i - start)] : i - start <= tok[u]);
   };
   int64_t fresh[QUANT_QB];
-  for (int u = 0; u < nq; ++u) fresh[u] = int4 ? kv.fresh_from(start + tok[u]) : n;
-  kv.walk_rows(b, h, 0, n, s.rows);  // no division per row in the loops below
+  for (int u = 0; u < nq; ++u) fresh[u] = int4 ? kv.fresh_from(start + tok[u]) : range.to;
+  kv.walk_rows(b, h, from, range.to, s.rows);  // no division per row in the loops below
   s.scores.assign(QUANT_QB * n, -INFINITY);  // masked keys stay -inf: e^-inf = 0
-  int64_t block = 0, o = kv.bs - 1;  // position i's pool block and offset, walked
-  for (int64_t i = 0; i < n; ++i) {
+  int64_t block = kv.tables[b * kv.W + from / kv.bs], o = from % kv.bs - 1;  // position i's block and offset, walked
+  for (int64_t i = from; i < range.to; ++i) {
     if (++o == kv.bs) {
       o = 0;
       block = kv.tables[b * kv.W + i / kv.bs];  // one division a block
@@ -2263,7 +2265,7 @@ void attend_quant(const QuantKV<T>& kv, int64_t l, int64_t b, int64_t h, int nq,
     if (open)
       for (int64_t c = 0; c < C; ++c) kc[c] = attn512::lanes16(open + 16 * c);
     else
-      codes16(kv, l, block, h, true, kc, s.rows[i]);
+      codes16(kv, l, block, h, true, kc, s.rows[i - from]);
     if (staged)
       for (int64_t c = 0; c < C; ++c) kf[c] = attn512::lanes16(staged + 16 * c);
     for (int u = 0; u < nq; ++u) {
@@ -2271,18 +2273,38 @@ void attend_quant(const QuantKV<T>& kv, int64_t l, int64_t b, int64_t h, int nq,
       const __m512* key = staged && i >= fresh[u] ? kf : kc;
       __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q + u * D), key[0]);
       for (int64_t c = 1; c < C; ++c) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + u * D + 16 * c), key[c], acc);
-      s.scores[u * n + i] = _mm512_reduce_add_ps(acc) * scale;
+      s.scores[u * n + i - from] = _mm512_reduce_add_ps(acc) * scale;
     }
   }
-  for (int u = 0; u < nq; ++u)  // causal queries see a prefix of the keys: no packing
-    softmax_visible(s.scores.data() + u * n, n, local ? -1 : start + tok[u] + 1, s.packed, s.where,
-                    attn512::softmax_packed16);
+  for (int u = 0; u < nq; ++u) {  // causal queries see a prefix of the keys: no packing
+    const int64_t prefix = local ? -1 : std::min(range.to, start + tok[u] + 1) - from;
+    softmax_visible(s.scores.data() + u * n, n, prefix, s.packed, s.where, attn512::softmax_packed16, range.piece,
+                    &s.pieces[u]);
+  }
   const int QP = C <= 4 ? 4 : C <= 8 ? 2 : 1;  // queries whose value sums stay in registers
   for (int u0 = 0; u0 < nq; u0 += QP) {
     const int nu = std::min(QP, nq - u0);
     __m512 acc[4][16];
+    size_t k[4] = {};  // each query's piece in progress
     for (int u = 0; u < nu; ++u)
       for (int64_t c = 0; c < C; ++c) acc[u][c] = _mm512_setzero_ps();
+    auto flush = [&](int u) {  // query u0 + u's sums of piece k[u], then zeroed for the next
+      const int qu = u0 + u;
+      alignas(64) float row[256];
+      for (int64_t c = 0; c < C; ++c) {
+        _mm512_store_ps(row + 16 * c, acc[u][c]);
+        acc[u][c] = _mm512_setzero_ps();
+      }
+      if ((visible_keys(start, count, tok[qu], local, Tn) - 1) / range.piece == 0) {  // one piece: the output
+        for (int64_t d = 0; d < D; ++d) out[qu][d] = rnd<T>(row[d]);
+        return;
+      }
+      const Piece& pc = s.pieces[qu][k[u]];
+      float* dst = part[qu] + (from / range.piece + static_cast<int64_t>(k[u])) * (D + 2);
+      std::copy(row, row + D, dst);
+      dst[D] = pc.max;
+      dst[D + 1] = pc.sum;
+    };
     for (int64_t i = 0; i < n; ++i) {
       bool any = false;
       for (int u = 0; u < nu; ++u) any |= s.scores[(u0 + u) * n + i] != 0.0f;
@@ -2292,14 +2314,12 @@ void attend_quant(const QuantKV<T>& kv, int64_t l, int64_t b, int64_t h, int nq,
       for (int u = 0; u < nu; ++u) {  // a zero weight adds nothing: skipped, so co-queries never change a result
         const float p = s.scores[(u0 + u) * n + i];
         if (p == 0.0f) continue;
+        for (; i >= s.pieces[u0 + u][k[u]].hi; ++k[u]) flush(u);
         for (int64_t c = 0; c < C; ++c) acc[u][c] = _mm512_fmadd_ps(_mm512_set1_ps(p), vc[c], acc[u][c]);
       }
     }
-    for (int u = 0; u < nu; ++u) {
-      alignas(64) float row[256];
-      for (int64_t c = 0; c < C; ++c) _mm512_store_ps(row + 16 * c, acc[u][c]);
-      for (int64_t d = 0; d < D; ++d) out[u0 + u][d] = rnd<T>(row[d]);
-    }
+    for (int u = 0; u < nu; ++u)
+      for (; k[u] < s.pieces[u0 + u].size(); ++k[u]) flush(u);
   }
 }
 
@@ -2326,9 +2346,9 @@ void write_layer_quant(const QuantKV<T>& kv, int64_t l, const std::vector<int64_
 }
 
 // One layer's attention over a quantized pool: work items of up to QUANT_QB queries (token, head) of one row and
-// kv head, so each dequantized key and value row serves all of them; split over the cores unless it is tiny. The
-// AVX2 family also splits a long context into key ranges of g_kv_piece keys (3 kv heads on 2 cores were 2 items
-// against 1), merging each query's pieces afterwards; the AVX-512 family keeps one range.
+// kv head, so each dequantized key and value row serves all of them; split over the cores unless it is tiny. A long
+// context is also split into key ranges of g_kv_piece keys (3 kv heads on 2 cores were 2 items against 1), each
+// query's pieces merged afterwards.
 template <typename T>
 void attention_layer_quant(const QuantKV<T>& kv, int64_t l, const std::vector<int64_t>& live, int64_t B, int64_t Tn,
                            const int64_t* st, const int64_t* cn, const bool* lm, int64_t local_stride, int64_t group,
@@ -2336,7 +2356,7 @@ void attention_layer_quant(const QuantKV<T>& kv, int64_t l, const std::vector<in
                            int64_t q_size, bool threaded) {
   const int64_t D = kv.D, Hkv = kv.Hkv, H = Hkv * group;
   const bool wide = isa() >= ISA_AVX512;  // the AVX-512 family's attention (its own bits, as for full precision)
-  const int64_t piece = wide ? INT64_MAX : g_kv_piece;
+  const int64_t piece = g_kv_piece;
   std::vector<int64_t> item_row, item_first, row_first(B + 1, 0);  // row_first: the row's first index in `live`
   std::vector<KeyRange> item_keys;
   int64_t most = 1;  // pieces of the longest row
@@ -2374,7 +2394,8 @@ void attention_layer_quant(const QuantKV<T>& kv, int64_t l, const std::vector<in
       }
       const bool* mask = lm ? lm + b * local_stride : nullptr;
       if (wide)
-        attn512q::attend_quant(kv, l, b, h, nq, tok, st[b], cn[b], mask, Tn, s.q.data(), scale, outs, s);
+        attn512q::attend_quant(kv, l, b, h, nq, tok, st[b], cn[b], mask, Tn, s.q.data(), scale, item_keys[i], outs,
+                               parts, s);
       else
         attend_quant(kv, l, b, h, nq, tok, st[b], cn[b], mask, Tn, s.q.data(), scale, item_keys[i], outs, parts, s,
                      softmax_packed8);
@@ -3058,7 +3079,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("weight"), py::arg("x"), py::arg("block_rows"));
   m.def("native_bf16_gemm", &qspec::native_bf16_gemm, "whether bf16 GEMMs run on native bf16 dot products");
   m.def("set_isa", &qspec::set_isa, "cap the kernel family: avx2 | avx512 | avx512bf16 (tests)");
-  m.def("set_kv_piece", &qspec::set_kv_piece, "keys per piece of the AVX2 quantized attention's long-context split (-> the previous)");
+  m.def("set_kv_piece", &qspec::set_kv_piece, "keys per piece of the quantized attention's long-context split (-> the previous)");
   m.def("set_amx", &qspec::set_amx, "AMX row policy: off (default) | exact | approximate (see cpu_step.cpp)");
   m.def("amx_mode", &qspec::amx_mode, "the AMX row policy in use");
   m.attr("AMX_MIN_ROWS") = qspec::AMX_MIN_ROWS;
