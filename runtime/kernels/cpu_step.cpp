@@ -2073,6 +2073,26 @@ struct KeyRange {
   int64_t from = 0, to = 0, piece = INT64_MAX;
 };
 
+// Whether query token t of a row sees at most one piece of keys: its output is then written in place, unmerged.
+inline bool one_piece(int64_t start, int64_t count, int64_t t, const bool* local, int64_t Tn, int64_t piece) {
+  return (visible_keys(start, count, t, local, Tn) - 1) / piece == 0;
+}
+
+// A query's value sums over piece k of `range` (its k-th piece inside the range): its output when it is one piece,
+// else slot from / piece + k of its part (merge_pieces' layout: the D sums, then the piece `pc`'s max and sum).
+template <typename T>
+inline void store_piece(const float* sums, int64_t D, bool whole, T* out, float* part, const KeyRange& range,
+                        size_t k, const Piece* pc) {
+  if (whole) {
+    for (int64_t d = 0; d < D; ++d) out[d] = rnd<T>(sums[d]);
+    return;
+  }
+  float* dst = part + (range.from / range.piece + static_cast<int64_t>(k)) * (D + 2);
+  std::copy(sums, sums + D, dst);
+  dst[D] = pc->max;
+  dst[D + 1] = pc->sum;
+}
+
 // Attention for up to QB queries of row b and kv head h over a quantized cache (attn512::attend's contract: query u
 // is q[u] of token tok[u], sees indices [0, start) and the new tokens its local mask allows), over the keys of
 // `range`. Key rows are dequantized KEYS4 at a time into scratch, each query's scores of them taken as independent
@@ -2157,17 +2177,10 @@ void attend_quant(const QuantKV<T>& kv, int64_t l, int64_t b, int64_t h, int nq,
     }
   }
   for (int u = 0; u < nq; ++u) {
-    const float* acc = s.acc.data() + u * most * D;
-    if ((visible_keys(start, count, tok[u], local, Tn) - 1) / range.piece == 0) {  // one piece: the output
-      for (int64_t d = 0; d < D; ++d) out[u][d] = rnd<T>(acc[d]);
-      continue;
-    }
-    for (size_t k = 0; k < s.pieces[u].size(); ++k) {
-      float* dst = part[u] + (from / range.piece + static_cast<int64_t>(k)) * (D + 2);
-      std::copy(acc + k * D, acc + (k + 1) * D, dst);
-      dst[D] = s.pieces[u][k].max;
-      dst[D + 1] = s.pieces[u][k].sum;
-    }
+    const bool whole = one_piece(start, count, tok[u], local, Tn, range.piece);
+    for (size_t k = 0; k < (whole ? 1 : s.pieces[u].size()); ++k)
+      store_piece(s.acc.data() + (u * most + k) * D, D, whole, out[u], part[u], range, k,
+                  whole ? nullptr : &s.pieces[u][k]);
   }
 }
 
@@ -2286,8 +2299,11 @@ void attend_quant(const QuantKV<T>& kv, int64_t l, int64_t b, int64_t h, int nq,
     const int nu = std::min(QP, nq - u0);
     __m512 acc[4][16];
     size_t k[4] = {};  // each query's piece in progress
-    for (int u = 0; u < nu; ++u)
+    bool whole[4];
+    for (int u = 0; u < nu; ++u) {
+      whole[u] = one_piece(start, count, tok[u0 + u], local, Tn, range.piece);
       for (int64_t c = 0; c < C; ++c) acc[u][c] = _mm512_setzero_ps();
+    }
     auto flush = [&](int u) {  // query u0 + u's sums of piece k[u], then zeroed for the next
       const int qu = u0 + u;
       alignas(64) float row[256];
@@ -2295,15 +2311,7 @@ void attend_quant(const QuantKV<T>& kv, int64_t l, int64_t b, int64_t h, int nq,
         _mm512_store_ps(row + 16 * c, acc[u][c]);
         acc[u][c] = _mm512_setzero_ps();
       }
-      if ((visible_keys(start, count, tok[qu], local, Tn) - 1) / range.piece == 0) {  // one piece: the output
-        for (int64_t d = 0; d < D; ++d) out[qu][d] = rnd<T>(row[d]);
-        return;
-      }
-      const Piece& pc = s.pieces[qu][k[u]];
-      float* dst = part[qu] + (from / range.piece + static_cast<int64_t>(k[u])) * (D + 2);
-      std::copy(row, row + D, dst);
-      dst[D] = pc.max;
-      dst[D + 1] = pc.sum;
+      store_piece(row, D, whole[u], out[qu], part[qu], range, k[u], whole[u] ? nullptr : &s.pieces[qu][k[u]]);
     };
     for (int64_t i = 0; i < n; ++i) {
       bool any = false;
