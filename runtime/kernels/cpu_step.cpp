@@ -42,6 +42,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <type_traits>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -1787,58 +1788,146 @@ inline float softmax_packed16(float* p, int64_t nv, float* max_out) {
 }
 
 
+// The 16 lane sums of 16 vectors in one vector: lane j = the sum of v[j]'s lanes. Each lane's sum is the same tree of
+// additions over its own vector's lanes whatever the other vectors hold (pairs within 128-bit quarters, then the
+// quarters), so a score never depends on the keys beside it. 45 instructions for 16 sums, where one
+// _mm512_reduce_add_ps per sum takes ~8 and leaves the result in a scalar.
+inline __m512 sum_lanes16(const __m512 (&v)[16]) {
+  __m512 t[8], u[4];
+  for (int m = 0; m < 8; ++m)  // quarter q of t[m]: (v[2m] lanes 0+2, v[2m+1] lanes 0+2, v[2m] 1+3, v[2m+1] 1+3)
+    t[m] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * m], v[2 * m + 1]), _mm512_unpackhi_ps(v[2 * m], v[2 * m + 1]));
+  for (int m = 0; m < 4; ++m)  // quarter q of u[m]: the quarter-q sums of v[4m .. 4m + 3]
+    u[m] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * m], t[2 * m + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(t[2 * m], t[2 * m + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                  _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                                  _mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(w0, w1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// One query's scores against a block of 16 key rows (fp32, row j at keys + j * D, D = 16 * C), times scale: each
+// key's products summed lane-wise over its C chunks in chunk order (16 independent chains), then across lanes by
+// sum_lanes16.
+template <int C>
+inline __m512 scores16(const float* q, const float* keys, float scale) {
+  constexpr int64_t D = 16 * C;
+  __m512 v[16];
+  const __m512 q0 = _mm512_loadu_ps(q);
+  _Pragma("GCC unroll 16") for (int j = 0; j < 16; ++j) v[j] = _mm512_mul_ps(q0, _mm512_load_ps(keys + j * D));
+  _Pragma("GCC unroll 16") for (int c = 1; c < C; ++c) {
+    const __m512 qc = _mm512_loadu_ps(q + 16 * c);
+    _Pragma("GCC unroll 16") for (int j = 0; j < 16; ++j) v[j] = _mm512_fmadd_ps(qc, _mm512_load_ps(keys + j * D + 16 * c), v[j]);
+  }
+  return _mm512_mul_ps(sum_lanes16(v), _mm512_set1_ps(scale));
+}
+
+// Query u's 16 scores of keys i0 .. i0 + kk - 1 (local indices from i0 - base) into its row of scores, each only
+// where the query sees the key (others stay -inf). All-visible blocks (cached keys: every query sees them) take one
+// masked store.
+template <typename Visible>
+inline void store_scores(__m512 r, float* row, int64_t i0, int64_t kk, int64_t base, int64_t start, Visible&& visible) {
+  if (i0 + kk <= start) {
+    _mm512_mask_storeu_ps(row + i0 - base, static_cast<__mmask16>((1u << kk) - 1), r);
+    return;
+  }
+  alignas(64) float tmp[16];
+  _mm512_store_ps(tmp, r);
+  for (int64_t j = 0; j < kk; ++j)
+    if (visible(i0 + j)) row[i0 + j - base] = tmp[j];
+}
+
 constexpr int QB = 8;  // queries sharing each key row
 
-// Attention for up to QB queries of one row b and kv head h: query u is q[u] (roped, fp32, D floats) of token
-// tok[u]; it sees key indices [0, start) and start + j where its local mask allows (causal: j <= tok[u]). Writes
-// out[u] (D values of T). scores: scratch [QB, start + count].
-template <typename T>
-void attend(const KVView<T>& kv, int64_t l, int64_t b, int64_t h, int nq, const int64_t* tok, int64_t start,
-            int64_t count, const bool* local, int64_t Tn, const float* q, float scale, T* const* out,
-            std::vector<float>& scores, std::vector<float>& packed, std::vector<int64_t>& where) {
-  const int64_t D = kv.D, C = D / 16, n = start + count;
+// Whether the AVX-512 attentions take head dimension D: C = D / 16 chunks of 16 lanes, one of the instantiated
+// counts (each query's value sums and each key's score chains then stay in registers); other D take the generic
+// attention.
+inline bool chunked(int64_t D) {
+  const int64_t c = D / 16;
+  return D % 16 == 0 && (c == 1 || c == 2 || c == 4 || c == 6 || c == 8 || c == 16);
+}
+
+// f(std::integral_constant<int, D / 16>) for a D that chunked() takes.
+template <typename F>
+inline void with_chunks(int64_t D, F&& f) {
+  switch (D / 16) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 4: return f(std::integral_constant<int, 4>{});
+    case 6: return f(std::integral_constant<int, 6>{});
+    case 8: return f(std::integral_constant<int, 8>{});
+    default: return f(std::integral_constant<int, 16>{});
+  }
+}
+
+// Attention for up to QB queries of one row b and kv head h: query u is q[u] (roped, fp32, D = 16 * C floats) of
+// token tok[u]; it sees key indices [0, start) and start + j where its local mask allows (causal: j <= tok[u]).
+// Writes out[u] (D values of T). scores: scratch [QB, start + count].
+template <int C, typename T>
+void attend_chunks(const KVView<T>& kv, int64_t l, int64_t b, int64_t h, int nq, const int64_t* tok, int64_t start,
+                   int64_t count, const bool* local, int64_t Tn, const float* q, float scale, T* const* out,
+                   std::vector<float>& scores, std::vector<float>& packed, std::vector<int64_t>& where) {
+  constexpr int64_t D = 16 * C;
+  const int64_t n = start + count;
   const T* kbase = kv.k + l * kv.layer_stride;
   const T* vbase = kv.v + l * kv.layer_stride;
   auto visible = [&](int u, int64_t i) {
     return i < start || (local ? local[tok[u] * Tn + (i - start)] : i - start <= tok[u]);
   };
   scores.assign(QB * n, -INFINITY);  // masked keys stay -inf: e^-inf = 0
-  for (int64_t i = 0; i < n; ++i) {
-    const T* k = kbase + kv.at(b, h, i);
-    __m512 kc[16];
-    for (int64_t c = 0; c < C; ++c) kc[c] = lanes16(k + 16 * c);
-    for (int u = 0; u < nq; ++u) {
-      if (!visible(u, i)) continue;
-      __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q + u * D), kc[0]);
-      for (int64_t c = 1; c < C; ++c) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + u * D + 16 * c), kc[c], acc);
-      scores[u * n + i] = _mm512_reduce_add_ps(acc) * scale;
+  alignas(64) float keys[16 * D];
+  for (int64_t i0 = 0; i0 < n; i0 += 16) {  // 16 key rows widened to fp32, then each query's 16 scores
+    const int64_t kk = std::min<int64_t>(16, n - i0);
+    for (int64_t j = 0; j < 16; ++j) {
+      const T* k = j < kk ? kbase + kv.at(b, h, i0 + j) : nullptr;
+      _Pragma("GCC unroll 16") for (int c = 0; c < C; ++c)
+        _mm512_store_ps(keys + j * D + 16 * c, k ? lanes16(k + 16 * c) : _mm512_setzero_ps());
     }
+    for (int u = 0; u < nq; ++u)
+      store_scores(scores16<C>(q + u * D, keys, scale), scores.data() + u * n, i0, kk, 0, start,
+                   [&](int64_t i) { return visible(u, i); });
   }
   for (int u = 0; u < nq; ++u)  // causal queries see a prefix of the keys: no packing
     softmax_visible(scores.data() + u * n, n, local ? -1 : start + tok[u] + 1, packed, where, softmax_packed16);
-  const int QP = C <= 4 ? 4 : C <= 8 ? 2 : 1;  // queries whose value sums stay in registers
+  constexpr int QP = C <= 4 ? 4 : C <= 8 ? 2 : 1;  // queries whose value sums stay in registers
   for (int u0 = 0; u0 < nq; u0 += QP) {
     const int nu = std::min(QP, nq - u0);
-    __m512 acc[4][16];
-    for (int u = 0; u < nu; ++u)
-      for (int64_t c = 0; c < C; ++c) acc[u][c] = _mm512_setzero_ps();
+    __m512 acc[QP][C];
+    float p[QP];
+    _Pragma("GCC unroll 4") for (int u = 0; u < QP; ++u)
+      _Pragma("GCC unroll 16") for (int c = 0; c < C; ++c) acc[u][c] = _mm512_setzero_ps();
     for (int64_t i = 0; i < n; ++i) {
       bool any = false;
-      for (int u = 0; u < nu; ++u) any |= scores[(u0 + u) * n + i] != 0.0f;
+      _Pragma("GCC unroll 4") for (int u = 0; u < QP; ++u) {
+        p[u] = u < nu ? scores[(u0 + u) * n + i] : 0.0f;
+        any |= p[u] != 0.0f;
+      }
       if (!any) continue;
       const T* v = vbase + kv.at(b, h, i);
-      for (int64_t c = 0; c < C; ++c) {
+      _Pragma("GCC unroll 16") for (int c = 0; c < C; ++c) {
         const __m512 vc = lanes16(v + 16 * c);
-        for (int u = 0; u < nu; ++u)
-          acc[u][c] = _mm512_fmadd_ps(_mm512_set1_ps(scores[(u0 + u) * n + i]), vc, acc[u][c]);
+        _Pragma("GCC unroll 4") for (int u = 0; u < QP; ++u)
+          if (u < nu) acc[u][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[u]), vc, acc[u][c]);
       }
     }
-    for (int u = 0; u < nu; ++u) {
-      alignas(64) float row[256];
-      for (int64_t c = 0; c < C; ++c) _mm512_store_ps(row + 16 * c, acc[u][c]);
+    _Pragma("GCC unroll 4") for (int u = 0; u < QP; ++u) {
+      if (u >= nu) continue;
+      alignas(64) float row[D];
+      _Pragma("GCC unroll 16") for (int c = 0; c < C; ++c) _mm512_store_ps(row + 16 * c, acc[u][c]);
       for (int64_t d = 0; d < D; ++d) out[u0 + u][d] = rnd<T>(row[d]);
     }
   }
+}
+
+template <typename T>
+void attend(const KVView<T>& kv, int64_t l, int64_t b, int64_t h, int nq, const int64_t* tok, int64_t start,
+            int64_t count, const bool* local, int64_t Tn, const float* q, float scale, T* const* out,
+            std::vector<float>& scores, std::vector<float>& packed, std::vector<int64_t>& where) {
+  with_chunks(kv.D, [&](auto c) {
+    attend_chunks<decltype(c)::value>(kv, l, b, h, nq, tok, start, count, local, Tn, q, scale, out, scores, packed,
+                                      where);
+  });
 }
 
 }  // namespace attn512
@@ -2070,6 +2159,7 @@ struct QuantScratch {
   std::vector<int64_t> where, rows;
   std::vector<Piece> pieces[QUANT_QB];
   alignas(32) float key[KEYS4 * 256], fresh_key[KEYS4 * 256], value[VALUE_ROWS * 256];
+  alignas(64) float keys16[16 * 256];  // attn512q: a block of 16 key rows
 };
 
 // The quantized attention (both families) splits a long context over the cores: a work item reads the keys [from, to) of one
@@ -2223,9 +2313,9 @@ namespace attn512q {
 // Position `row` (its (block, head, offset) index, token_at without the layer, as walk_rows gives it) of kv head h
 // of a quantized pool's keys (key = true; int4 reads the key groups of pool block `block`) or values as C blocks of
 // 16 fp32 lanes, the values kv_quant dequantizes to (the same products and sums as QuantKV::key_codes / value_row).
-template <typename T>
+template <int C, typename T>
 inline void codes16(const QuantKV<T>& kv, int64_t l, int64_t block, int64_t h, bool key, __m512* out, int64_t row) {
-  const int64_t C = kv.D / 16, t = l * kv.token_layer + row;
+  const int64_t t = l * kv.token_layer + row;
   const uint8_t* c = (key ? kv.k : kv.v) + l * kv.code_layer + row * kv.row_bytes();
   if (kv.format == KV_INT8) {
     const __m512 s = _mm512_set1_ps(half_value((key ? kv.k_scale : kv.v_scale)[t]));
@@ -2257,14 +2347,16 @@ inline void codes16(const QuantKV<T>& kv, int64_t l, int64_t block, int64_t h, b
 }
 
 // QuantKV's attention (attend_quant's contract, key range and pieces included) with each key and value row
-// dequantized into registers once for up to QUANT_QB queries, scores by 16-lane FMA chains and value sums kept in
-// registers (attn512::attend's shape). A query's sums for one piece are flushed when its next visible key lies past
+// dequantized once for up to QUANT_QB queries: int8 / FP8 keys 16 rows at a time, each query's 16 scores by
+// attn512::scores16 (int4 keys, whose rows a query may read from its own fresh copy, one row at a time), value sums
+// kept in registers (attn512::attend's shape; C = D / 16 a template constant, so they stay there). A query's sums for one piece are flushed when its next visible key lies past
 // the piece (or at the end): to its output when it is one piece, else to its part.
-template <typename T>
-void attend_quant(const QuantKV<T>& kv, int64_t l, int64_t b, int64_t h, int nq, const int64_t* tok, int64_t start,
-                  int64_t count, const bool* local, int64_t Tn, const float* q, float scale, KeyRange range,
-                  T* const* out, float* const* part, QuantScratch& s) {
-  const int64_t D = kv.D, C = D / 16, from = range.from, n = range.to - from;  // scores and rows by i - from
+template <int C, typename T>
+void attend_quant_chunks(const QuantKV<T>& kv, int64_t l, int64_t b, int64_t h, int nq, const int64_t* tok,
+                         int64_t start, int64_t count, const bool* local, int64_t Tn, const float* q, float scale,
+                         KeyRange range, T* const* out, float* const* part, QuantScratch& s) {
+  constexpr int64_t D = 16 * C;
+  const int64_t from = range.from, n = range.to - from;  // scores and rows by i - from
   const bool int4 = kv.format == KV_INT4;
   auto visible = [&](int u, int64_t i) {
     return i < start || (local ? local[tok[u] * Tn + (i - start)] : i - start <= tok[u]);
@@ -2273,8 +2365,23 @@ void attend_quant(const QuantKV<T>& kv, int64_t l, int64_t b, int64_t h, int nq,
   for (int u = 0; u < nq; ++u) fresh[u] = int4 ? kv.fresh_from(start + tok[u]) : range.to;
   kv.walk_rows(b, h, from, range.to, s.rows);  // no division per row in the loops below
   s.scores.assign(QUANT_QB * n, -INFINITY);  // masked keys stay -inf: e^-inf = 0
+  for (int64_t i0 = from; i0 < range.to && !int4; i0 += 16) {  // int8 / fp8: 16 key rows, then each query's scores
+    const int64_t kk = std::min<int64_t>(16, range.to - i0);
+    for (int64_t j = 0; j < 16; ++j) {
+      bool any = false;
+      for (int u = 0; u < nq && j < kk; ++u) any |= visible(u, i0 + j);
+      __m512 kc[C];
+      if (any)  // rows no query sees are never read
+        codes16<C>(kv, l, 0, h, true, kc, s.rows[i0 + j - from]);
+      _Pragma("GCC unroll 16") for (int c = 0; c < C; ++c)
+        _mm512_store_ps(s.keys16 + j * D + 16 * c, any ? kc[c] : _mm512_setzero_ps());
+    }
+    for (int u = 0; u < nq; ++u)
+      attn512::store_scores(attn512::scores16<C>(q + u * D, s.keys16, scale), s.scores.data() + u * n, i0, kk, from, start,
+                            [&](int64_t i) { return visible(u, i); });
+  }
   int64_t block = kv.tables[b * kv.W + from / kv.bs], o = from % kv.bs - 1;  // position i's block and offset, walked
-  for (int64_t i = from; i < range.to; ++i) {
+  for (int64_t i = from; i < range.to && int4; ++i) {
     if (++o == kv.bs) {
       o = 0;
       block = kv.tables[b * kv.W + i / kv.bs];  // one division a block
@@ -2284,11 +2391,11 @@ void attend_quant(const QuantKV<T>& kv, int64_t l, int64_t b, int64_t h, int nq,
     if (!any) continue;
     const T* open = int4 ? kv.open_key(l, block, o, h) : nullptr;  // int4's residual and key groups, by block
     const T* staged = int4 && !open ? kv.staged_key(l, block, o, h) : nullptr;
-    __m512 kc[16], kf[16];
+    __m512 kc[C], kf[C];
     if (open)
       for (int64_t c = 0; c < C; ++c) kc[c] = attn512::lanes16(open + 16 * c);
     else
-      codes16(kv, l, block, h, true, kc, s.rows[i - from]);
+      codes16<C>(kv, l, block, h, true, kc, s.rows[i - from]);
     if (staged)
       for (int64_t c = 0; c < C; ++c) kf[c] = attn512::lanes16(staged + 16 * c);
     for (int u = 0; u < nq; ++u) {
@@ -2304,20 +2411,21 @@ void attend_quant(const QuantKV<T>& kv, int64_t l, int64_t b, int64_t h, int nq,
     softmax_visible(s.scores.data() + u * n, n, prefix, s.packed, s.where, attn512::softmax_packed16, range.piece,
                     &s.pieces[u]);
   }
-  const int QP = C <= 4 ? 4 : C <= 8 ? 2 : 1;  // queries whose value sums stay in registers
+  constexpr int QP = C <= 4 ? 4 : C <= 8 ? 2 : 1;  // queries whose value sums stay in registers
   for (int u0 = 0; u0 < nq; u0 += QP) {
     const int nu = std::min(QP, nq - u0);
-    __m512 acc[4][16];
-    size_t k[4] = {};  // each query's piece in progress
-    bool whole[4];
-    for (int u = 0; u < nu; ++u) {
-      whole[u] = one_piece(start, count, tok[u0 + u], local, Tn, range.piece);
-      for (int64_t c = 0; c < C; ++c) acc[u][c] = _mm512_setzero_ps();
+    __m512 acc[QP][C];
+    size_t k[QP] = {};  // each query's piece in progress
+    bool whole[QP];
+    float p[QP];
+    _Pragma("GCC unroll 4") for (int u = 0; u < QP; ++u) {
+      whole[u] = u < nu && one_piece(start, count, tok[u0 + u], local, Tn, range.piece);
+      _Pragma("GCC unroll 16") for (int c = 0; c < C; ++c) acc[u][c] = _mm512_setzero_ps();
     }
     auto flush = [&](int u) {  // query u0 + u's sums of piece k[u], then zeroed for the next
       const int qu = u0 + u;
-      alignas(64) float row[256];
-      for (int64_t c = 0; c < C; ++c) {
+      alignas(64) float row[D];
+      _Pragma("GCC unroll 16") for (int c = 0; c < C; ++c) {
         _mm512_store_ps(row + 16 * c, acc[u][c]);
         acc[u][c] = _mm512_setzero_ps();
       }
@@ -2325,20 +2433,33 @@ void attend_quant(const QuantKV<T>& kv, int64_t l, int64_t b, int64_t h, int nq,
     };
     for (int64_t i = 0; i < n; ++i) {
       bool any = false;
-      for (int u = 0; u < nu; ++u) any |= s.scores[(u0 + u) * n + i] != 0.0f;
+      _Pragma("GCC unroll 4") for (int u = 0; u < QP; ++u) {
+        p[u] = u < nu ? s.scores[(u0 + u) * n + i] : 0.0f;
+        any |= p[u] != 0.0f;
+      }
       if (!any) continue;
-      __m512 vc[16];
-      codes16(kv, l, 0, h, false, vc, s.rows[i]);
-      for (int u = 0; u < nu; ++u) {  // a zero weight adds nothing: skipped, so co-queries never change a result
-        const float p = s.scores[(u0 + u) * n + i];
-        if (p == 0.0f) continue;
+      __m512 vc[C];
+      codes16<C>(kv, l, 0, h, false, vc, s.rows[i]);
+      _Pragma("GCC unroll 4") for (int u = 0; u < QP; ++u) {  // a zero weight adds nothing: skipped, so co-queries never change a result
+        if (p[u] == 0.0f) continue;
         for (; i >= s.pieces[u0 + u][k[u]].hi; ++k[u]) flush(u);
-        for (int64_t c = 0; c < C; ++c) acc[u][c] = _mm512_fmadd_ps(_mm512_set1_ps(p), vc[c], acc[u][c]);
+        _Pragma("GCC unroll 16") for (int c = 0; c < C; ++c) acc[u][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[u]), vc[c], acc[u][c]);
       }
     }
-    for (int u = 0; u < nu; ++u)
-      for (; k[u] < s.pieces[u0 + u].size(); ++k[u]) flush(u);
+    _Pragma("GCC unroll 4") for (int u = 0; u < QP; ++u)
+      if (u < nu)
+        for (; k[u] < s.pieces[u0 + u].size(); ++k[u]) flush(u);
   }
+}
+
+template <typename T>
+void attend_quant(const QuantKV<T>& kv, int64_t l, int64_t b, int64_t h, int nq, const int64_t* tok, int64_t start,
+                  int64_t count, const bool* local, int64_t Tn, const float* q, float scale, KeyRange range,
+                  T* const* out, float* const* part, QuantScratch& s) {
+  attn512::with_chunks(kv.D, [&](auto c) {
+    attend_quant_chunks<decltype(c)::value>(kv, l, b, h, nq, tok, start, count, local, Tn, q, scale, range, out, part,
+                                            s);
+  });
 }
 
 }  // namespace attn512q
@@ -2373,7 +2494,7 @@ void attention_layer_quant(const QuantKV<T>& kv, int64_t l, const std::vector<in
                            const T* qkv, int64_t qkv_size, const T* cos_p, const T* sin_p, float scale, T* attn,
                            int64_t q_size, bool threaded) {
   const int64_t D = kv.D, Hkv = kv.Hkv, H = Hkv * group;
-  const bool wide = isa() >= ISA_AVX512;  // the AVX-512 family's attention (its own bits, as for full precision)
+  const bool wide = isa() >= ISA_AVX512 && attn512::chunked(D);  // the AVX-512 family's attention (its own bits)
   const int64_t piece = g_kv_piece;
   std::vector<int64_t> item_row, item_first, row_first(B + 1, 0);  // row_first: the row's first index in `live`
   std::vector<KeyRange> item_keys;
@@ -2515,7 +2636,7 @@ void step_impl(const StepModel& m, at::Tensor& x, int64_t Tn, const at::Tensor& 
     clock.lap(P_ROPE_KV);
     int64_t work = 0;
     for (int64_t b = 0; b < B; ++b) work += cn[b] * (st[b] + cn[b]);
-    if (isa() >= ISA_AVX512 && D % 16 == 0 && D <= 256) {
+    if (isa() >= ISA_AVX512 && attn512::chunked(D)) {
       // work items: up to QB queries (token, head) of one row and kv head; each key row is read once for them
       std::vector<int64_t> item_row, item_first;  // per item: its row b and its first query index
       std::vector<int64_t> row_first(B + 1, 0);   // the row's first live index in `live`
