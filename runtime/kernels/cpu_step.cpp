@@ -2159,7 +2159,7 @@ struct QuantScratch {
   std::vector<int64_t> where, rows;
   std::vector<Piece> pieces[QUANT_QB];
   alignas(32) float key[KEYS4 * 256], fresh_key[KEYS4 * 256], value[VALUE_ROWS * 256];
-  alignas(64) float keys16[16 * 256];  // attn512q: a block of 16 key rows
+  alignas(64) float keys16[16 * 256], keys16f[16 * 256];  // attn512q: a block of 16 key rows (f: int4's fresh copies)
 };
 
 // The quantized attention (both families) splits a long context over the cores: a work item reads the keys [from, to) of one
@@ -2347,9 +2347,10 @@ inline void codes16(const QuantKV<T>& kv, int64_t l, int64_t block, int64_t h, b
 }
 
 // QuantKV's attention (attend_quant's contract, key range and pieces included) with each key and value row
-// dequantized once for up to QUANT_QB queries: int8 / FP8 keys 16 rows at a time, each query's 16 scores by
-// attn512::scores16 (int4 keys, whose rows a query may read from its own fresh copy, one row at a time), value sums
-// kept in registers (attn512::attend's shape; C = D / 16 a template constant, so they stay there). A query's sums for one piece are flushed when its next visible key lies past
+// dequantized once for up to QUANT_QB queries: keys 16 rows at a time, each query's 16 scores by attn512::scores16
+// (int4: a second block holds the sealed-now keys' full-precision copies, whose scores a query takes for the keys
+// at or past its fresh_from), value sums kept in registers (attn512::attend's shape; C = D / 16 a template constant,
+// so they stay there). A query's sums for one piece are flushed when its next visible key lies past
 // the piece (or at the end): to its output when it is one piece, else to its part.
 template <int C, typename T>
 void attend_quant_chunks(const QuantKV<T>& kv, int64_t l, int64_t b, int64_t h, int nq, const int64_t* tok,
@@ -2365,45 +2366,43 @@ void attend_quant_chunks(const QuantKV<T>& kv, int64_t l, int64_t b, int64_t h, 
   for (int u = 0; u < nq; ++u) fresh[u] = int4 ? kv.fresh_from(start + tok[u]) : range.to;
   kv.walk_rows(b, h, from, range.to, s.rows);  // no division per row in the loops below
   s.scores.assign(QUANT_QB * n, -INFINITY);  // masked keys stay -inf: e^-inf = 0
-  for (int64_t i0 = from; i0 < range.to && !int4; i0 += 16) {  // int8 / fp8: 16 key rows, then each query's scores
-    const int64_t kk = std::min<int64_t>(16, range.to - i0);
-    for (int64_t j = 0; j < 16; ++j) {
-      bool any = false;
-      for (int u = 0; u < nq && j < kk; ++u) any |= visible(u, i0 + j);
-      __m512 kc[C];
-      if (any)  // rows no query sees are never read
-        codes16<C>(kv, l, 0, h, true, kc, s.rows[i0 + j - from]);
-      _Pragma("GCC unroll 16") for (int c = 0; c < C; ++c)
-        _mm512_store_ps(s.keys16 + j * D + 16 * c, any ? kc[c] : _mm512_setzero_ps());
-    }
-    for (int u = 0; u < nq; ++u)
-      attn512::store_scores(attn512::scores16<C>(q + u * D, s.keys16, scale), s.scores.data() + u * n, i0, kk, from, start,
-                            [&](int64_t i) { return visible(u, i); });
-  }
   int64_t block = kv.tables[b * kv.W + from / kv.bs], o = from % kv.bs - 1;  // position i's block and offset, walked
-  for (int64_t i = from; i < range.to && int4; ++i) {
-    if (++o == kv.bs) {
-      o = 0;
-      block = kv.tables[b * kv.W + i / kv.bs];  // one division a block
+  for (int64_t i0 = from; i0 < range.to; i0 += 16) {  // 16 key rows, then each query's 16 scores
+    const int64_t kk = std::min<int64_t>(16, range.to - i0);
+    uint32_t staged = 0;  // int4: rows with a sealed-now key's full-precision copy in keys16f
+    for (int64_t j = 0; j < 16; ++j) {
+      const int64_t i = i0 + j;
+      bool any = false;
+      if (j < kk) {
+        if (++o == kv.bs) {
+          o = 0;
+          block = kv.tables[b * kv.W + i / kv.bs];  // one division a block
+        }
+        for (int u = 0; u < nq; ++u) any |= visible(u, i);
+      }
+      float* row = s.keys16 + j * D;
+      __m512 kc[C];
+      const T* open = any && int4 ? kv.open_key(l, block, o, h) : nullptr;  // int4's residual and key groups, by block
+      const T* stage = any && int4 && !open ? kv.staged_key(l, block, o, h) : nullptr;
+      if (open)
+        _Pragma("GCC unroll 16") for (int c = 0; c < C; ++c) kc[c] = attn512::lanes16(open + 16 * c);
+      else if (any)  // rows no query sees are never read
+        codes16<C>(kv, l, block, h, true, kc, s.rows[i - from]);
+      _Pragma("GCC unroll 16") for (int c = 0; c < C; ++c) _mm512_store_ps(row + 16 * c, any ? kc[c] : _mm512_setzero_ps());
+      if (stage) {
+        staged |= 1u << j;
+        _Pragma("GCC unroll 16") for (int c = 0; c < C; ++c)
+          _mm512_store_ps(s.keys16f + j * D + 16 * c, attn512::lanes16(stage + 16 * c));
+      }
     }
-    bool any = false;
-    for (int u = 0; u < nq; ++u) any |= visible(u, i);
-    if (!any) continue;
-    const T* open = int4 ? kv.open_key(l, block, o, h) : nullptr;  // int4's residual and key groups, by block
-    const T* staged = int4 && !open ? kv.staged_key(l, block, o, h) : nullptr;
-    __m512 kc[C], kf[C];
-    if (open)
-      for (int64_t c = 0; c < C; ++c) kc[c] = attn512::lanes16(open + 16 * c);
-    else
-      codes16<C>(kv, l, block, h, true, kc, s.rows[i - from]);
-    if (staged)
-      for (int64_t c = 0; c < C; ++c) kf[c] = attn512::lanes16(staged + 16 * c);
     for (int u = 0; u < nq; ++u) {
-      if (!visible(u, i)) continue;
-      const __m512* key = staged && i >= fresh[u] ? kf : kc;
-      __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q + u * D), key[0]);
-      for (int64_t c = 1; c < C; ++c) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + u * D + 16 * c), key[c], acc);
-      s.scores[u * n + i - from] = _mm512_reduce_add_ps(acc) * scale;
+      __m512 r = attn512::scores16<C>(q + u * D, s.keys16, scale);
+      uint32_t own = 0;  // keys this query reads from their fresh copy (int4: j >= its fresh_from)
+      for (int64_t j = 0; j < kk && staged; ++j)
+        if ((staged >> j & 1) && i0 + j >= fresh[u]) own |= 1u << j;
+      if (own)  // each lane is its own key's score: taking some from the fresh block is the mixed block's result
+        r = _mm512_mask_blend_ps(static_cast<__mmask16>(own), r, attn512::scores16<C>(q + u * D, s.keys16f, scale));
+      attn512::store_scores(r, s.scores.data() + u * n, i0, kk, from, start, [&](int64_t i) { return visible(u, i); });
     }
   }
   for (int u = 0; u < nq; ++u) {  // causal queries see a prefix of the keys: no packing
