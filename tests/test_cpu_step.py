@@ -14,6 +14,7 @@ from runtime.kernels import cpu_step
 from runtime.kv_cache import KVCache
 from runtime.model import AttentionMetadata, random_model
 from runtime.sampling import SamplingParams
+from tests.tiny_models import tiny_model_config
 
 pytestmark = pytest.mark.skipif(cpu_step.extension() is None, reason="the C++ decode step could not be built here")
 
@@ -24,6 +25,18 @@ pytestmark = pytest.mark.skipif(cpu_step.extension() is None, reason="the C++ de
     [(1, 40, 1), (2, 290, 1), (2, 40, 3)],  # 2 x 290 keys: the threaded attention branch; 3: chain verification
 )
 def test_decode_steps_match_transformers(tiny_config, tmp_path, monkeypatch, batch, prefix, chunk):
+    check_decode_steps(tiny_config, tmp_path, monkeypatch, batch, prefix, chunk)
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("head_dim", [48, 96, 128])
+def test_head_sizes_match_transformers(tmp_path, monkeypatch, head_dim):
+    """The AVX-512 attention is built per head size (6 and 8 chunks of 16 lanes here; 48 takes the generic one)."""
+    config = tiny_model_config(head_dim=head_dim, max_position_embeddings=512)
+    check_decode_steps(config, tmp_path, monkeypatch, batch=2, prefix=40, chunk=3)
+
+
+def check_decode_steps(tiny_config, tmp_path, monkeypatch, batch: int, prefix: int, chunk: int) -> None:
     ours = random_model(tiny_config, seed=3)
     hf = hf_twin(ours, tmp_path)
     steps = 6

@@ -21,6 +21,7 @@ row by row with ties that round-half-to-even decides, equals kv_quant's bit for 
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -223,6 +224,15 @@ def test_step_writes_the_python_writers_codes(fmt, layout, kind, dtype):
         else:
             assert torch.equal(tensor[0], ref[0]), name
     assert float((got - want).abs().max()) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("head_dim", [48, 128])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_head_sizes_match_the_python_reference(fmt, head_dim, monkeypatch):
+    """The AVX-512 quantized attention is built per head size (8 chunks of 16 lanes for 128; 48 takes the generic
+    attention): a paged chain verification gives PLAIN's logits within TOL."""
+    monkeypatch.setitem(globals(), "CFG", dataclasses.replace(CFG, head_dim=head_dim))
+    test_step_matches_the_python_reference(fmt, "paged", "chain", torch.float32, monkeypatch)
 
 
 # ---- the step's shape invariance holds over quantized caches too ----------------------------------------------
