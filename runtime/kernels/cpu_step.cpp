@@ -42,7 +42,6 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
-#include <type_traits>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -1818,7 +1817,8 @@ inline __m512 scores16(const float* q, const float* keys, float scale) {
   _Pragma("GCC unroll 16") for (int j = 0; j < 16; ++j) v[j] = _mm512_mul_ps(q0, _mm512_load_ps(keys + j * D));
   _Pragma("GCC unroll 16") for (int c = 1; c < C; ++c) {
     const __m512 qc = _mm512_loadu_ps(q + 16 * c);
-    _Pragma("GCC unroll 16") for (int j = 0; j < 16; ++j) v[j] = _mm512_fmadd_ps(qc, _mm512_load_ps(keys + j * D + 16 * c), v[j]);
+    _Pragma("GCC unroll 16") for (int j = 0; j < 16; ++j)
+      v[j] = _mm512_fmadd_ps(qc, _mm512_load_ps(keys + j * D + 16 * c), v[j]);
   }
   return _mm512_mul_ps(sum_lanes16(v), _mm512_set1_ps(scale));
 }
@@ -1840,25 +1840,26 @@ inline void store_scores(__m512 r, float* row, int64_t i0, int64_t kk, int64_t b
 
 constexpr int QB = 8;  // queries sharing each key row
 
-// Whether the AVX-512 attentions take head dimension D: C = D / 16 chunks of 16 lanes, one of the instantiated
-// counts (each query's value sums and each key's score chains then stay in registers); other D take the generic
-// attention.
-inline bool chunked(int64_t D) {
-  const int64_t c = D / 16;
-  return D % 16 == 0 && (c == 1 || c == 2 || c == 4 || c == 6 || c == 8 || c == 16);
+// f(std::integral_constant<int, C>) for head dimension D = 16 * C where C is one of the chunk counts the AVX-512
+// attentions are instantiated for (each query's value sums and each key's score chains then stay in registers);
+// false, f not called, for any other D (those take the generic attention).
+template <typename F>
+inline bool with_chunks(int64_t D, F&& f) {
+  if (D % 16) return false;
+  switch (D / 16) {
+    case 1: return f(std::integral_constant<int, 1>{}), true;
+    case 2: return f(std::integral_constant<int, 2>{}), true;
+    case 4: return f(std::integral_constant<int, 4>{}), true;
+    case 6: return f(std::integral_constant<int, 6>{}), true;
+    case 8: return f(std::integral_constant<int, 8>{}), true;
+    case 16: return f(std::integral_constant<int, 16>{}), true;
+    default: return false;
+  }
 }
 
-// f(std::integral_constant<int, D / 16>) for a D that chunked() takes.
-template <typename F>
-inline void with_chunks(int64_t D, F&& f) {
-  switch (D / 16) {
-    case 1: return f(std::integral_constant<int, 1>{});
-    case 2: return f(std::integral_constant<int, 2>{});
-    case 4: return f(std::integral_constant<int, 4>{});
-    case 6: return f(std::integral_constant<int, 6>{});
-    case 8: return f(std::integral_constant<int, 8>{});
-    default: return f(std::integral_constant<int, 16>{});
-  }
+// Whether the AVX-512 attentions take head dimension D.
+inline bool chunked(int64_t D) {
+  return with_chunks(D, [](auto) {});
 }
 
 // Attention for up to QB queries of one row b and kv head h: query u is q[u] (roped, fp32, D = 16 * C floats) of
@@ -2388,7 +2389,8 @@ void attend_quant_chunks(const QuantKV<T>& kv, int64_t l, int64_t b, int64_t h, 
         _Pragma("GCC unroll 16") for (int c = 0; c < C; ++c) kc[c] = attn512::lanes16(open + 16 * c);
       else if (any)  // rows no query sees are never read
         codes16<C>(kv, l, block, h, true, kc, s.rows[i - from]);
-      _Pragma("GCC unroll 16") for (int c = 0; c < C; ++c) _mm512_store_ps(row + 16 * c, any ? kc[c] : _mm512_setzero_ps());
+      _Pragma("GCC unroll 16") for (int c = 0; c < C; ++c)
+        _mm512_store_ps(row + 16 * c, any ? kc[c] : _mm512_setzero_ps());
       if (stage) {
         staged |= 1u << j;
         _Pragma("GCC unroll 16") for (int c = 0; c < C; ++c)
@@ -2439,10 +2441,12 @@ void attend_quant_chunks(const QuantKV<T>& kv, int64_t l, int64_t b, int64_t h, 
       if (!any) continue;
       __m512 vc[C];
       codes16<C>(kv, l, 0, h, false, vc, s.rows[i]);
-      _Pragma("GCC unroll 4") for (int u = 0; u < QP; ++u) {  // a zero weight adds nothing: skipped, so co-queries never change a result
+      // a zero weight adds nothing: skipped, so co-queries never change a result
+      _Pragma("GCC unroll 4") for (int u = 0; u < QP; ++u) {
         if (p[u] == 0.0f) continue;
         for (; i >= s.pieces[u0 + u][k[u]].hi; ++k[u]) flush(u);
-        _Pragma("GCC unroll 16") for (int c = 0; c < C; ++c) acc[u][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[u]), vc[c], acc[u][c]);
+        _Pragma("GCC unroll 16") for (int c = 0; c < C; ++c)
+          acc[u][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[u]), vc[c], acc[u][c]);
       }
     }
     _Pragma("GCC unroll 4") for (int u = 0; u < QP; ++u)
