@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from runtime.kernels import cpu_step
+from runtime.kernels.huge_pages import place_member
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
@@ -293,6 +294,7 @@ class FPLinear(nn.Module):
         kw = self.__dict__.get("_kernel_weight")
         if kw is None:
             group = self.in_features if self.block == 0 else self.block
+            place_member(self, "kernel_data")  # the step streams the codes: huge pages (runtime.kernels.huge_pages)
             kw = cpu_step.KernelWeight(
                 kind="fp8", out_features=self.out_features, in_features=self.in_features, group=group,
                 data=self.kernel_data, scales=self.kernel_scales, zeros=self.kernel_zeros,

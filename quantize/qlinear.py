@@ -28,6 +28,7 @@ from quantize.grid import quantize_activations_per_token
 from quantize.kernels import cpu, cuda
 from quantize.packing import block_shape, pack_codes, unpack_codes
 from runtime.kernels import cpu_step
+from runtime.kernels.huge_pages import place_member
 
 SUPPORTED_BITS = (2, 3, 4, 8)  # every path: the reference and Triton
 FAST_CPU_BITS = (4, 8)  # bit widths with a packed torch CPU kernel (quantize.kernels.cpu)
@@ -446,6 +447,7 @@ class QuantLinear(nn.Module):
         kw = self.__dict__.get("_kernel_weight")
         if kw is None:
             n = -(-self.in_features // self.group_size)
+            place_member(self, "kernel_data")  # the step streams the codes: huge pages (runtime.kernels.huge_pages)
             kw = cpu_step.KernelWeight(
                 kind="i8" if self.bits == 8 else "i4", out_features=self.out_features, in_features=self.in_features,
                 group=self.in_features if n == 1 else self.group_size, data=self.kernel_data,

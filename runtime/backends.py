@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from runtime.kernels import cpu_step
+from runtime.kernels.huge_pages import place_member
 from runtime.model import AttentionMetadata, Backend, Linear, RMSNorm, Transformer, set_backend
 
 # Linear -> ((weight pointer, dtype, bias pointer), the kernels' handle): rebuilt when a weight tensor is replaced;
@@ -30,7 +31,8 @@ _DENSE_HANDLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def dense_handle(layer: Linear):
-    """The kernels' view of a Linear's weight (read in place; cached per module)."""
+    """The kernels' view of a Linear's weight (read in place, from huge pages; cached per module)."""
+    place_member(layer, "weight")
     key = (layer.weight.data_ptr(), layer.weight.dtype, None if layer.bias is None else layer.bias.data_ptr())
     cached = _DENSE_HANDLES.get(layer)
     if cached is None or cached[0] != key:

@@ -64,6 +64,23 @@ def test_dense(family, N, K, dtype):
     assert_row_independent(handle, rows(9, K, 5))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dense_weight_streams_change_no_bit(family, dtype):
+    """Dense calls read each core's rows as 4 streams side by side (segments of its rows, remainder after); the
+    layout reorders rows, never a row's sum: the same bits as one stream, whatever the rows and columns."""
+    try:
+        for N, K in [(8, 64), (37, 90), (100, 200), (301, 33)]:
+            handle = cpu_step.dense_handle(rows(N, K, 2).to(dtype))
+            for M in (1, 2, 5, 9):
+                x = rows(M, K, M)
+                ext.set_dense_streams(0)
+                one = ext.linear(handle, x)
+                ext.set_dense_streams(4)
+                assert torch.equal(ext.linear(handle, x), one), (N, K, M)
+    finally:
+        ext.set_dense_streams(4)
+
+
 def quantized(N: int, K: int, bits: int, group: int, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     codes = torch.randint(0, 2**bits, (N, K), generator=g, dtype=torch.uint8)

@@ -22,6 +22,10 @@ or the CPU lacks AVX2, one warning says why and the Python layers run. ``QSPEC_C
 ``QSPEC_CPU_ISA=avx2|avx512|avx512bf16`` caps the kernel family (tests run every family on one machine; AMX,
 where the CPU and the OS offer it, is the top one).
 
+Dense layers read each core's weight rows as four streams side by side (cpu_step.cpp, run_dense), and the weights
+and codes the step reads are copied once into transparent huge pages when their handles are first built
+(runtime.kernels.huge_pages; ``QSPEC_HUGE_PAGES=0`` keeps them where they are): values unchanged.
+
 Quantized KV caches (runtime.kv_quant: int8, fp8_e4m3, int4 KIVI; the contiguous QuantizedKVCache and the paged
 pool) run in the step too: it quantizes each new token's k/v as kv_quant's writer does (same bits) and its attention
 dequantizes one cached row at a time from the codes, in place; int4's write plan (which key groups a forward opens
@@ -53,6 +57,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from runtime.kernels.huge_pages import place_member
 from runtime.paths import qspec_home
 
 SOURCE = Path(__file__).with_name("cpu_step.cpp")
@@ -367,6 +372,7 @@ def weight_handle(module, dtype: torch.dtype):
     weight = getattr(module, "weight", None)
     if not isinstance(weight, Tensor) or weight.dtype != dtype or weight.device.type != "cpu" or weight.dim() != 2:
         return None
+    place_member(module, "weight")  # the step streams it: huge pages (runtime.kernels.huge_pages)
     bias = getattr(module, "bias", None)
     return dense_handle(weight.detach(), None if bias is None else bias.detach().float())
 
