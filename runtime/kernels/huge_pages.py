@@ -47,7 +47,7 @@ def huge_page_copy(t: Tensor) -> Tensor:
     """t's values in a new tensor of t's dtype and shape that starts on a 2 MiB boundary, its whole huge pages
     advised MADV_HUGEPAGE before they are first touched."""
     nbytes = t.numel() * t.element_size()
-    # private anonymous (a shared one would be shmem, outside anonymous THP), untouched: no page backed before the advice
+    # private anonymous (a shared mapping is shmem, outside anonymous THP), untouched: nothing backed before the advice
     region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE)
     raw = torch.frombuffer(region, dtype=torch.uint8)  # keeps the mapping alive as long as any view of it
     start = -raw.data_ptr() % HUGE_PAGE
