@@ -71,7 +71,7 @@ def test_dense_weight_streams_change_no_bit(family, dtype):
     try:
         for N, K in [(8, 64), (37, 90), (100, 200), (301, 33)]:
             handle = cpu_step.dense_handle(rows(N, K, 2).to(dtype))
-            for M in (1, 2, 5, 9):
+            for M in (1, 2, 5, 9, 13):  # 13: blocks of 7 + 6 rows, 3 weight rows a block
                 x = rows(M, K, M)
                 ext.set_dense_streams(0)
                 one = ext.linear(handle, x)

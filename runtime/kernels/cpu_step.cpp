@@ -57,6 +57,10 @@ enum Isa : int { ISA_AVX2 = 0, ISA_AVX512 = 1, ISA_AVX512BF16 = 2, ISA_AMX = 3 }
 constexpr int64_t NR = 16;  // output rows per quantized tile
 constexpr int64_t MAX_M = 64;
 constexpr int64_t KB = 32;  // input columns per AMX k-block (one bf16 tile row)
+// Dense calls of this many rows or more prefetch each weight stream STREAM_AHEAD bytes ahead into L2: their dot
+// products take long enough that the hardware prefetchers alone leave memory idle meanwhile (9 rows of the 1.5B's
+// layers on the Zen 4: 108 -> 79 ms, near the vdpbf16ps peak); one row reads faster without (47 vs 60 ms).
+constexpr int64_t STREAM_AHEAD_ROWS = 4, STREAM_AHEAD = 4096;
 
 bool cpuid_bit(unsigned leaf, unsigned sub, int reg, int bit) {
   unsigned r[4] = {0, 0, 0, 0};
@@ -374,12 +378,16 @@ void dense_block(const Weight& w, const Acts& a, int64_t n0, int64_t rs, int64_t
     _Pragma("GCC unroll 16") for (int i = 0; i < MB; ++i) acc[r][i] = _mm512_setzero_ps();
   const int64_t row_bytes = K * (BF ? 2 : 4);
   const char* next = (BF ? reinterpret_cast<const char*>(wb) : reinterpret_cast<const char*>(wf)) + (n0 + RB) * row_bytes;
+  const bool far = m0 == 0 && rs > 1 && a.M >= STREAM_AHEAD_ROWS;
   for (int64_t k = 0; k < K; k += 16) {
     const int64_t left = K - k;
     const __mmask16 mask = left >= 16 ? 0xffff : static_cast<__mmask16>((1u << left) - 1);
     if (m0 == 0 && rs == 1)  // the next rows' same columns: their lines are in flight while these compute
       _Pragma("GCC unroll 16") for (int r = 0; r < RB; ++r)
         _mm_prefetch(next + r * row_bytes + k * (BF ? 2 : 4), _MM_HINT_T0);
+    if (far)  // each stream 4 KB ahead, into L2
+      _Pragma("GCC unroll 16") for (int r = 0; r < RB; ++r)
+        _mm_prefetch(next + (r * rs - RB) * row_bytes + k * (BF ? 2 : 4) + STREAM_AHEAD, _MM_HINT_T1);
     __m512 wv[RB];
     _Pragma("GCC unroll 16") for (int r = 0; r < RB; ++r) {
       if (BF) {
@@ -491,12 +499,15 @@ void dense_block(const Weight& w, const Acts& a, int64_t n0, int64_t rs, int64_t
   _Pragma("GCC unroll 16") for (int r = 0; r < RB; ++r)
     _Pragma("GCC unroll 16") for (int i = 0; i < MB; ++i) acc[r][i] = _mm512_setzero_ps();
   const char* next = reinterpret_cast<const char*>(wb + (n0 + RB) * K);
-  const bool ahead = m0 == 0 && rs == 1;
+  const bool ahead = m0 == 0 && rs == 1, far = m0 == 0 && rs > 1 && a.M >= STREAM_AHEAD_ROWS;
   for (int64_t k = 0; k < K; k += 32) {
     const int64_t left = K - k;
     const __mmask32 mask = left >= 32 ? 0xffffffffu : ((1u << left) - 1);
     if (ahead)  // the next rows' same columns: their lines are in flight while these compute
       _Pragma("GCC unroll 16") for (int r = 0; r < RB; ++r) _mm_prefetch(next + (r * K + k) * 2, _MM_HINT_T0);
+    if (far)  // each stream 4 KB ahead, into L2
+      _Pragma("GCC unroll 16") for (int r = 0; r < RB; ++r)
+        _mm_prefetch(reinterpret_cast<const char*>(wb + (n0 + r * rs) * K + k) + STREAM_AHEAD, _MM_HINT_T1);
     __m512i wv[RB];
     _Pragma("GCC unroll 16") for (int r = 0; r < RB; ++r) wv[r] = _mm512_maskz_loadu_epi16(mask, wb + (n0 + r * rs) * K + k);
     _Pragma("GCC unroll 16") for (int i = 0; i < MB; ++i) {
@@ -1292,14 +1303,21 @@ void dense_rows(const Weight& w, const Acts& a, int64_t n0, int64_t rs, int64_t 
   if (bf && level >= ISA_AVX512BF16) return avx512bf16::dense_block<RB, MB>(w, a, n0, rs, m0, y, ldy);
   if (level >= ISA_AVX512 && bf) return avx512::dense_block<RB, MB, true>(w, a, n0, rs, m0, y, ldy);
   if (level >= ISA_AVX512) return avx512::dense_block<RB, MB, false>(w, a, n0, rs, m0, y, ldy);
-  if (bf) return avx2::dense_block<RB, MB, true>(w, a, n0, rs, m0, y, ldy);
-  return avx2::dense_block<RB, MB, false>(w, a, n0, rs, m0, y, ldy);
+  if constexpr (MB <= 4) {  // AVX2 blocks take at most 4 rows (16 registers)
+    if (bf) return avx2::dense_block<RB, MB, true>(w, a, n0, rs, m0, y, ldy);
+    return avx2::dense_block<RB, MB, false>(w, a, n0, rs, m0, y, ldy);
+  }
 }
 
 template <int RB>
 void dense_rows_mb(const Weight& w, const Acts& a, int64_t n, int64_t rs, int64_t m0, int64_t mb, float* y,
                    int64_t ldy, int level) {
   switch (mb) {
+    case 9: return dense_rows<RB, 9>(w, a, n, rs, m0, y, ldy, level);
+    case 8: return dense_rows<RB, 8>(w, a, n, rs, m0, y, ldy, level);
+    case 7: return dense_rows<RB, 7>(w, a, n, rs, m0, y, ldy, level);
+    case 6: return dense_rows<RB, 6>(w, a, n, rs, m0, y, ldy, level);
+    case 5: return dense_rows<RB, 5>(w, a, n, rs, m0, y, ldy, level);
     case 4: return dense_rows<RB, 4>(w, a, n, rs, m0, y, ldy, level);
     case 3: return dense_rows<RB, 3>(w, a, n, rs, m0, y, ldy, level);
     case 2: return dense_rows<RB, 2>(w, a, n, rs, m0, y, ldy, level);
@@ -1309,7 +1327,7 @@ void dense_rows_mb(const Weight& w, const Acts& a, int64_t n, int64_t rs, int64_
 
 int g_dense_streams = 4;  // set_dense_streams: weight streams a core reads side by side (0: one)
 
-// Blocking: each dense block reads RB weight rows once for every activation row (in blocks of MB <= 4); each
+// Blocking: each dense block reads RB weight rows once for every activation row (in blocks of MB <= 9); each
 // quantized block reads TB tiles for MB activation rows, TB * MB <= 8 independent accumulator chains (AVX2:
 // 4 outputs, each in two chains: even and odd columns). Weight rows / tiles are the outer loop, so they are read
 // from memory once per call. No blocking changes an output's sum order.
@@ -1317,18 +1335,18 @@ int g_dense_streams = 4;  // set_dense_streams: weight streams a core reads side
 // accumulators spill and each k step waits on a store and a reload (4 x 4 spilled 5 chains: a 9-row verification
 // ran at a fraction of the FMA peak). There multi-row calls split the rows into near-equal blocks of <= 4 (9 = 3 +
 // 3 + 3) and take 3 weight rows per block where a block has 3 or 4 rows (12 chains + 3 + 1 registers).
+// AVX-512 has 32: near-equal blocks of <= 9 rows, 4 weight rows a block of <= 6 (<= 24 chains + 4 + 1), 3 beyond
+// (<= 27 + 3 + 1). A verification's 5-9 rows then read each weight once, in one block: blocks of 4 + 4 + 1 re-read
+// them from cache and ran 5 rows at 100 G MAC/s against 165 in one block (in-cache weights, Zen 4).
 void run_dense(const Weight& w, const Acts& a, int64_t n_begin, int64_t n_end, float* y, int64_t ldy, int level) {
   const int64_t M = a.M;
   const bool avx2_regs = level < ISA_AVX512;
-  const int64_t blocks = (M + 3) / 4;
-  // AVX2: near-equal blocks, 3 weight rows when the widest has >= 3 rows; AVX-512: blocks of 4 x 4 weight rows
-  const int64_t rb = avx2_regs && (M + blocks - 1) / blocks >= 3 ? 3 : 4;
-  auto block_rows = [&](int64_t i, int64_t m0) -> int64_t {  // rows of activation block i (starting at m0)
-    return avx2_regs ? M / blocks + (i < M % blocks ? 1 : 0) : std::min<int64_t>(4, M - m0);
-  };
+  const int64_t mbmax = avx2_regs ? 4 : 9;
+  const int64_t blocks = (M + mbmax - 1) / mbmax, widest = (M + blocks - 1) / blocks;
+  const int64_t rb = avx2_regs ? (widest >= 3 ? 3 : 4) : (widest <= 6 ? 4 : 3);
   auto weight_rows = [&](int64_t n, int64_t rs, int64_t rows) {  // rows n, n + rs, ...: every activation block
     for (int64_t i = 0, m0 = 0; m0 < M; ++i) {
-      const int64_t mb = block_rows(i, m0);
+      const int64_t mb = M / blocks + (i < M % blocks ? 1 : 0);
       if (rows == 4) dense_rows_mb<4>(w, a, n, rs, m0, mb, y, ldy, level);
       else if (rows == 3) dense_rows_mb<3>(w, a, n, rs, m0, mb, y, ldy, level);
       else dense_rows_mb<1>(w, a, n, rs, m0, mb, y, ldy, level);
@@ -1337,9 +1355,9 @@ void run_dense(const Weight& w, const Acts& a, int64_t n_begin, int64_t n_end, f
   };
   // Each weight is read once, from memory, at the pace of the core's stream prefetchers, which keep more lines in
   // flight for several distant sequential streams than for one (rb adjacent rows are one stream to them). So the
-  // core's rows are cut into S = 4 segments read side by side: each block takes the next row of rb segments, and no
-  // software prefetch (it slowed these). A row's sum order is the same in any block. AMD Zen 4, bf16, 1-row pass
-  // over the 0.5B's layers: 23 -> 33-52 GB/s (host phases); 9 rows 13 % faster; 8 streams were slower than 4.
+  // core's rows are cut into S = 4 segments (3 where blocks take 3 rows) read side by side: each block takes the next
+  // row of rb segments (software prefetch only from STREAM_AHEAD_ROWS rows). A row's sum order is the same in any
+  // block. AMD Zen 4, bf16, 1-row pass over the 0.5B's layers: 23 -> 33-52 GB/s (host phases); 8 streams: slower.
   const int64_t S = g_dense_streams / 4 * rb, seg = S > 0 ? (n_end - n_begin) / S : 0;
   if (seg > 0) {
     for (int64_t j = 0; j < seg; ++j)
