@@ -29,6 +29,7 @@ from runtime.paged_cache import BlockManager, PagedKVCache, paged_metadata
 from runtime.paths import qspec_home
 from runtime.sampling import logits_to_probs, sample_rows
 from speculate.base import Proposal, SpecState, Speculator, SpeculatorError, check_k
+from speculate.draft_vocab import SubsetHead
 from speculate.medusa.heads import model_fingerprint
 
 
@@ -120,6 +121,7 @@ class DraftModelSpeculator(Speculator):
         name: str = "draft",
         block_size: int = 16,
         min_confidence: float | None = None,
+        head: SubsetHead | None = None,
     ):
         check_same_vocab(target, draft)
         if min_confidence is not None and not 0.0 < min_confidence < 1.0:
@@ -128,6 +130,9 @@ class DraftModelSpeculator(Speculator):
         # dynamic k (HF assisted generation's confidence rule): a row stops drafting after a draft whose
         # probability under the draft (temperature 1) is below this; None: always k drafts
         self.min_confidence = min_confidence
+        # the draft's logits: its own head, or a head over its most frequent tokens (speculate.draft_vocab)
+        self.logits = self.draft.logits if head is None else head.logits
+        self.head_tokens = None if head is None else len(head.kept)
         self.block_size = block_size
         self.seqs: dict[Hashable, _DraftSeq] = {}
         self.cache: PagedKVCache | None = None
@@ -175,13 +180,13 @@ class DraftModelSpeculator(Speculator):
             tokens = torch.tensor([f + [0] * (widest - len(f)) for f in feeds], dtype=torch.long, device=device)
             hidden = self.draft(tokens, meta, self.cache, hidden_only=True)  # [B, T, H]
             last = torch.tensor([len(f) - 1 for f in feeds], device=device)
-            return self.draft.logits(hidden[torch.arange(len(rows), device=device), last])
+            return self.logits(hidden[torch.arange(len(rows), device=device), last])
         out = []
         for row, feed, idx in zip(rows, feeds, index):
             meta = paged_metadata([idx], [idx], [row.block_table], self.block_size, device)
             tokens = torch.tensor([feed], dtype=torch.long, device=device)
             hidden = self.draft(tokens, meta, self.cache, hidden_only=True)  # [1, T, H]
-            out.append(self.draft.logits(hidden[:, -1]))
+            out.append(self.logits(hidden[:, -1]))
         return torch.cat(out)
 
     def prefill(self, state: SpecState) -> None:
@@ -292,6 +297,8 @@ class DraftModelSpeculator(Speculator):
     def describe(self) -> dict:
         cfg = self.draft.config
         out = {**super().describe(), "k": self.k, "draft_layers": cfg.num_layers, "draft_hidden": cfg.hidden_size}
+        if self.head_tokens is not None:
+            out["draft_head_tokens"] = self.head_tokens
         return out if self.min_confidence is None else {**out, "min_confidence": self.min_confidence}
 
 

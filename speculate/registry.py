@@ -27,6 +27,7 @@ from runtime import plugins
 from runtime.speculation import CandidateTree
 from speculate.base import Speculator, SpeculatorError, check_k
 from speculate.draft import DraftModelSpeculator, check_draft_spec, layer_skip_draft, parse_draft_spec, quantized_draft
+from speculate.draft_vocab import subset_head
 from speculate.eagle.head import EagleCheckpointError, EagleConfig, EagleHead, load_eagle
 from speculate.eagle.speculator import EagleSpeculator
 from speculate.lookup_first import LookupFirstSpeculator
@@ -97,8 +98,8 @@ def build_ngram(target, context: BuildContext, *, k: int = 4, fixed: bool = Fals
     return NgramSpeculator(k=k, scaled=not fixed)
 
 
-def check_draft(*, layers: int | None = None, model: str | None = None, **counts) -> None:
-    check_counts(layers=layers, **counts)
+def check_draft(*, layers: int | None = None, model: str | None = None, vocab: int | None = None, **counts) -> None:
+    check_counts(layers=layers, vocab=vocab, **counts)
     if layers is not None and model is not None:
         raise SpeculatorError("a draft is layers=L (the target's first L layers) or model=SPEC, not both")
     check_draft_spec(model)
@@ -113,14 +114,26 @@ def build_draft(
     model: str | None = None,
     conf: float | None = None,
     lookup: int | None = None,
+    vocab: int | None = None,
 ) -> Speculator:
     """A draft model: layers=L (layer skip), or model= any --draft-model spec (layers:N, int4, int8, int4+layers:N, a
     checkpoint, int4+SPEC); neither: the draft measured best for this target, else int4. conf: dynamic k.
     lookup=N: prompt lookup first (a row whose last N tokens occurred before drafts what followed them; the draft
-    model drafts the other rows, speculate.lookup_first)."""
+    model drafts the other rows, speculate.lookup_first). vocab=V: the draft's head over the V most frequent tokens
+    only (speculate.draft_vocab; still lossless)."""
     spec = f"layers:{layers}" if layers is not None else model
     draft, label = parse_draft_spec(spec, target, context.target_path or None)
-    return lookup_first(DraftModelSpeculator(target, draft, k=k, name=f"draft({label})", min_confidence=conf), lookup)
+    head = None
+    if vocab is not None:
+        if not context.target_path:
+            raise SpeculatorError("vocab= ranks the target's tokenizer: give the target as a checkpoint")
+        try:
+            head = subset_head(draft, context.target_path, vocab)
+        except ValueError as err:
+            raise SpeculatorError(str(err)) from None
+        label += f",vocab={vocab}"
+    speculator = DraftModelSpeculator(target, draft, k=k, name=f"draft({label})", min_confidence=conf, head=head)
+    return lookup_first(speculator, lookup)
 
 
 def lookup_first(spec: DraftModelSpeculator, lookup: int | None) -> Speculator:

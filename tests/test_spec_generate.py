@@ -17,6 +17,7 @@ from runtime.sampling import SamplingParams
 from runtime.speculation import SpecState
 from speculate.base import SpeculatorError
 from speculate.draft import DraftModelSpeculator, layer_skip_draft, quantized_draft
+from speculate.draft_vocab import SubsetHead, kept_tokens
 from speculate.generate import speculative_generate, tree_metadata
 from speculate.lookup_first import LookupFirstSpeculator
 from speculate.medusa.heads import MedusaConfig, MedusaHeads
@@ -70,12 +71,14 @@ def random_heads(model, num_heads: int = 3, seed: int = 0) -> MedusaHeads:
 
 def speculators(model, k: int):
     tree = build_tree([[0.5, 0.2, 0.1], [0.4, 0.2, 0.1], [0.3, 0.1, 0.05]], size=8)
+    every_third = torch.arange(0, CFG.vocab_size, 3)  # a self-draft whose head keeps a third of the tokens
     return {
         "ngram": NgramSpeculator(k=k),
         "ngram-fixed": NgramSpeculator(k=k, scaled=False),
         "draft": DraftModelSpeculator(model, random_model(CFG, seed=5), k=k),
         "layer-skip": DraftModelSpeculator(model, layer_skip_draft(model, 1), k=k),
         "draft+lookup": LookupFirstSpeculator(DraftModelSpeculator(model, random_model(CFG, seed=5), k=k), 2),
+        "draft-subset": DraftModelSpeculator(model, model, k=k, head=SubsetHead(model, every_third)),
         "medusa": MedusaSpeculator(model, random_heads(model), tree),
         "medusa-chain": MedusaSpeculator(model, random_heads(model), CandidateTree.chain(3)),
     }
@@ -83,7 +86,7 @@ def speculators(model, k: int):
 
 @pytest.mark.parametrize("loop", LOOPS)
 @pytest.mark.parametrize(
-    "name", ["ngram", "ngram-fixed", "draft", "layer-skip", "draft+lookup", "medusa", "medusa-chain"]
+    "name", ["ngram", "ngram-fixed", "draft", "layer-skip", "draft+lookup", "draft-subset", "medusa", "medusa-chain"]
 )
 def test_greedy_output_equals_plain_greedy(name, loop):
     model = random_model(CFG, seed=0)
@@ -462,7 +465,7 @@ SMALL = TINY_CONFIGS["llama"]
     "kind,loop",
     [
         pytest.param(k, loop, marks=pytest.mark.slow) if loop == "engine" else (k, loop)
-        for k in ["draft", "draft+lookup", "medusa"]
+        for k in ["draft", "draft+lookup", "draft-subset", "medusa"]
         for loop in LOOPS
     ],
 )
@@ -472,7 +475,8 @@ def test_sampled_two_token_continuations_match_plain_sampling(kind, loop):
     one mixes lookup rows and draft rows, by each row's first token). The target's
     exact two-token distribution is computed by enumeration (V + 1 forwards); 4000 speculative runs in one
     batch (the engine: 4000 requests) are compared by chi-square (cells with expected count < 5 pooled).
-    alpha = 1e-3 per test, six tests: false-failure rate <= 0.6% per fresh seed (the seeds are fixed)."""
+    draft-subset: the draft's head over half the vocabulary (speculate.draft_vocab; q is zero elsewhere).
+    alpha = 1e-3 per test, eight tests: false-failure rate <= 0.8% per fresh seed (the seeds are fixed)."""
     from runtime.model import Transformer
 
     cfg = SMALL
@@ -487,7 +491,10 @@ def test_sampled_two_token_continuations_match_plain_sampling(kind, loop):
         p2 = torch.softmax(target(seqs)[:, -1].double(), -1)  # [V, V]
     joint = (p1[:, None] * p2).flatten()
     if kind.startswith("draft"):
-        spec = DraftModelSpeculator(target, random_model(cfg, seed=12, std=0.3), k=2)
+        draft = random_model(cfg, seed=12, std=0.3)
+        kept = torch.arange(0, cfg.vocab_size, 2)  # the target's likely tokens are drafted only where even
+        head = SubsetHead(draft, kept) if kind == "draft-subset" else None
+        spec = DraftModelSpeculator(target, draft, k=2, head=head)
         spec = LookupFirstSpeculator(spec, min_ngram=1) if kind == "draft+lookup" else spec
     else:
         spec = MedusaSpeculator(
@@ -564,3 +571,24 @@ def test_a_request_with_one_token_left_takes_a_plain_step_under_a_limit():
         engine = LLMEngine(model, config=EngineConfig(kv_cache_bytes=1 << 22, spec_max_batch=limit), speculator=spec)
         assert engine.generate([prompt], params)[0].output_ids == generate(model, [prompt], params).tokens[0]
         assert bool(calls) is asked, (limit, calls)
+
+
+def test_subset_head_keeps_its_tokens_logits_and_rules_out_the_rest():
+    """The draft's head over kept ids equals its full head there (the same rows; summation order may differ with
+    the matmul's width) and gives -inf elsewhere, so its q is zero outside; kept_tokens keeps the special ids and
+    the most frequent, sorted."""
+    model = random_model(CFG, seed=0)
+    kept = torch.tensor([1, 5, 6, 40, 95])
+    head = SubsetHead(model, kept)
+    h = torch.randn(3, CFG.hidden_size)
+    full, part = model.logits(h), head.logits(h)
+    assert part.shape == full.shape
+    torch.testing.assert_close(part[:, kept], full[:, kept], rtol=1e-5, atol=1e-5)
+    rest = torch.ones(CFG.vocab_size, dtype=torch.bool)
+    rest[kept] = False
+    assert bool(torch.isneginf(part[:, rest]).all())
+    ranking = torch.tensor([7, 3, 9, 0, 1, 2, 4, 5, 6, 8])
+    assert kept_tokens(ranking, 4, 10, always=[8]).tolist() == [3, 7, 8, 9]
+    assert kept_tokens(ranking, 3, 6, always=[2, 99]).tolist() == [0, 2, 3]  # ids past the head dropped
+    with pytest.raises(ValueError, match="1..9 tokens"):
+        kept_tokens(ranking, 10, 10, always=[])
