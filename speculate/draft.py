@@ -132,7 +132,7 @@ class DraftModelSpeculator(Speculator):
         self.min_confidence = min_confidence
         # the draft's logits: its own head, or a head over its most frequent tokens (speculate.draft_vocab)
         self.logits = self.draft.logits if head is None else head.logits
-        self.head_tokens = None if head is None else len(head.kept)
+        self.head_tokens = None if head is None else (len(head.kept), head.digest)
         self.block_size = block_size
         self.seqs: dict[Hashable, _DraftSeq] = {}
         self.cache: PagedKVCache | None = None
@@ -298,7 +298,7 @@ class DraftModelSpeculator(Speculator):
         cfg = self.draft.config
         out = {**super().describe(), "k": self.k, "draft_layers": cfg.num_layers, "draft_hidden": cfg.hidden_size}
         if self.head_tokens is not None:
-            out["draft_head_tokens"] = self.head_tokens
+            out["draft_head_tokens"], out["draft_head_digest"] = self.head_tokens
         return out if self.min_confidence is None else {**out, "min_confidence": self.min_confidence}
 
 

@@ -8,13 +8,15 @@ target whatever the draft proposes, and the draft's distribution q (zero outside
 were sampled from, which rejection sampling needs. The price is acceptance where the target's next token is outside
 the kept set.
 
-The ranking is counted once per tokenizer and cached under ``$QSPEC_HOME/draft_vocab``.
+The ranking is counted once per tokenizer and Python version (the corpus is this Python's standard library) and
+cached under ``$QSPEC_HOME/draft_vocab``; a speculator's record names the kept set by its digest.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import sys
 import sysconfig
 from pathlib import Path
 
@@ -47,7 +49,7 @@ def corpus_texts() -> list[str]:
 def token_ranking(tokenizer) -> Tensor:
     """Every token id of the tokenizer, most frequent in the corpus first (ties: lower id first); cached."""
     ident = hashlib.sha256(
-        json.dumps([CORPUS_VERSION, len(tokenizer), tokenizer.name_or_path.rsplit("/", 1)[-1]]).encode()
+        json.dumps([CORPUS_VERSION, sys.version_info[:2], len(tokenizer)]).encode()
         + json.dumps(tokenizer.get_vocab(), sort_keys=True).encode()
     ).hexdigest()[:16]
     cache = qspec_home() / "draft_vocab" / f"{ident}.pt"
@@ -81,6 +83,7 @@ class SubsetHead:
     def __init__(self, draft: Transformer, kept: Tensor):
         weight = draft.lm_head.weight.detach()  # a quantized head dequantizes: the kept rows in its compute dtype
         self.kept = kept.to(weight.device)
+        self.digest = hashlib.sha256(kept.to(torch.int64).numpy().tobytes()).hexdigest()[:12]
         self.vocab = weight.shape[0]
         self.dtype = draft.head_dtype
         self.head = Linear(weight.shape[1], len(kept), bias=False).to(device=weight.device, dtype=self.dtype)
