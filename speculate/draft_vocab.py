@@ -83,7 +83,7 @@ class SubsetHead:
     def __init__(self, draft: Transformer, kept: Tensor):
         weight = draft.lm_head.weight.detach()  # a quantized head dequantizes: the kept rows in its compute dtype
         self.kept = kept.to(weight.device)
-        self.digest = hashlib.sha256(kept.to(torch.int64).numpy().tobytes()).hexdigest()[:12]
+        self.digest = hashlib.sha256(kept.to("cpu", torch.int64).numpy().tobytes()).hexdigest()[:12]
         self.vocab = weight.shape[0]
         self.dtype = draft.head_dtype
         self.head = Linear(weight.shape[1], len(kept), bias=False).to(device=weight.device, dtype=self.dtype)

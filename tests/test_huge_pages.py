@@ -77,3 +77,15 @@ def test_the_steps_dense_handle_places_the_weight_it_reads():
     assert huge_pages.is_placed(layer.weight)
     y = cpu_step.linear(handle, x)
     torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-4)
+
+
+def test_a_weight_placed_under_inference_mode_stays_usable_outside_it():
+    """The server places weights inside torch.inference_mode; later autograd-tracked use of the weight (a trainer,
+    a logit bias through autograd) must not meet an inference tensor."""
+    layer = Linear(1024, 1024, bias=False)  # 4 MiB fp32
+    with torch.inference_mode():
+        huge_pages.place_member(layer, "weight")
+    assert huge_pages.is_placed(layer.weight) and not layer.weight.is_inference()
+    x = torch.randn(2, 1024, requires_grad=True)
+    layer(x).sum().backward()  # saves the weight for backward
+    assert x.grad is not None

@@ -49,13 +49,15 @@ def huge_page_copy(t: Tensor) -> Tensor:
     nbytes = t.numel() * t.element_size()
     # private anonymous (a shared mapping is shmem, outside anonymous THP), untouched: nothing backed before the advice
     region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE)
-    raw = torch.frombuffer(region, dtype=torch.uint8)  # keeps the mapping alive as long as any view of it
-    start = -raw.data_ptr() % HUGE_PAGE
-    whole = nbytes // HUGE_PAGE * HUGE_PAGE
-    if whole:
-        region.madvise(mmap.MADV_HUGEPAGE, start, whole)
-    out = raw[start : start + nbytes].view(t.dtype).view(t.shape)
-    out.copy_(t)
+    # a normal tensor even when placed under inference_mode (the server's): a weight must stay usable outside it
+    with torch.inference_mode(False), torch.no_grad():
+        raw = torch.frombuffer(region, dtype=torch.uint8)  # keeps the mapping alive as long as any view of it
+        start = -raw.data_ptr() % HUGE_PAGE
+        whole = nbytes // HUGE_PAGE * HUGE_PAGE
+        if whole:
+            region.madvise(mmap.MADV_HUGEPAGE, start, whole)
+        out = raw[start : start + nbytes].view(t.dtype).view(t.shape)
+        out.copy_(t)
     return out
 
 
