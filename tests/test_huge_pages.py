@@ -89,3 +89,8 @@ def test_a_weight_placed_under_inference_mode_stays_usable_outside_it():
     x = torch.randn(2, 1024, requires_grad=True)
     layer(x).sum().backward()  # saves the weight for backward
     assert x.grad is not None
+    with torch.inference_mode():  # and a model built under inference_mode keeps inference tensors
+        built = Linear(1024, 1024, bias=False)
+        huge_pages.place_member(built, "weight")
+        assert huge_pages.is_placed(built.weight) and built.weight.is_inference()
+        assert torch.nn.functional.embedding(torch.tensor([3]), built.weight).shape == (1, 1024)

@@ -49,8 +49,9 @@ def huge_page_copy(t: Tensor) -> Tensor:
     nbytes = t.numel() * t.element_size()
     # private anonymous (a shared mapping is shmem, outside anonymous THP), untouched: nothing backed before the advice
     region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE)
-    # a normal tensor even when placed under inference_mode (the server's): a weight must stay usable outside it
-    with torch.inference_mode(False), torch.no_grad():
+    # an inference tensor exactly when t is one, whatever the mode it is placed in (the server places normal weights
+    # under inference_mode: they must stay usable outside it; a model built under inference_mode keeps its kind)
+    with torch.inference_mode(t.is_inference()), torch.no_grad():
         raw = torch.frombuffer(region, dtype=torch.uint8)  # keeps the mapping alive as long as any view of it
         start = -raw.data_ptr() % HUGE_PAGE
         whole = nbytes // HUGE_PAGE * HUGE_PAGE
