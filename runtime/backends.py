@@ -32,12 +32,15 @@ _DENSE_HANDLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def dense_handle(layer: Linear):
     """The kernels' view of a Linear's weight (read in place, from huge pages; cached per module)."""
-    place_member(layer, "weight")
-    key = (layer.weight.data_ptr(), layer.weight.dtype, None if layer.bias is None else layer.bias.data_ptr())
+
+    def key():
+        return layer.weight.data_ptr(), layer.weight.dtype, None if layer.bias is None else layer.bias.data_ptr()
+
     cached = _DENSE_HANDLES.get(layer)
-    if cached is None or cached[0] != key:
+    if cached is None or cached[0] != key():  # a new weight: placed once, here, off the per-call path
+        place_member(layer, "weight")
         bias = None if layer.bias is None else layer.bias.detach().float()
-        cached = _DENSE_HANDLES[layer] = (key, cpu_step.dense_handle(layer.weight.detach(), bias))
+        cached = _DENSE_HANDLES[layer] = (key(), cpu_step.dense_handle(layer.weight.detach(), bias))
     return cached[1]
 
 

@@ -131,8 +131,8 @@ class DraftModelSpeculator(Speculator):
         # probability under the draft (temperature 1) is below this; None: always k drafts
         self.min_confidence = min_confidence
         # the draft's logits: its own head, or a head over its most frequent tokens (speculate.draft_vocab)
+        self.subset_head = head
         self.logits = self.draft.logits if head is None else head.logits
-        self.head_tokens = None if head is None else (len(head.kept), head.digest)
         self.block_size = block_size
         self.seqs: dict[Hashable, _DraftSeq] = {}
         self.cache: PagedKVCache | None = None
@@ -297,8 +297,8 @@ class DraftModelSpeculator(Speculator):
     def describe(self) -> dict:
         cfg = self.draft.config
         out = {**super().describe(), "k": self.k, "draft_layers": cfg.num_layers, "draft_hidden": cfg.hidden_size}
-        if self.head_tokens is not None:
-            out["draft_head_tokens"], out["draft_head_digest"] = self.head_tokens
+        if self.subset_head is not None:
+            out["draft_head_tokens"], out["draft_head_digest"] = len(self.subset_head.kept), self.subset_head.digest
         return out if self.min_confidence is None else {**out, "min_confidence": self.min_confidence}
 
 
