@@ -14,20 +14,22 @@ import time
 import torch
 
 from runtime.kernels import cpu_step
+from runtime.kernels.huge_pages import place
 
 SHAPES = [(3072, 576), (576, 1536), (8960, 1536)]  # SmolLM2's gate_up, the 1.5B's o_proj and gate_up (N, K)
 
 
-def layer(N: int, K: int, bits: int, int8_acts: bool, group: int = 64, seed: int = 0):
+def layer(N: int, K: int, bits: int, int8_acts: bool, group: int = 64, seed: int = 0, bf16_acts: bool = False):
     g = torch.Generator().manual_seed(seed)
     codes = torch.randint(0, 2**bits, (N, K), generator=g, dtype=torch.uint8)
     groups = -(-K // group)
     scales = torch.rand(N, groups, generator=g) * 0.05 + 0.01
     zeros = torch.randint(0, 2**bits, (N, groups), generator=g).float() - (128 if bits == 8 else 0)
     kind = "i8" if bits == 8 else "i4"
-    packed = cpu_step.pack_codes(codes, bits)
-    tables = cpu_step.group_table(scales, N), cpu_step.group_table(zeros, N)
-    return cpu_step.KernelWeight(kind, N, K, group, packed, *tables, int8_activations=int8_acts).handle()
+    packed = place(cpu_step.pack_codes(codes, bits))  # huge pages, as the step's own layers
+    tables = place(cpu_step.group_table(scales, N)), place(cpu_step.group_table(zeros, N))
+    flags = {"bf16_activations": bf16_acts, "int8_activations": int8_acts}
+    return cpu_step.KernelWeight(kind, N, K, group, packed, *tables, **flags).handle()
 
 
 def median_us(ext, handle, x: torch.Tensor, calls: int = 200) -> float:

@@ -90,6 +90,35 @@ def quantized(N: int, K: int, bits: int, group: int, seed: int = 0):
     return codes, scales, zeros
 
 
+@pytest.mark.parametrize("bf16_act", [False, True])
+def test_quantized_tile_streams_and_quads_change_no_bit(family, bf16_act):
+    """Quantized calls read each core's tiles as 8 streams side by side (AVX-512; segments of its tiles, remainder
+    after), and int4 codes four pair columns a load (AVX512-BF16): both reorder reads, never a sum, so every
+    setting gives the bits of one stream and one pair column a load. 300 / 1000 rows: 19 / 63 tiles, so each core
+    has segments and a remainder."""
+    try:
+        for kind, bits, group in [("i4", 4, 64), ("i4", 4, 32), ("i4", 4, -1), ("i8", 8, 64), ("i8", 8, -1)]:
+            for N, K in [(300, 200), (1000, 90)]:
+                g = K if group == -1 else group
+                codes, scales, zeros = quantized(N, K, bits, g, seed=N)
+                weight = cpu_step.KernelWeight(
+                    kind, N, K, g, cpu_step.pack_codes(codes, bits), cpu_step.group_table(scales, N),
+                    cpu_step.group_table(zeros - 128 if bits == 8 else zeros, N), bf16_activations=bf16_act,
+                )  # fmt: skip
+                for M in (1, 2, 5, 9):
+                    x = rows(M, K, M)
+                    ext.set_quant_streams(0)
+                    ext.set_quant_quads(0)
+                    one = ext.linear(weight.handle(), x)
+                    for streams, quads in [(8, 0), (0, 1), (8, 1)]:
+                        ext.set_quant_streams(streams)
+                        ext.set_quant_quads(quads)
+                        assert torch.equal(ext.linear(weight.handle(), x), one), (kind, group, N, K, M, streams, quads)
+    finally:
+        ext.set_quant_streams(8)
+        ext.set_quant_quads(1)
+
+
 def dequantized(codes, scales, zeros, group):
     col_group = torch.arange(codes.shape[1]) // group
     return (codes.double() - zeros.double()[:, col_group]) * scales.double()[:, col_group]

@@ -89,6 +89,7 @@ int cpu_isa() {
 }
 
 int g_isa_cap = ISA_AMX;  // set_isa lowers it (tests run every kernel family on one machine)
+int g_quant_quads = 1;  // set_quant_quads: int4 codes unpacked four pair columns a load (0: one pair column a load)
 inline int isa() { return std::min(cpu_isa(), g_isa_cap); }
 
 struct Weight {
@@ -436,7 +437,7 @@ inline void pair16(const uint8_t* tile, int64_t j, __m512& lo, __m512& hi) {
 }
 
 template <int64_t KIND, int TB, int MB>
-void quant_block(const Weight& w, const Acts& a, int64_t tile0, int64_t m0, float* y, int64_t ldy) {
+void quant_block(const Weight& w, const Acts& a, int64_t tile0, int64_t ts, int64_t m0, float* y, int64_t ldy) {
   const int64_t Kp = a.Kp, G = w.ngroups;
   const float* ax = a.x.data();
   const float* gs = a.gsum.data();
@@ -460,7 +461,7 @@ void quant_block(const Weight& w, const Acts& a, int64_t tile0, int64_t m0, floa
       }
       _Pragma("GCC unroll 16") for (int t = 0; t < TB; ++t) {
         __m512 lo, hi;
-        pair16<KIND>(base0 + t * tile_bytes, j, lo, hi);
+        pair16<KIND>(base0 + t * ts * tile_bytes, j, lo, hi);
         _Pragma("GCC unroll 16") for (int i = 0; i < MB; ++i) {
           acc[t][i] = _mm512_fmadd_ps(lo, x0[i], acc[t][i]);
           acc[t][i] = _mm512_fmadd_ps(hi, x1[i], acc[t][i]);
@@ -468,7 +469,7 @@ void quant_block(const Weight& w, const Acts& a, int64_t tile0, int64_t m0, floa
       }
     }
     _Pragma("GCC unroll 16") for (int t = 0; t < TB; ++t) {
-      const int64_t at = ((tile0 + t) * G + g) * NR;
+      const int64_t at = ((tile0 + t * ts) * G + g) * NR;
       const __m512 s = _mm512_loadu_ps(sc + at), z = load16(zc, at);
       _Pragma("GCC unroll 16") for (int i = 0; i < MB; ++i) {
         const __m512 corr = _mm512_mul_ps(z, _mm512_set1_ps(gs[(m0 + i) * G + g]));
@@ -477,7 +478,8 @@ void quant_block(const Weight& w, const Acts& a, int64_t tile0, int64_t m0, floa
     }
   }
   _Pragma("GCC unroll 16") for (int t = 0; t < TB; ++t)
-    _Pragma("GCC unroll 16") for (int i = 0; i < MB; ++i) store_tile(tot[t][i], w.N, tile0 + t, y + (m0 + i) * ldy);
+    _Pragma("GCC unroll 16") for (int i = 0; i < MB; ++i)
+      store_tile(tot[t][i], w.N, tile0 + t * ts, y + (m0 + i) * ldy);
 }
 
 }  // namespace avx512
@@ -547,9 +549,25 @@ inline __m512i pair_bf16(const uint8_t* tile, int64_t j) {
   return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);  // [lo (words 0..15), hi (words 16..31)]
 }
 
+// Four pair columns of int4 codes (64 bytes: pair j + l in 128-bit lane l, row r in byte r) as the four code word
+// vectors pair_bf16<I4> gives for j .. j + 3, from one load: a dword transpose puts rows 4l .. 4l + 3 of the four
+// pairs in lane l, and two rounds of in-lane byte unpacking (low nibbles with high, then with the byte 0x43) widen
+// each byte to its two words. The same words, so the same sums, with 10 instructions for 64 bytes instead of 16.
+inline void quad_bf16_i4(const uint8_t* codes, __m512i (&words)[4]) {
+  const __m512i transpose = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  const __m512i v = _mm512_permutexvar_epi32(transpose, _mm512_loadu_si512(codes));
+  const __m512i nibble = _mm512_set1_epi8(0x0f), high = _mm512_set1_epi8(0x43);
+  const __m512i lo = _mm512_and_si512(v, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+  const __m512i rows03 = _mm512_unpacklo_epi8(lo, hi), rows47 = _mm512_unpackhi_epi8(lo, hi);
+  words[0] = _mm512_unpacklo_epi8(rows03, high);
+  words[1] = _mm512_unpackhi_epi8(rows03, high);
+  words[2] = _mm512_unpacklo_epi8(rows47, high);
+  words[3] = _mm512_unpackhi_epi8(rows47, high);
+}
+
 // Quantized tiles x bf16 activations with vdpbf16ps (the code words above); offset 128 for int4.
 template <int64_t KIND, int TB, int MB>
-void quant_block(const Weight& w, const Acts& a, int64_t tile0, int64_t m0, float* y, int64_t ldy) {
+void quant_block(const Weight& w, const Acts& a, int64_t tile0, int64_t ts, int64_t m0, float* y, int64_t ldy) {
   const int64_t Kp = a.Kp, G = w.ngroups;
   const uint32_t* pairs = reinterpret_cast<const uint32_t*>(a.xb.data());
   const float* gs = a.gsum.data();
@@ -565,22 +583,42 @@ void quant_block(const Weight& w, const Acts& a, int64_t tile0, int64_t m0, floa
     __m512 acc[TB][MB];
     _Pragma("GCC unroll 16") for (int t = 0; t < TB; ++t)
       _Pragma("GCC unroll 16") for (int i = 0; i < MB; ++i) acc[t][i] = _mm512_setzero_ps();
-    const int64_t kb = g * w.group, ke = std::min(kb + w.group, w.K);
-    for (int64_t j = kb / 2; j < (ke + 1) / 2; ++j) {
+    const int64_t kb = g * w.group, ke = std::min(kb + w.group, w.K), je = (ke + 1) / 2;
+    _Pragma("GCC unroll 16") for (int t = 0; t < TB; ++t) {  // this tile's scales and zeros two groups ahead
+      const int64_t ahead = ((tile0 + t * ts) * G + g + 2) * NR;
+      _mm_prefetch(reinterpret_cast<const char*>(sc + ahead), _MM_HINT_T0);
+      _mm_prefetch(zc.i ? reinterpret_cast<const char*>(zc.i + ahead) : reinterpret_cast<const char*>(zc.f + ahead),
+                   _MM_HINT_T0);
+    }
+    int64_t j = kb / 2;
+    if (KIND == I4 && g_quant_quads)
+      for (; j + 4 <= je; j += 4) {
+        _Pragma("GCC unroll 16") for (int t = 0; t < TB; ++t)  // as below
+          _mm_prefetch(reinterpret_cast<const char*>(base0 + t * ts * tile_bytes + j * NR) + STREAM_AHEAD, _MM_HINT_T1);
+        _Pragma("GCC unroll 16") for (int t = 0; t < TB; ++t) {
+          __m512i words[4];
+          quad_bf16_i4(base0 + t * ts * tile_bytes + j * NR, words);
+          _Pragma("GCC unroll 4") for (int q = 0; q < 4; ++q)
+            _Pragma("GCC unroll 16") for (int i = 0; i < MB; ++i) acc[t][i] = _mm512_dpbf16_ps(
+                acc[t][i], (__m512bh)words[q],
+                (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[(m0 + i) * (Kp / 2) + j + q])));
+        }
+      }
+    for (; j < je; ++j) {
       __m512i xp[MB];
       _Pragma("GCC unroll 16") for (int i = 0; i < MB; ++i)
         xp[i] = _mm512_set1_epi32(static_cast<int>(pairs[(m0 + i) * (Kp / 2) + j]));
-      if ((j & 3) == 0)  // 64 pairs ahead (1 KB of int4, 2 KB of int8): in flight while these compute
-        _Pragma("GCC unroll 16") for (int t = 0; t < TB; ++t)
-          _mm_prefetch(reinterpret_cast<const char*>(base0 + t * tile_bytes + (j + 64) * w.pair_bytes()), _MM_HINT_T0);
+      if ((j & (KIND == I4 ? 3 : 1)) == 0)  // each line of each stream, 4 KB ahead into L2 (as the dense blocks)
+        _Pragma("GCC unroll 16") for (int t = 0; t < TB; ++t) _mm_prefetch(
+            reinterpret_cast<const char*>(base0 + t * ts * tile_bytes + j * w.pair_bytes()) + STREAM_AHEAD, _MM_HINT_T1);
       _Pragma("GCC unroll 16") for (int t = 0; t < TB; ++t) {
-        const __m512i wv = pair_bf16<KIND>(base0 + t * tile_bytes, j);
+        const __m512i wv = pair_bf16<KIND>(base0 + t * ts * tile_bytes, j);
         _Pragma("GCC unroll 16") for (int i = 0; i < MB; ++i)
           acc[t][i] = _mm512_dpbf16_ps(acc[t][i], (__m512bh)wv, (__m512bh)xp[i]);
       }
     }
     _Pragma("GCC unroll 16") for (int t = 0; t < TB; ++t) {
-      const int64_t at = ((tile0 + t) * G + g) * NR;
+      const int64_t at = ((tile0 + t * ts) * G + g) * NR;
       const __m512 s = _mm512_loadu_ps(sc + at), z = _mm512_add_ps(load16(zc, at), offset);
       _Pragma("GCC unroll 16") for (int i = 0; i < MB; ++i) {
         const __m512 corr = _mm512_mul_ps(z, _mm512_set1_ps(gs[(m0 + i) * G + g]));
@@ -590,7 +628,7 @@ void quant_block(const Weight& w, const Acts& a, int64_t tile0, int64_t m0, floa
   }
   _Pragma("GCC unroll 16") for (int t = 0; t < TB; ++t)
     _Pragma("GCC unroll 16") for (int i = 0; i < MB; ++i)
-      avx512::store_tile(tot[t][i], w.N, tile0 + t, y + (m0 + i) * ldy);
+      avx512::store_tile(tot[t][i], w.N, tile0 + t * ts, y + (m0 + i) * ldy);
 }
 
 }  // namespace avx512bf16
@@ -1270,23 +1308,25 @@ std::string kernel_name(const Weight& w) {
 
 // ---- dispatch ---------------------------------------------------------------------------------------------------
 
+// TB tiles tile0, tile0 + ts, ..., tile0 + (TB - 1) ts (ts > 1 only where level >= ISA_AVX512: see run_quant).
 template <int TB, int MB>
-void quant_blocks(const Weight& w, const Acts& a, int64_t tile0, int64_t m0, float* y, int64_t ldy, int level) {
+void quant_blocks(const Weight& w, const Acts& a, int64_t tile0, int64_t ts, int64_t m0, float* y, int64_t ldy,
+                  int level) {
   if (w.bf16_act && level >= ISA_AVX512BF16) {
     switch (w.kind) {
-      case I8: return avx512bf16::quant_block<I8, TB, MB>(w, a, tile0, m0, y, ldy);
-      case FP8: return avx512bf16::quant_block<FP8, TB, MB>(w, a, tile0, m0, y, ldy);
-      default: return avx512bf16::quant_block<I4, TB, MB>(w, a, tile0, m0, y, ldy);
+      case I8: return avx512bf16::quant_block<I8, TB, MB>(w, a, tile0, ts, m0, y, ldy);
+      case FP8: return avx512bf16::quant_block<FP8, TB, MB>(w, a, tile0, ts, m0, y, ldy);
+      default: return avx512bf16::quant_block<I4, TB, MB>(w, a, tile0, ts, m0, y, ldy);
     }
   }
   if (level >= ISA_AVX512) {
     switch (w.kind) {
-      case I8: return avx512::quant_block<I8, TB, MB>(w, a, tile0, m0, y, ldy);
-      case FP8: return avx512::quant_block<FP8, TB, MB>(w, a, tile0, m0, y, ldy);
-      default: return avx512::quant_block<I4, TB, MB>(w, a, tile0, m0, y, ldy);
+      case I8: return avx512::quant_block<I8, TB, MB>(w, a, tile0, ts, m0, y, ldy);
+      case FP8: return avx512::quant_block<FP8, TB, MB>(w, a, tile0, ts, m0, y, ldy);
+      default: return avx512::quant_block<I4, TB, MB>(w, a, tile0, ts, m0, y, ldy);
     }
   }
-  // AVX2: the TB tiles as 2 TB half-tile units, UB per kernel call (4 outputs: 8 chains of 16 registers)
+  // AVX2: the TB (adjacent) tiles as 2 TB half-tile units, UB per kernel call (4 outputs: 8 chains of 16 registers)
   constexpr int UB = std::min(2 * TB, MB == 1 ? 4 : MB == 2 ? 2 : 1);
   for (int64_t u = 2 * tile0; u < 2 * (tile0 + TB); u += UB) {
     switch (w.kind) {
@@ -1371,35 +1411,49 @@ void run_dense(const Weight& w, const Acts& a, int64_t n_begin, int64_t n_end, f
   }
 }
 
-void run_quant(const Weight& w, const Acts& a, int64_t t_begin, int64_t t_end, float* y, int64_t ldy, int level) {
+int g_quant_streams = 8;  // set_quant_streams: tile streams a core reads side by side (0: one)
+
+// The `count` (<= SPAN) tiles t0, t0 + ts, ... for every block of activation rows: their codes stay in cache while
+// each block runs.
+constexpr int64_t SPAN = 8;
+void quant_span(const Weight& w, const Acts& a, int64_t t0, int64_t count, int64_t ts, float* y, int64_t ldy,
+                int level) {
   const bool wide = level >= ISA_AVX512;  // AVX2 has half the registers: half the chains
-  constexpr int64_t SPAN = 8;             // tiles whose data stays in cache while every activation block runs
-  for (int64_t t0 = t_begin; t0 < t_end; t0 += SPAN) {
-    const int64_t t1 = std::min(t0 + SPAN, t_end);
-    for (int64_t m0 = 0; m0 < a.M;) {
-      const int64_t left = a.M - m0;
-      const int mb = left >= 8 && wide ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
-      int64_t t = t0;
-      if (mb == 8) {
-        for (; t < t1; ++t) quant_blocks<1, 8>(w, a, t, m0, y, ldy, level);
-      } else if (mb == 4) {
-        if (wide)
-          for (; t + 2 <= t1; t += 2) quant_blocks<2, 4>(w, a, t, m0, y, ldy, level);
-        for (; t < t1; ++t) quant_blocks<1, 4>(w, a, t, m0, y, ldy, level);
-      } else if (mb == 2) {
-        if (wide)
-          for (; t + 4 <= t1; t += 4) quant_blocks<4, 2>(w, a, t, m0, y, ldy, level);
-        for (; t + 2 <= t1; t += 2) quant_blocks<2, 2>(w, a, t, m0, y, ldy, level);
-        for (; t < t1; ++t) quant_blocks<1, 2>(w, a, t, m0, y, ldy, level);
-      } else {
-        if (wide)
-          for (; t + 8 <= t1; t += 8) quant_blocks<8, 1>(w, a, t, m0, y, ldy, level);
-        for (; t + 4 <= t1; t += 4) quant_blocks<4, 1>(w, a, t, m0, y, ldy, level);
-        for (; t < t1; ++t) quant_blocks<1, 1>(w, a, t, m0, y, ldy, level);
-      }
-      m0 += mb;
+  for (int64_t m0 = 0; m0 < a.M;) {
+    const int64_t left = a.M - m0;
+    const int mb = left >= 8 && wide ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+    int64_t u = 0;
+    if (mb == 8) {
+      for (; u < count; ++u) quant_blocks<1, 8>(w, a, t0 + u * ts, ts, m0, y, ldy, level);
+    } else if (mb == 4) {
+      if (wide)
+        for (; u + 2 <= count; u += 2) quant_blocks<2, 4>(w, a, t0 + u * ts, ts, m0, y, ldy, level);
+      for (; u < count; ++u) quant_blocks<1, 4>(w, a, t0 + u * ts, ts, m0, y, ldy, level);
+    } else if (mb == 2) {
+      if (wide)
+        for (; u + 4 <= count; u += 4) quant_blocks<4, 2>(w, a, t0 + u * ts, ts, m0, y, ldy, level);
+      for (; u + 2 <= count; u += 2) quant_blocks<2, 2>(w, a, t0 + u * ts, ts, m0, y, ldy, level);
+      for (; u < count; ++u) quant_blocks<1, 2>(w, a, t0 + u * ts, ts, m0, y, ldy, level);
+    } else {
+      if (wide)
+        for (; u + 8 <= count; u += 8) quant_blocks<8, 1>(w, a, t0 + u * ts, ts, m0, y, ldy, level);
+      for (; u + 4 <= count; u += 4) quant_blocks<4, 1>(w, a, t0 + u * ts, ts, m0, y, ldy, level);
+      for (; u < count; ++u) quant_blocks<1, 1>(w, a, t0 + u * ts, ts, m0, y, ldy, level);
     }
+    m0 += mb;
   }
+}
+
+// A core's tiles as SPAN segments read side by side (AVX-512): a span takes the next tile of each, so each of SPAN
+// streams runs through contiguous tiles (codes, scales and zeros alike) instead of ending after one tile, which
+// left the prefetchers retraining on SPAN new short streams every span (int4 codes read at 15 GB/s from memory and
+// 23 from cache). AVX2's blocks take adjacent tiles (half-tile units): contiguous spans there. A tile's sums are
+// the same in any order of tiles.
+void run_quant(const Weight& w, const Acts& a, int64_t t_begin, int64_t t_end, float* y, int64_t ldy, int level) {
+  const int64_t seg = level >= ISA_AVX512 && g_quant_streams ? (t_end - t_begin) / SPAN : 0;
+  for (int64_t i = 0; i < seg; ++i) quant_span(w, a, t_begin + i, SPAN, seg, y, ldy, level);
+  for (int64_t t0 = t_begin + SPAN * seg; t0 < t_end; t0 += SPAN)
+    quant_span(w, a, t0, std::min(SPAN, t_end - t0), 1, y, ldy, level);
 }
 
 // y [M, N] fp32 (row stride ldy) = x [M, K] (row stride ldx) @ W^T (+ bias), M <= MAX_M, split over the cores.
@@ -3262,6 +3316,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("AMX_MIN_ROWS") = qspec::AMX_MIN_ROWS;
   m.def("profile", &qspec::profile, "seconds per step phase since the last call; enable: keep counting");
   m.def("isa", &qspec::isa_name, "the kernel family in use");
+  m.def("set_quant_streams", [](int64_t s) { TORCH_CHECK(s == 0 || s == 8, "streams: 0 or 8"); qspec::g_quant_streams = s; },
+        "quantized tiles a core reads as 8 streams side by side (8, the default) or one (0): the same bits, for A/B runs");
+  m.def("set_quant_quads", [](int64_t on) { qspec::g_quant_quads = on ? 1 : 0; },
+        "int4 codes unpacked four pair columns a load (1, the default) or one (0): the same bits, for A/B runs");
   m.def("set_dense_streams", [](int64_t s) { TORCH_CHECK(s >= 0 && s % 4 == 0, "streams: a multiple of 4"); qspec::g_dense_streams = s; },
         "weight streams a core reads side by side in dense calls (default 4; 0: one; A/B runs and tests)");
   m.def("set_vnni", [](bool on) { qspec::g_vnni = on; }, "allow AVX512-VNNI for int8-activation layers (tests)");
