@@ -488,14 +488,24 @@ def measure(
     prompts = tokens[:, :context]
     with torch.inference_mode():
         if in_loop:  # the real loops prefill for themselves
-            verify = {T: loop_step_seconds(model, prompts, T, repeats) for T in Ts}
-            empty = loop_step_seconds(model, prompts, 1, repeats, empty=True)
-            trees = {T: loop_step_seconds(model, prompts, T, repeats, tree=True) for T in tree_Ts}
-            draft = {label: loop_draft_seconds(model, prompts, sp, repeats) for label, sp in speculators.items()}
-            notes = f"in-loop steps of {OVERHEAD_STEPS} from context {context}, batch {batch}, median of {repeats}"
-            return Profile(
-                "cpu-measured", "measured", verify, draft, notes, batch, tree_verify_s=trees, empty_step_s=empty
+            samplers = {("verify", T): loop_step_sampler(model, prompts, T) for T in Ts}
+            samplers["empty", 1] = loop_step_sampler(model, prompts, 1, empty=True)
+            samplers.update({("tree", T): loop_step_sampler(model, prompts, T, tree=True) for T in tree_Ts})
+            samplers.update(
+                {("draft", label): loop_draft_sampler(model, prompts, sp) for label, sp in speculators.items()}
             )
+            medians = interleaved_medians(samplers, repeats)
+            verify, trees, draft = (
+                {key: v for (kind, key), v in medians.items() if kind == k} for k in ("verify", "tree", "draft")
+            )
+            notes = (
+                f"in-loop steps of {OVERHEAD_STEPS} from context {context}, batch {batch}, median of {repeats} rounds"
+                " interleaved over every T and draft"
+            )
+            return Profile(
+                "cpu-measured", "measured", verify, draft, notes, batch, tree_verify_s=trees,
+                empty_step_s=medians["empty", 1],
+            )  # fmt: skip
         cache, hidden = prefill(model, prompts, capacity)  # the drafts' states and the bare forwards read it
         draft = {}
         for label, sp in speculators.items():
@@ -531,6 +541,20 @@ def prefill(model, prompts: torch.Tensor, capacity: int) -> tuple[KVCache, torch
 def median_seconds(fn, repeats: int) -> float:
     """Median wall seconds of fn() over ``repeats`` calls after one warm-up call."""
     return median_of(lambda: _seconds(fn), repeats)
+
+
+def interleaved_medians(samplers: dict, repeats: int) -> dict:
+    """Median of each sampler() over ``repeats`` rounds that take one sample of every sampler in turn, after one
+    warm-up call of each: a slow phase of the host (a busy neighbour, khugepaged collapsing the weights' pages
+    after their first copy) then lands on every T alike instead of on whichever was timed during it (the
+    twenty-second session's curve had c(1) above c(2..8), timed first)."""
+    for sample in samplers.values():
+        sample()
+    values = {key: [] for key in samplers}
+    for _ in range(repeats):
+        for key, sample in samplers.items():
+            values[key].append(sample())
+    return {key: sorted(v)[len(v) // 2] for key, v in values.items()}
 
 
 def median_of(value, repeats: int) -> float:
@@ -587,10 +611,15 @@ def plain_step(model, rows: list[list[int]], params: SamplingParams) -> float:
 def loop_step_seconds(
     model, prompts: torch.Tensor, T: int, repeats: int, tree: bool = False, empty: bool = False
 ) -> float:
-    """Seconds per step of the real loop from ``prompts`` (greedy, EOS ignored, OVERHEAD_STEPS steps, median
-    of repeated runs): T = 1 is a plain decoding step (plain_step), T > 1 a speculative step feeding T tokens (T - 1
-    rejected FixedDrafts; tree: a T-node candidate tree) less the drafts' propose(); empty (T = 1): a speculative
-    step whose speculator offered no drafts."""
+    """Median seconds per step of the real loop (loop_step_sampler) over ``repeats`` runs after a warm-up."""
+    return median_of(loop_step_sampler(model, prompts, T, tree=tree, empty=empty), repeats)
+
+
+def loop_step_sampler(model, prompts: torch.Tensor, T: int, tree: bool = False, empty: bool = False):
+    """A function timing one run of the real loop from ``prompts`` (greedy, EOS ignored, OVERHEAD_STEPS steps) and
+    returning its seconds per step: T = 1 is a plain decoding step (plain_step), T > 1 a speculative step feeding T
+    tokens (T - 1 rejected FixedDrafts; tree: a T-node candidate tree) less the drafts' propose(); empty (T = 1): a
+    speculative step whose speculator offered no drafts."""
     rows = prompts.tolist()
     params = SamplingParams(temperature=0.0, max_tokens=OVERHEAD_STEPS + 1, ignore_eos=True)
     if empty:
@@ -598,25 +627,25 @@ def loop_step_seconds(
             raise CostError(f"a step without drafts feeds 1 token, got T = {T}{' (a tree)' if tree else ''}")
         drafts = FixedDrafts(1, model.config.vocab_size, empty=True)
     elif T == 1 and not tree:
-        return median_of(lambda: plain_step(model, rows, params), repeats)
+        return lambda: plain_step(model, rows, params)
     elif T < 2:
         raise CostError(f"a candidate tree step feeds at least 2 tokens, got T = {T}")
     else:
         drafts = FixedDrafts(T - 1, model.config.vocab_size, tree=tree)
-
-    def spec_step() -> float:
-        out = speculative_generate(model, rows, params, drafts, compile="off")
-        return out.timing.decode_s / max(out.stats.steps, 1)
-
     state = SpecState(
         ids=list(range(len(rows))), token_ids=rows, hidden=None, params=[params] * len(rows), generators=[None]
     )
-    return median_of(spec_step, repeats) - median_seconds(lambda: drafts.propose(state), repeats)
+
+    def spec_step() -> float:
+        out = speculative_generate(model, rows, params, drafts, compile="off")
+        return out.timing.decode_s / max(out.stats.steps, 1) - _seconds(lambda: drafts.propose(state))
+
+    return spec_step
 
 
-def loop_draft_seconds(model, prompts: torch.Tensor, speculator: Speculator, repeats: int) -> float:
-    """Seconds of propose() per step inside the real speculative loop (greedy, EOS ignored, OVERHEAD_STEPS
-    tokens, median of repeated runs): the draft runs between target forwards, as in use, with its catch-up feeds.
+def loop_draft_sampler(model, prompts: torch.Tensor, speculator: Speculator):
+    """A function timing one real speculative run (greedy, EOS ignored, OVERHEAD_STEPS tokens) and returning its
+    seconds of propose() per step: the draft runs between target forwards, as in use, with its catch-up feeds.
     Timed alone it looks cheaper (an int4 self-draft: 45 ms per call alone, 58 ms per step in the suite's loop)."""
     rows = prompts.tolist()
     params = SamplingParams(temperature=0.0, max_tokens=OVERHEAD_STEPS + 1, ignore_eos=True)
@@ -626,7 +655,7 @@ def loop_draft_seconds(model, prompts: torch.Tensor, speculator: Speculator, rep
         out = speculative_generate(model, rows, params, timed, compile="off")
         return timed.draft_s / max(out.stats.steps, 1)
 
-    return median_of(per_step, repeats)
+    return per_step
 
 
 def loop_overheads(model, prompts: torch.Tensor, cost, repeats: int) -> tuple[float, float]:
