@@ -3,10 +3,10 @@
 A separate draft reads its whole head every drafted token: the 0.5B Qwen2.5-Coder's is 151936 x 896, 28 % of its
 bf16 bytes and ~40 % of its W4A8 copy's. ``vocab=V`` keeps the head rows of the V tokens most frequent in a fixed
 corpus (Python's own standard library sources and the wiki training split in English, Spanish and French: code and
-prose in the languages the suites ask for, none of it a benchmark) and gives every other token the logit -inf. Speculation stays lossless: the verifier accepts or rejects against the
-target whatever the draft proposes, and the draft's distribution q (zero outside the kept tokens) is what its tokens
-were sampled from, which rejection sampling needs. The price is acceptance where the target's next token is outside
-the kept set.
+prose in the languages the suites ask for, none of it a benchmark) and gives every other token the logit -inf.
+Speculation stays lossless: the verifier accepts or rejects against the target whatever the draft proposes, and the
+draft's distribution q (zero outside the kept tokens) is what its tokens were sampled from, which rejection sampling
+needs. The price is acceptance where the target's next token is outside the kept set.
 
 The ranking is counted once per tokenizer and Python version (the corpus is this Python's standard library) and
 cached under ``$QSPEC_HOME/draft_vocab``; a speculator's record names the kept set by its digest.
