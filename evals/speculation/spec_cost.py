@@ -559,9 +559,7 @@ def interleaved_medians(samplers: dict, repeats: int) -> dict:
 
 def median_of(value, repeats: int) -> float:
     """Median of value() over ``repeats`` calls after one warm-up call."""
-    value()
-    values = sorted(value() for _ in range(repeats))
-    return values[len(values) // 2]
+    return interleaved_medians({"value": value}, repeats)["value"]
 
 
 def _seconds(fn) -> float:
