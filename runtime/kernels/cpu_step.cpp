@@ -360,6 +360,21 @@ void quant_block(const Weight& w, const Acts& a, int64_t unit0, int64_t m0, floa
 
 // ---- AVX-512 (F, BW, VL, DQ) ---------------------------------------------------------------------------------
 
+// The TB tiles an AVX-512 quantized block reads, tile0, tile0 + ts, ... (run_quant's streams): each one's index (its
+// scales, zeros and outputs) and its codes.
+template <int TB>
+struct Tiles {
+  int64_t index[TB];
+  const uint8_t* codes[TB];
+  Tiles(const Weight& w, int64_t tile_bytes, int64_t tile0, int64_t ts) {
+    const uint8_t* data = reinterpret_cast<const uint8_t*>(w.data.data_ptr());
+    for (int t = 0; t < TB; ++t) {
+      index[t] = tile0 + t * ts;
+      codes[t] = data + index[t] * tile_bytes;
+    }
+  }
+};
+
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq")
 inline __m512 load16(const ZeroTable& z, int64_t at) {
@@ -444,7 +459,7 @@ void quant_block(const Weight& w, const Acts& a, int64_t tile0, int64_t ts, int6
   const float* sc = w.scales.data_ptr<float>();
   const ZeroTable zc(w);
   const int64_t tile_bytes = (Kp / 2) * w.pair_bytes();
-  const uint8_t* base0 = reinterpret_cast<const uint8_t*>(w.data.data_ptr()) + tile0 * tile_bytes;
+  const Tiles<TB> tiles(w, tile_bytes, tile0, ts);
   __m512 tot[TB][MB];
   _Pragma("GCC unroll 16") for (int t = 0; t < TB; ++t)
     _Pragma("GCC unroll 16") for (int i = 0; i < MB; ++i) tot[t][i] = _mm512_setzero_ps();
@@ -461,7 +476,7 @@ void quant_block(const Weight& w, const Acts& a, int64_t tile0, int64_t ts, int6
       }
       _Pragma("GCC unroll 16") for (int t = 0; t < TB; ++t) {
         __m512 lo, hi;
-        pair16<KIND>(base0 + t * ts * tile_bytes, j, lo, hi);
+        pair16<KIND>(tiles.codes[t], j, lo, hi);
         _Pragma("GCC unroll 16") for (int i = 0; i < MB; ++i) {
           acc[t][i] = _mm512_fmadd_ps(lo, x0[i], acc[t][i]);
           acc[t][i] = _mm512_fmadd_ps(hi, x1[i], acc[t][i]);
@@ -469,7 +484,7 @@ void quant_block(const Weight& w, const Acts& a, int64_t tile0, int64_t ts, int6
       }
     }
     _Pragma("GCC unroll 16") for (int t = 0; t < TB; ++t) {
-      const int64_t at = ((tile0 + t * ts) * G + g) * NR;
+      const int64_t at = (tiles.index[t] * G + g) * NR;
       const __m512 s = _mm512_loadu_ps(sc + at), z = load16(zc, at);
       _Pragma("GCC unroll 16") for (int i = 0; i < MB; ++i) {
         const __m512 corr = _mm512_mul_ps(z, _mm512_set1_ps(gs[(m0 + i) * G + g]));
@@ -479,7 +494,7 @@ void quant_block(const Weight& w, const Acts& a, int64_t tile0, int64_t ts, int6
   }
   _Pragma("GCC unroll 16") for (int t = 0; t < TB; ++t)
     _Pragma("GCC unroll 16") for (int i = 0; i < MB; ++i)
-      store_tile(tot[t][i], w.N, tile0 + t * ts, y + (m0 + i) * ldy);
+      store_tile(tot[t][i], w.N, tiles.index[t], y + (m0 + i) * ldy);
 }
 
 }  // namespace avx512
@@ -574,7 +589,7 @@ void quant_block(const Weight& w, const Acts& a, int64_t tile0, int64_t ts, int6
   const float* sc = w.scales.data_ptr<float>();
   const ZeroTable zc(w);
   const int64_t tile_bytes = (Kp / 2) * w.pair_bytes();
-  const uint8_t* base0 = reinterpret_cast<const uint8_t*>(w.data.data_ptr()) + tile0 * tile_bytes;
+  const Tiles<TB> tiles(w, tile_bytes, tile0, ts);
   const __m512 offset = _mm512_set1_ps(KIND == I4 ? 128.0f : 0.0f);
   __m512 tot[TB][MB];
   _Pragma("GCC unroll 16") for (int t = 0; t < TB; ++t)
@@ -585,7 +600,7 @@ void quant_block(const Weight& w, const Acts& a, int64_t tile0, int64_t ts, int6
       _Pragma("GCC unroll 16") for (int i = 0; i < MB; ++i) acc[t][i] = _mm512_setzero_ps();
     const int64_t kb = g * w.group, ke = std::min(kb + w.group, w.K), je = (ke + 1) / 2;
     _Pragma("GCC unroll 16") for (int t = 0; t < TB; ++t) {  // this tile's scales and zeros two groups ahead
-      const int64_t ahead = ((tile0 + t * ts) * G + g + 2) * NR;
+      const int64_t ahead = (tiles.index[t] * G + g + 2) * NR;
       _mm_prefetch(reinterpret_cast<const char*>(sc + ahead), _MM_HINT_T0);
       _mm_prefetch(zc.i ? reinterpret_cast<const char*>(zc.i + ahead) : reinterpret_cast<const char*>(zc.f + ahead),
                    _MM_HINT_T0);
@@ -594,10 +609,10 @@ void quant_block(const Weight& w, const Acts& a, int64_t tile0, int64_t ts, int6
     if (KIND == I4 && g_quant_quads)
       for (; j + 4 <= je; j += 4) {
         _Pragma("GCC unroll 16") for (int t = 0; t < TB; ++t)  // as below
-          _mm_prefetch(reinterpret_cast<const char*>(base0 + t * ts * tile_bytes + j * NR) + STREAM_AHEAD, _MM_HINT_T1);
+          _mm_prefetch(reinterpret_cast<const char*>(tiles.codes[t] + j * NR) + STREAM_AHEAD, _MM_HINT_T1);
         _Pragma("GCC unroll 16") for (int t = 0; t < TB; ++t) {
           __m512i words[4];
-          quad_bf16_i4(base0 + t * ts * tile_bytes + j * NR, words);
+          quad_bf16_i4(tiles.codes[t] + j * NR, words);
           _Pragma("GCC unroll 4") for (int q = 0; q < 4; ++q)
             _Pragma("GCC unroll 16") for (int i = 0; i < MB; ++i) acc[t][i] = _mm512_dpbf16_ps(
                 acc[t][i], (__m512bh)words[q],
@@ -610,15 +625,15 @@ void quant_block(const Weight& w, const Acts& a, int64_t tile0, int64_t ts, int6
         xp[i] = _mm512_set1_epi32(static_cast<int>(pairs[(m0 + i) * (Kp / 2) + j]));
       if ((j & (KIND == I4 ? 3 : 1)) == 0)  // each line of each stream, 4 KB ahead into L2 (as the dense blocks)
         _Pragma("GCC unroll 16") for (int t = 0; t < TB; ++t) _mm_prefetch(
-            reinterpret_cast<const char*>(base0 + t * ts * tile_bytes + j * w.pair_bytes()) + STREAM_AHEAD, _MM_HINT_T1);
+            reinterpret_cast<const char*>(tiles.codes[t] + j * w.pair_bytes()) + STREAM_AHEAD, _MM_HINT_T1);
       _Pragma("GCC unroll 16") for (int t = 0; t < TB; ++t) {
-        const __m512i wv = pair_bf16<KIND>(base0 + t * ts * tile_bytes, j);
+        const __m512i wv = pair_bf16<KIND>(tiles.codes[t], j);
         _Pragma("GCC unroll 16") for (int i = 0; i < MB; ++i)
           acc[t][i] = _mm512_dpbf16_ps(acc[t][i], (__m512bh)wv, (__m512bh)xp[i]);
       }
     }
     _Pragma("GCC unroll 16") for (int t = 0; t < TB; ++t) {
-      const int64_t at = ((tile0 + t * ts) * G + g) * NR;
+      const int64_t at = (tiles.index[t] * G + g) * NR;
       const __m512 s = _mm512_loadu_ps(sc + at), z = _mm512_add_ps(load16(zc, at), offset);
       _Pragma("GCC unroll 16") for (int i = 0; i < MB; ++i) {
         const __m512 corr = _mm512_mul_ps(z, _mm512_set1_ps(gs[(m0 + i) * G + g]));
@@ -628,7 +643,7 @@ void quant_block(const Weight& w, const Acts& a, int64_t tile0, int64_t ts, int6
   }
   _Pragma("GCC unroll 16") for (int t = 0; t < TB; ++t)
     _Pragma("GCC unroll 16") for (int i = 0; i < MB; ++i)
-      avx512::store_tile(tot[t][i], w.N, tile0 + t * ts, y + (m0 + i) * ldy);
+      avx512::store_tile(tot[t][i], w.N, tiles.index[t], y + (m0 + i) * ldy);
 }
 
 }  // namespace avx512bf16
