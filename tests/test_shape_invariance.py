@@ -174,6 +174,45 @@ def test_position_logits_do_not_depend_on_the_step_shape(family, fmt):
     assert_same_bits(ref, batch_steps(model, rows, conts, capacity, 6, chain=True), "batch of 70 rows")
 
 
+@pytest.fixture
+def pieces_of_6():
+    """The attention's long-context split (key ranges of g_kv_piece keys, each query's pieces merged) every 6 keys:
+    the prefix of 13 and the chain's 14..18 keys cross piece boundaries inside the new tokens."""
+    before = ext.set_kv_piece(6)
+    yield
+    ext.set_kv_piece(before)
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("fmt", ["fp32", "bf16"])
+def test_position_logits_are_shape_invariant_with_pieces(family, fmt, pieces_of_6):
+    """A full-precision cache split into pieces (AVX-512; AVX2's attention takes the whole context): still the same
+    bits in every step shape."""
+    test_position_logits_do_not_depend_on_the_step_shape(family, fmt)
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("fmt", ["fp32", "bf16"])
+def test_pieces_merge_to_the_whole_attention(family, fmt):
+    """Decoding over a full-precision cache split every 6 keys gives the unsplit logits within summation-order noise
+    (fp32: 1e-5 of the logits' scale; bf16: a bf16 ulp of the activations moves a logit by ~0.02 here), and on
+    AVX-512 not the same bits in fp32 (the split ran)."""
+    cfg = TINY_CONFIGS["llama"]
+    model = build(fmt, cfg, seed=2)
+    tokens = torch.randint(2, cfg.vocab_size, (30,), generator=torch.Generator().manual_seed(5)).tolist()
+    base = prefill(model, tokens[:25], 40)
+    whole = decode_steps(model, copy_cache(base), 25, tokens[25:])
+    before = ext.set_kv_piece(6)
+    try:
+        split = decode_steps(model, copy_cache(base), 25, tokens[25:])
+    finally:
+        ext.set_kv_piece(before)
+    scale = float(whole.abs().max())
+    assert float((split - whole).abs().max()) <= (1e-5 if fmt == "fp32" else 0.05) * scale
+    if fmt == "fp32" and family != "avx2":
+        assert not torch.equal(split, whole)
+
+
 @torch.inference_mode()
 @pytest.mark.parametrize("head_dtype", [torch.float32, torch.bfloat16])
 def test_rope_final_norm_and_head_are_row_invariant(head_dtype):

@@ -6,7 +6,7 @@ repository root:
 
     PYTHONPATH=. python notes/issue-39/kv_steps.py PROMPT_TOKENS [CONFIGS] [ROUNDS] [STEPS]
 
-CONFIGS: comma-separated KV dtypes, each optionally with the quantized attention's piece size (int8:1024;
+CONFIGS: comma-separated KV dtypes, each optionally with the attention's piece size (int8:1024, auto:1024;
 int8:0 turns the split off), default auto,int8:0,int8:1024. Prints each configuration's median step and the
 ratio of the first configuration's median to each.
 """

@@ -1842,6 +1842,134 @@ void attend(const KVView<T>& kv, int64_t l, int64_t b, int64_t h, int64_t t, int
     for (int64_t i = 0; i < D; ++i) out[head * out_stride + i] = rnd<T>(acc[head * D + i]);
 }
 
+// ---- attention's work items: queries grouped by kv head, long contexts split into key ranges ---------------------
+
+constexpr int ATTN_QB = 8;  // queries (token, head) of one row and kv head that share each key and value row read
+struct AttnScratch {
+  std::vector<float> scores, packed, acc, q;
+  std::vector<int64_t> where, rows;
+  std::vector<Piece> pieces[ATTN_QB];
+  alignas(32) float key[KEYS4 * 256], fresh_key[KEYS4 * 256], value[VALUE_ROWS * 256];
+  alignas(64) float keys16[16 * 256], keys16f[16 * 256];  // attn512q: a block of 16 key rows (f: int4's fresh copies)
+};
+
+// The attention over a quantized cache (both families) and over a full-precision one (AVX-512) splits a long context
+// over the cores: a work item reads the keys [from, to) of one row and kv head, `from` a multiple of `piece` at or
+// before the row's first new index (every earlier key is cached, so seen by every query: key `from` is each query's
+// visible key number `from`). Each query's visible keys are cut into pieces of `piece` keys by their number in its
+// own visible sequence, softmaxed and summed alone, and merged after every item has run (merge_pieces). A piece's
+// keys are the same in a decode step, a chain or a tree, so the split keeps the shape invariance; a query that sees
+// at most `piece` keys is one piece, computed as before.
+int64_t g_kv_piece = 1024;  // set_kv_piece (tests)
+struct KeyRange {
+  int64_t from = 0, to = 0, piece = INT64_MAX;
+};
+
+// Whether query token t of a row sees at most one piece of keys: its output is then written in place, unmerged.
+inline bool one_piece(int64_t start, int64_t count, int64_t t, const bool* local, int64_t Tn, int64_t piece) {
+  return (visible_keys(start, count, t, local, Tn) - 1) / piece == 0;
+}
+
+// A query's value sums over piece k of `range` (its k-th piece inside the range): its output when it is one piece,
+// else slot from / piece + k of its part (merge_pieces' layout: the D sums, then the piece `pc`'s max and sum).
+template <typename T>
+inline void store_piece(const float* sums, int64_t D, bool whole, T* out, float* part, const KeyRange& range,
+                        size_t k, const Piece* pc) {
+  if (whole) {
+    for (int64_t d = 0; d < D; ++d) out[d] = rnd<T>(sums[d]);
+    return;
+  }
+  float* dst = part + (range.from / range.piece + static_cast<int64_t>(k)) * (D + 2);
+  std::copy(sums, sums + D, dst);
+  dst[D] = pc->max;
+  dst[D + 1] = pc->sum;
+}
+
+// A query's output from its `pieces` partial attentions (attend_quant's part layout, in piece order): piece k's
+// sums weighed by its share of the whole softmax, w_k = sum_k e^(max_k - M) / (sum over j of sum_j e^(max_j - M)),
+// M the largest max, added in piece order.
+template <typename T>
+void merge_pieces(const float* part, int64_t pieces, int64_t D, T* out) {
+  float top = -INFINITY, total = 0.0f;
+  for (int64_t k = 0; k < pieces; ++k) top = std::max(top, part[k * (D + 2) + D]);
+  std::vector<float> w(pieces);
+  for (int64_t k = 0; k < pieces; ++k) {
+    w[k] = part[k * (D + 2) + D + 1] * std::exp(part[k * (D + 2) + D] - top);
+    total += w[k];
+  }
+  for (int64_t k = 0; k < pieces; ++k) w[k] /= total;
+  for (int64_t d = 0; d < D; ++d) {
+    float sum = 0.0f;
+    for (int64_t k = 0; k < pieces; ++k) sum += part[k * (D + 2) + d] * w[k];
+    out[d] = rnd<T>(sum);
+  }
+}
+
+// One layer's attention as work items: up to ATTN_QB queries (token, head) of one row and kv head, so each key and
+// value row read serves all of them, each over a key range of its row (pieces of g_kv_piece keys before the row's
+// first new index, then the rest: 3 kv heads on 2 cores were 2 items against 1 at long contexts); split over the
+// cores unless it is tiny. attend(scratch, b, h, nq, tok, mask, range, outs, parts) runs one item on its roped
+// queries (scratch.q); the queries that see more than one piece are merged after every item has run.
+template <typename T, typename Attend>
+void attention_items(const std::vector<int64_t>& live, int64_t B, int64_t Hkv, int64_t group, int64_t D, int64_t Tn,
+                     const int64_t* st, const int64_t* cn, const bool* lm, int64_t local_stride, const T* qkv,
+                     int64_t qkv_size, const T* cos_p, const T* sin_p, T* attn, int64_t q_size, Attend&& attend) {
+  const int64_t H = Hkv * group, piece = g_kv_piece;
+  std::vector<int64_t> item_row, item_first, row_first(B + 1, 0);  // row_first: the row's first index in `live`
+  std::vector<KeyRange> item_keys;
+  int64_t most = 1, work = 0;  // most: pieces of the longest row
+  for (int64_t b = 0; b < B; ++b) {
+    row_first[b + 1] = row_first[b] + cn[b];
+    work += cn[b] * (st[b] + cn[b]);
+    if (cn[b]) most = std::max(most, (st[b] + cn[b] - 1) / piece + 1);
+  }
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < Hkv; ++h)
+      for (int64_t f = 0; f < cn[b] * group; f += ATTN_QB) {
+        const int64_t cached = st[b] / piece;  // whole pieces before the first new index: one item each
+        for (int64_t k = 0; k <= cached; ++k) {
+          item_row.push_back(b * Hkv + h);
+          item_first.push_back(f);
+          item_keys.push_back({k * piece, k < cached ? (k + 1) * piece : st[b] + cn[b], piece});
+        }
+      }
+  std::vector<float> partial(most > 1 ? live.size() * H * most * (D + 2) : 0);  // [live, H, most, D + 2]
+  auto attend_items = [&](int64_t begin, int64_t end) {
+    AttnScratch s;
+    s.q.resize(ATTN_QB * D);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = item_row[i] / Hkv, h = item_row[i] % Hkv;
+      const int nq = static_cast<int>(std::min<int64_t>(ATTN_QB, cn[b] * group - item_first[i]));
+      int64_t tok[ATTN_QB];
+      T* outs[ATTN_QB];
+      float* parts[ATTN_QB];
+      for (int u = 0; u < nq; ++u) {  // query f of this (row, kv head): token f / group, head h * group + f % group
+        const int64_t f = item_first[i] + u, t = f / group, head = h * group + f % group, r = row_first[b] + t;
+        const int64_t row = live[r];
+        tok[u] = t;
+        rope(qkv + r * qkv_size + head * D, cos_p + row * D, sin_p + row * (D / 2), s.q.data() + u * D, D);
+        outs[u] = attn + r * q_size + head * D;
+        parts[u] = partial.empty() ? nullptr : partial.data() + (r * H + head) * most * (D + 2);
+      }
+      attend(s, b, h, nq, tok, lm ? lm + b * local_stride : nullptr, item_keys[i], outs, parts);
+    }
+  };
+  const int64_t items = static_cast<int64_t>(item_row.size());
+  if (work * H * D >= 32768)
+    at::parallel_for(0, items, 1, attend_items);
+  else
+    attend_items(0, items);
+  if (partial.empty()) return;
+  for (int64_t b = 0; b < B; ++b)  // the queries of more than one piece: merged, in piece order
+    for (int64_t t = 0; t < cn[b]; ++t) {
+      const int64_t pieces = (visible_keys(st[b], cn[b], t, lm ? lm + b * local_stride : nullptr, Tn) - 1) / piece + 1;
+      if (pieces == 1) continue;
+      const int64_t r = row_first[b] + t;
+      for (int64_t head = 0; head < H; ++head)
+        merge_pieces(partial.data() + (r * H + head) * most * (D + 2), pieces, D, attn + r * q_size + head * D);
+    }
+}
+
 // ---- attention with AVX-512: several queries per key row, values accumulated in registers ----------------------
 
 #pragma GCC push_options
@@ -1942,8 +2070,6 @@ inline void store_scores(__m512 r, float* row, int64_t i0, int64_t kk, int64_t b
     if (visible(i0 + j)) row[i0 + j - base] = tmp[j];
 }
 
-constexpr int QB = 8;  // queries sharing each key row
-
 // f(std::integral_constant<int, C>) for head dimension D = 16 * C where C is one of the chunk counts the AVX-512
 // attentions are instantiated for (each query's value sums and each key's score chains then stay in registers);
 // false, f not called, for any other D (those take the generic attention).
@@ -1966,72 +2092,102 @@ inline bool chunked(int64_t D) {
   return with_chunks(D, [](auto) {});
 }
 
-// Attention for up to QB queries of one row b and kv head h: query u is q[u] (roped, fp32, D = 16 * C floats) of
-// token tok[u]; it sees key indices [0, start) and start + j where its local mask allows (causal: j <= tok[u]).
-// Writes out[u] (D values of T). scores: scratch [QB, start + count].
+// Each query's probabilities (s.scores row u, by local index i - range.from) times the value rows, summed in key
+// order in registers (QP queries at a time, C chunks of 16 channels each); a query's sums for one piece are flushed
+// when its next weighted key lies past the piece (or at the end): to its output when it is one piece, else to its
+// part. value(i, vc) loads the value row of local index i as C vectors. A zero weight adds nothing and is skipped,
+// so co-queries never change a result, and rows no query weighs are never read.
+template <int C, typename T, typename Value>
+inline void value_sums(int nq, int64_t n, const int64_t* tok, int64_t start, int64_t count, const bool* local,
+                       int64_t Tn, const KeyRange& range, T* const* out, float* const* part, AttnScratch& s,
+                       Value&& value) {
+  constexpr int64_t D = 16 * C;
+  constexpr int QP = C <= 4 ? 4 : C <= 8 ? 2 : 1;  // queries whose value sums stay in registers
+  for (int u0 = 0; u0 < nq; u0 += QP) {
+    const int nu = std::min(QP, nq - u0);
+    __m512 acc[QP][C];
+    size_t k[QP] = {};  // each query's piece in progress
+    bool whole[QP];
+    float p[QP];
+    _Pragma("GCC unroll 4") for (int u = 0; u < QP; ++u) {
+      whole[u] = u < nu && one_piece(start, count, tok[u0 + u], local, Tn, range.piece);
+      _Pragma("GCC unroll 16") for (int c = 0; c < C; ++c) acc[u][c] = _mm512_setzero_ps();
+    }
+    auto flush = [&](int u) {  // query u0 + u's sums of piece k[u], then zeroed for the next
+      const int qu = u0 + u;
+      alignas(64) float row[D];
+      _Pragma("GCC unroll 16") for (int c = 0; c < C; ++c) {
+        _mm512_store_ps(row + 16 * c, acc[u][c]);
+        acc[u][c] = _mm512_setzero_ps();
+      }
+      store_piece(row, D, whole[u], out[qu], part[qu], range, k[u], whole[u] ? nullptr : &s.pieces[qu][k[u]]);
+    };
+    for (int64_t i = 0; i < n; ++i) {
+      bool any = false;
+      _Pragma("GCC unroll 4") for (int u = 0; u < QP; ++u) {
+        p[u] = u < nu ? s.scores[(u0 + u) * n + i] : 0.0f;
+        any |= p[u] != 0.0f;
+      }
+      if (!any) continue;
+      __m512 vc[C];
+      value(i, vc);
+      _Pragma("GCC unroll 4") for (int u = 0; u < QP; ++u) {
+        if (p[u] == 0.0f) continue;
+        for (; i >= s.pieces[u0 + u][k[u]].hi; ++k[u]) flush(u);
+        _Pragma("GCC unroll 16") for (int c = 0; c < C; ++c)
+          acc[u][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[u]), vc[c], acc[u][c]);
+      }
+    }
+    _Pragma("GCC unroll 4") for (int u = 0; u < QP; ++u)
+      if (u < nu)
+        for (; k[u] < s.pieces[u0 + u].size(); ++k[u]) flush(u);
+  }
+}
+
+// Attention for up to ATTN_QB queries of one row b and kv head h over the keys of `range` (attention_items): query
+// u is q[u] (roped, fp32, D = 16 * C floats) of token tok[u]; it sees key indices [0, start) and start + j where its
+// local mask allows (causal: j <= tok[u]). Key rows 16 at a time widened to fp32, each query's 16 scores of them
+// (scores16), softmaxed piece by piece (softmax_visible), value sums in registers (value_sums).
 template <int C, typename T>
 void attend_chunks(const KVView<T>& kv, int64_t l, int64_t b, int64_t h, int nq, const int64_t* tok, int64_t start,
-                   int64_t count, const bool* local, int64_t Tn, const float* q, float scale, T* const* out,
-                   std::vector<float>& scores, std::vector<float>& packed, std::vector<int64_t>& where) {
+                   int64_t count, const bool* local, int64_t Tn, const float* q, float scale, const KeyRange& range,
+                   T* const* out, float* const* part, AttnScratch& s) {
   constexpr int64_t D = 16 * C;
-  const int64_t n = start + count;
+  const int64_t from = range.from, n = range.to - from;  // scores by i - from
   const T* kbase = kv.k + l * kv.layer_stride;
   const T* vbase = kv.v + l * kv.layer_stride;
   auto visible = [&](int u, int64_t i) {
     return i < start || (local ? local[tok[u] * Tn + (i - start)] : i - start <= tok[u]);
   };
-  scores.assign(QB * n, -INFINITY);  // masked keys stay -inf: e^-inf = 0
-  alignas(64) float keys[16 * D];
-  for (int64_t i0 = 0; i0 < n; i0 += 16) {  // 16 key rows widened to fp32, then each query's 16 scores
-    const int64_t kk = std::min<int64_t>(16, n - i0);
+  s.scores.assign(ATTN_QB * n, -INFINITY);  // masked keys stay -inf: e^-inf = 0
+  for (int64_t i0 = from; i0 < range.to; i0 += 16) {  // 16 key rows widened to fp32, then each query's 16 scores
+    const int64_t kk = std::min<int64_t>(16, range.to - i0);
     for (int64_t j = 0; j < 16; ++j) {
       const T* k = j < kk ? kbase + kv.at(b, h, i0 + j) : nullptr;
       _Pragma("GCC unroll 16") for (int c = 0; c < C; ++c)
-        _mm512_store_ps(keys + j * D + 16 * c, k ? lanes16(k + 16 * c) : _mm512_setzero_ps());
+        _mm512_store_ps(s.keys16 + j * D + 16 * c, k ? lanes16(k + 16 * c) : _mm512_setzero_ps());
     }
     for (int u = 0; u < nq; ++u)
-      store_scores(scores16<C>(q + u * D, keys, scale), scores.data() + u * n, i0, kk, 0, start,
+      store_scores(scores16<C>(q + u * D, s.keys16, scale), s.scores.data() + u * n, i0, kk, from, start,
                    [&](int64_t i) { return visible(u, i); });
   }
-  for (int u = 0; u < nq; ++u)  // causal queries see a prefix of the keys: no packing
-    softmax_visible(scores.data() + u * n, n, local ? -1 : start + tok[u] + 1, packed, where, softmax_packed16);
-  constexpr int QP = C <= 4 ? 4 : C <= 8 ? 2 : 1;  // queries whose value sums stay in registers
-  for (int u0 = 0; u0 < nq; u0 += QP) {
-    const int nu = std::min(QP, nq - u0);
-    __m512 acc[QP][C];
-    float p[QP];
-    _Pragma("GCC unroll 4") for (int u = 0; u < QP; ++u)
-      _Pragma("GCC unroll 16") for (int c = 0; c < C; ++c) acc[u][c] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < n; ++i) {
-      bool any = false;
-      _Pragma("GCC unroll 4") for (int u = 0; u < QP; ++u) {
-        p[u] = u < nu ? scores[(u0 + u) * n + i] : 0.0f;
-        any |= p[u] != 0.0f;
-      }
-      if (!any) continue;
-      const T* v = vbase + kv.at(b, h, i);
-      _Pragma("GCC unroll 16") for (int c = 0; c < C; ++c) {
-        const __m512 vc = lanes16(v + 16 * c);
-        _Pragma("GCC unroll 4") for (int u = 0; u < QP; ++u)
-          if (u < nu) acc[u][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[u]), vc, acc[u][c]);
-      }
-    }
-    _Pragma("GCC unroll 4") for (int u = 0; u < QP; ++u) {
-      if (u >= nu) continue;
-      alignas(64) float row[D];
-      _Pragma("GCC unroll 16") for (int c = 0; c < C; ++c) _mm512_store_ps(row + 16 * c, acc[u][c]);
-      for (int64_t d = 0; d < D; ++d) out[u0 + u][d] = rnd<T>(row[d]);
-    }
+  for (int u = 0; u < nq; ++u) {  // causal queries see a prefix of the keys: no packing
+    const int64_t prefix = local ? -1 : std::min(range.to, start + tok[u] + 1) - from;
+    softmax_visible(s.scores.data() + u * n, n, prefix, s.packed, s.where, softmax_packed16, range.piece,
+                    &s.pieces[u]);
   }
+  value_sums<C>(nq, n, tok, start, count, local, Tn, range, out, part, s, [&](int64_t i, __m512 (&vc)[C]) {
+    const T* v = vbase + kv.at(b, h, from + i);
+    _Pragma("GCC unroll 16") for (int c = 0; c < C; ++c) vc[c] = lanes16(v + 16 * c);
+  });
 }
 
 template <typename T>
 void attend(const KVView<T>& kv, int64_t l, int64_t b, int64_t h, int nq, const int64_t* tok, int64_t start,
-            int64_t count, const bool* local, int64_t Tn, const float* q, float scale, T* const* out,
-            std::vector<float>& scores, std::vector<float>& packed, std::vector<int64_t>& where) {
+            int64_t count, const bool* local, int64_t Tn, const float* q, float scale, const KeyRange& range,
+            T* const* out, float* const* part, AttnScratch& s) {
   with_chunks(kv.D, [&](auto c) {
-    attend_chunks<decltype(c)::value>(kv, l, b, h, nq, tok, start, count, local, Tn, q, scale, out, scores, packed,
-                                      where);
+    attend_chunks<decltype(c)::value>(kv, l, b, h, nq, tok, start, count, local, Tn, q, scale, range, out, part, s);
   });
 }
 
@@ -2258,47 +2414,7 @@ void seal_int4(const QuantKV<T>& kv, int64_t l) {
   }
 }
 
-constexpr int QUANT_QB = 8;
-struct QuantScratch {
-  std::vector<float> scores, packed, acc, q;
-  std::vector<int64_t> where, rows;
-  std::vector<Piece> pieces[QUANT_QB];
-  alignas(32) float key[KEYS4 * 256], fresh_key[KEYS4 * 256], value[VALUE_ROWS * 256];
-  alignas(64) float keys16[16 * 256], keys16f[16 * 256];  // attn512q: a block of 16 key rows (f: int4's fresh copies)
-};
-
-// The quantized attention (both families) splits a long context over the cores: a work item reads the keys [from, to) of one
-// row and kv head, `from` a multiple of `piece` at or before the row's first new index (every earlier key is cached,
-// so seen by every query: key `from` is each query's visible key number `from`). Each query's visible keys are cut
-// into pieces of `piece` keys by their number in its own visible sequence, softmaxed and summed alone, and merged
-// after every item has run (merge_pieces). A piece's keys are the same in a decode step, a chain or a tree, so the
-// split keeps the shape invariance; a query that sees at most `piece` keys is one piece, computed as before.
-int64_t g_kv_piece = 1024;  // set_kv_piece (tests)
-struct KeyRange {
-  int64_t from = 0, to = 0, piece = INT64_MAX;
-};
-
-// Whether query token t of a row sees at most one piece of keys: its output is then written in place, unmerged.
-inline bool one_piece(int64_t start, int64_t count, int64_t t, const bool* local, int64_t Tn, int64_t piece) {
-  return (visible_keys(start, count, t, local, Tn) - 1) / piece == 0;
-}
-
-// A query's value sums over piece k of `range` (its k-th piece inside the range): its output when it is one piece,
-// else slot from / piece + k of its part (merge_pieces' layout: the D sums, then the piece `pc`'s max and sum).
-template <typename T>
-inline void store_piece(const float* sums, int64_t D, bool whole, T* out, float* part, const KeyRange& range,
-                        size_t k, const Piece* pc) {
-  if (whole) {
-    for (int64_t d = 0; d < D; ++d) out[d] = rnd<T>(sums[d]);
-    return;
-  }
-  float* dst = part + (range.from / range.piece + static_cast<int64_t>(k)) * (D + 2);
-  std::copy(sums, sums + D, dst);
-  dst[D] = pc->max;
-  dst[D + 1] = pc->sum;
-}
-
-// Attention for up to QB queries of row b and kv head h over a quantized cache (attn512::attend's contract: query u
+// Attention for up to ATTN_QB queries of row b and kv head h over a quantized cache (attn512::attend's contract: query u
 // is q[u] of token tok[u], sees indices [0, start) and the new tokens its local mask allows), over the keys of
 // `range`. Key rows are dequantized KEYS4 at a time into scratch, each query's scores of them taken as independent
 // chains (dot4); value rows VALUE_ROWS at a time, each query's sums kept in registers over them, 64 channels at a
@@ -2309,15 +2425,15 @@ inline void store_piece(const float* sums, int64_t D, bool whole, T* out, float*
 template <typename T>
 void attend_quant(const QuantKV<T>& kv, int64_t l, int64_t b, int64_t h, int nq, const int64_t* tok, int64_t start,
                   int64_t count, const bool* local, int64_t Tn, const float* q, float scale, KeyRange range,
-                  T* const* out, float* const* part, QuantScratch& s, Softmax softmax) {
+                  T* const* out, float* const* part, AttnScratch& s, Softmax softmax) {
   const int64_t D = kv.D, from = range.from, n = range.to - from;  // scores and rows by local index i - from
   auto visible = [&](int u, int64_t i) {
     return i < start || (local ? local[tok[u] * Tn + (i - start)] : i - start <= tok[u]);
   };
-  int64_t fresh[QUANT_QB];
+  int64_t fresh[ATTN_QB];
   for (int u = 0; u < nq; ++u) fresh[u] = kv.format == KV_INT4 ? kv.fresh_from(start + tok[u]) : range.to;
   kv.walk_rows(b, h, from, range.to, s.rows);
-  s.scores.assign(QUANT_QB * n, -INFINITY);  // masked keys stay -inf: e^-inf = 0
+  s.scores.assign(ATTN_QB * n, -INFINITY);  // masked keys stay -inf: e^-inf = 0
   int64_t block = kv.tables[b * kv.W + from / kv.bs], o = from % kv.bs - 1;  // position i's block and offset, walked
   for (int64_t i0 = from; i0 < range.to; i0 += KEYS4) {
     const int64_t kk = std::min(KEYS4, range.to - i0);
@@ -2389,26 +2505,6 @@ void attend_quant(const QuantKV<T>& kv, int64_t l, int64_t b, int64_t h, int nq,
   }
 }
 
-// A query's output from its `pieces` partial attentions (attend_quant's part layout, in piece order): piece k's
-// sums weighed by its share of the whole softmax, w_k = sum_k e^(max_k - M) / (sum over j of sum_j e^(max_j - M)),
-// M the largest max, added in piece order.
-template <typename T>
-void merge_pieces(const float* part, int64_t pieces, int64_t D, T* out) {
-  float top = -INFINITY, total = 0.0f;
-  for (int64_t k = 0; k < pieces; ++k) top = std::max(top, part[k * (D + 2) + D]);
-  std::vector<float> w(pieces);
-  for (int64_t k = 0; k < pieces; ++k) {
-    w[k] = part[k * (D + 2) + D + 1] * std::exp(part[k * (D + 2) + D] - top);
-    total += w[k];
-  }
-  for (int64_t k = 0; k < pieces; ++k) w[k] /= total;
-  for (int64_t d = 0; d < D; ++d) {
-    float sum = 0.0f;
-    for (int64_t k = 0; k < pieces; ++k) sum += part[k * (D + 2) + d] * w[k];
-    out[d] = rnd<T>(sum);
-  }
-}
-
 // ---- the quantized attention with AVX-512: 16 lanes, key and value rows dequantized in registers ----------------
 
 #pragma GCC push_options
@@ -2452,25 +2548,24 @@ inline void codes16(const QuantKV<T>& kv, int64_t l, int64_t block, int64_t h, b
 }
 
 // QuantKV's attention (attend_quant's contract, key range and pieces included) with each key and value row
-// dequantized once for up to QUANT_QB queries: keys 16 rows at a time, each query's 16 scores by attn512::scores16
+// dequantized once for up to ATTN_QB queries: keys 16 rows at a time, each query's 16 scores by attn512::scores16
 // (int4: a second block holds the sealed-now keys' full-precision copies, whose scores a query takes for the keys
-// at or past its fresh_from), value sums kept in registers (attn512::attend's shape; C = D / 16 a template constant,
-// so they stay there). A query's sums for one piece are flushed when its next visible key lies past
-// the piece (or at the end): to its output when it is one piece, else to its part.
+// at or past its fresh_from), value sums kept in registers (attn512::value_sums, each value row dequantized once
+// for the item's queries).
 template <int C, typename T>
 void attend_quant_chunks(const QuantKV<T>& kv, int64_t l, int64_t b, int64_t h, int nq, const int64_t* tok,
                          int64_t start, int64_t count, const bool* local, int64_t Tn, const float* q, float scale,
-                         KeyRange range, T* const* out, float* const* part, QuantScratch& s) {
+                         KeyRange range, T* const* out, float* const* part, AttnScratch& s) {
   constexpr int64_t D = 16 * C;
   const int64_t from = range.from, n = range.to - from;  // scores and rows by i - from
   const bool int4 = kv.format == KV_INT4;
   auto visible = [&](int u, int64_t i) {
     return i < start || (local ? local[tok[u] * Tn + (i - start)] : i - start <= tok[u]);
   };
-  int64_t fresh[QUANT_QB];
+  int64_t fresh[ATTN_QB];
   for (int u = 0; u < nq; ++u) fresh[u] = int4 ? kv.fresh_from(start + tok[u]) : range.to;
   kv.walk_rows(b, h, from, range.to, s.rows);  // no division per row in the loops below
-  s.scores.assign(QUANT_QB * n, -INFINITY);  // masked keys stay -inf: e^-inf = 0
+  s.scores.assign(ATTN_QB * n, -INFINITY);  // masked keys stay -inf: e^-inf = 0
   int64_t block = kv.tables[b * kv.W + from / kv.bs], o = from % kv.bs - 1;  // position i's block and offset, walked
   for (int64_t i0 = from; i0 < range.to; i0 += 16) {  // 16 key rows, then each query's 16 scores
     const int64_t kk = std::min<int64_t>(16, range.to - i0);
@@ -2516,53 +2611,15 @@ void attend_quant_chunks(const QuantKV<T>& kv, int64_t l, int64_t b, int64_t h, 
     softmax_visible(s.scores.data() + u * n, n, prefix, s.packed, s.where, attn512::softmax_packed16, range.piece,
                     &s.pieces[u]);
   }
-  constexpr int QP = C <= 4 ? 4 : C <= 8 ? 2 : 1;  // queries whose value sums stay in registers
-  for (int u0 = 0; u0 < nq; u0 += QP) {
-    const int nu = std::min(QP, nq - u0);
-    __m512 acc[QP][C];
-    size_t k[QP] = {};  // each query's piece in progress
-    bool whole[QP];
-    float p[QP];
-    _Pragma("GCC unroll 4") for (int u = 0; u < QP; ++u) {
-      whole[u] = u < nu && one_piece(start, count, tok[u0 + u], local, Tn, range.piece);
-      _Pragma("GCC unroll 16") for (int c = 0; c < C; ++c) acc[u][c] = _mm512_setzero_ps();
-    }
-    auto flush = [&](int u) {  // query u0 + u's sums of piece k[u], then zeroed for the next
-      const int qu = u0 + u;
-      alignas(64) float row[D];
-      _Pragma("GCC unroll 16") for (int c = 0; c < C; ++c) {
-        _mm512_store_ps(row + 16 * c, acc[u][c]);
-        acc[u][c] = _mm512_setzero_ps();
-      }
-      store_piece(row, D, whole[u], out[qu], part[qu], range, k[u], whole[u] ? nullptr : &s.pieces[qu][k[u]]);
-    };
-    for (int64_t i = 0; i < n; ++i) {
-      bool any = false;
-      _Pragma("GCC unroll 4") for (int u = 0; u < QP; ++u) {
-        p[u] = u < nu ? s.scores[(u0 + u) * n + i] : 0.0f;
-        any |= p[u] != 0.0f;
-      }
-      if (!any) continue;
-      __m512 vc[C];
-      codes16<C>(kv, l, 0, h, false, vc, s.rows[i]);
-      // a zero weight adds nothing: skipped, so co-queries never change a result
-      _Pragma("GCC unroll 4") for (int u = 0; u < QP; ++u) {
-        if (p[u] == 0.0f) continue;
-        for (; i >= s.pieces[u0 + u][k[u]].hi; ++k[u]) flush(u);
-        _Pragma("GCC unroll 16") for (int c = 0; c < C; ++c)
-          acc[u][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[u]), vc[c], acc[u][c]);
-      }
-    }
-    _Pragma("GCC unroll 4") for (int u = 0; u < QP; ++u)
-      if (u < nu)
-        for (; k[u] < s.pieces[u0 + u].size(); ++k[u]) flush(u);
-  }
+  attn512::value_sums<C>(nq, n, tok, start, count, local, Tn, range, out, part, s, [&](int64_t i, __m512 (&vc)[C]) {
+    codes16<C>(kv, l, 0, h, false, vc, s.rows[i]);
+  });
 }
 
 template <typename T>
 void attend_quant(const QuantKV<T>& kv, int64_t l, int64_t b, int64_t h, int nq, const int64_t* tok, int64_t start,
                   int64_t count, const bool* local, int64_t Tn, const float* q, float scale, KeyRange range,
-                  T* const* out, float* const* part, QuantScratch& s) {
+                  T* const* out, float* const* part, AttnScratch& s) {
   attn512::with_chunks(kv.D, [&](auto c) {
     attend_quant_chunks<decltype(c)::value>(kv, l, b, h, nq, tok, start, count, local, Tn, q, scale, range, out, part,
                                             s);
@@ -2591,76 +2648,25 @@ void write_layer_quant(const QuantKV<T>& kv, int64_t l, const std::vector<int64_
   if (kv.format == KV_INT4) seal_int4(kv, l);
 }
 
-// One layer's attention over a quantized pool: work items of up to QUANT_QB queries (token, head) of one row and
-// kv head, so each dequantized key and value row serves all of them; split over the cores unless it is tiny. A long
-// context is also split into key ranges of g_kv_piece keys (3 kv heads on 2 cores were 2 items against 1), each
-// query's pieces merged afterwards.
+// One layer's attention over a quantized pool (attention_items: each dequantized key and value row serves every
+// query of an item, long contexts split into key ranges).
 template <typename T>
 void attention_layer_quant(const QuantKV<T>& kv, int64_t l, const std::vector<int64_t>& live, int64_t B, int64_t Tn,
                            const int64_t* st, const int64_t* cn, const bool* lm, int64_t local_stride, int64_t group,
                            const T* qkv, int64_t qkv_size, const T* cos_p, const T* sin_p, float scale, T* attn,
-                           int64_t q_size, bool threaded) {
-  const int64_t D = kv.D, Hkv = kv.Hkv, H = Hkv * group;
-  const bool wide = isa() >= ISA_AVX512 && attn512::chunked(D);  // the AVX-512 family's attention (its own bits)
-  const int64_t piece = g_kv_piece;
-  std::vector<int64_t> item_row, item_first, row_first(B + 1, 0);  // row_first: the row's first index in `live`
-  std::vector<KeyRange> item_keys;
-  int64_t most = 1;  // pieces of the longest row
-  for (int64_t b = 0; b < B; ++b) {
-    row_first[b + 1] = row_first[b] + cn[b];
-    if (cn[b]) most = std::max(most, (st[b] + cn[b] - 1) / piece + 1);
-  }
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t h = 0; h < Hkv; ++h)
-      for (int64_t f = 0; f < cn[b] * group; f += QUANT_QB) {
-        const int64_t cached = st[b] / piece;  // whole pieces before the first new index: one item each
-        for (int64_t k = 0; k <= cached; ++k) {
-          item_row.push_back(b * Hkv + h);
-          item_first.push_back(f);
-          item_keys.push_back({k * piece, k < cached ? (k + 1) * piece : st[b] + cn[b], piece});
-        }
-      }
-  std::vector<float> partial(most > 1 ? live.size() * H * most * (D + 2) : 0);  // [live, H, most, D + 2]
-  auto attend_items = [&](int64_t begin, int64_t end) {
-    QuantScratch s;
-    s.q.resize(QUANT_QB * D);
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t b = item_row[i] / Hkv, h = item_row[i] % Hkv;
-      const int nq = static_cast<int>(std::min<int64_t>(QUANT_QB, cn[b] * group - item_first[i]));
-      int64_t tok[QUANT_QB];
-      T* outs[QUANT_QB];
-      float* parts[QUANT_QB];
-      for (int u = 0; u < nq; ++u) {  // query f of this (row, kv head): token f / group, head h * group + f % group
-        const int64_t f = item_first[i] + u, t = f / group, head = h * group + f % group, r = row_first[b] + t;
-        const int64_t row = live[r];
-        tok[u] = t;
-        rope(qkv + r * qkv_size + head * D, cos_p + row * D, sin_p + row * (D / 2), s.q.data() + u * D, D);
-        outs[u] = attn + r * q_size + head * D;
-        parts[u] = partial.empty() ? nullptr : partial.data() + (r * H + head) * most * (D + 2);
-      }
-      const bool* mask = lm ? lm + b * local_stride : nullptr;
-      if (wide)
-        attn512q::attend_quant(kv, l, b, h, nq, tok, st[b], cn[b], mask, Tn, s.q.data(), scale, item_keys[i], outs,
-                               parts, s);
-      else
-        attend_quant(kv, l, b, h, nq, tok, st[b], cn[b], mask, Tn, s.q.data(), scale, item_keys[i], outs, parts, s,
-                     softmax_packed8);
-    }
-  };
-  const int64_t items = static_cast<int64_t>(item_row.size());
-  if (threaded)
-    at::parallel_for(0, items, 1, attend_items);
-  else
-    attend_items(0, items);
-  if (partial.empty()) return;
-  for (int64_t b = 0; b < B; ++b)  // the queries of more than one piece: merged, in piece order
-    for (int64_t t = 0; t < cn[b]; ++t) {
-      const int64_t pieces = (visible_keys(st[b], cn[b], t, lm ? lm + b * local_stride : nullptr, Tn) - 1) / piece + 1;
-      if (pieces == 1) continue;
-      const int64_t r = row_first[b] + t;
-      for (int64_t head = 0; head < H; ++head)
-        merge_pieces(partial.data() + (r * H + head) * most * (D + 2), pieces, D, attn + r * q_size + head * D);
-    }
+                           int64_t q_size) {
+  const bool wide = isa() >= ISA_AVX512 && attn512::chunked(kv.D);  // the AVX-512 family's attention (its own bits)
+  attention_items(live, B, kv.Hkv, group, kv.D, Tn, st, cn, lm, local_stride, qkv, qkv_size, cos_p, sin_p, attn,
+                  q_size,
+                  [&](AttnScratch& s, int64_t b, int64_t h, int nq, const int64_t* tok, const bool* mask,
+                      const KeyRange& range, T* const* outs, float* const* parts) {
+                    if (wide)
+                      attn512q::attend_quant(kv, l, b, h, nq, tok, st[b], cn[b], mask, Tn, s.q.data(), scale, range,
+                                             outs, parts, s);
+                    else
+                      attend_quant(kv, l, b, h, nq, tok, st[b], cn[b], mask, Tn, s.q.data(), scale, range, outs,
+                                   parts, s, softmax_packed8);
+                  });
 }
 
 // y (rows of the compute type) = x @ W^T through the kernels, rounded to T as the Python layers round.
@@ -2724,10 +2730,8 @@ void step_impl(const StepModel& m, at::Tensor& x, int64_t Tn, const at::Tensor& 
     if constexpr (std::is_same_v<Cache, QuantKV<T>>) {
       write_layer_quant(kv, l, live, Tn, st, qkv.data(), qkv_size, q_size, cos_p, sin_p);
       clock.lap(P_ROPE_KV);
-      int64_t work = 0;
-      for (int64_t b = 0; b < B; ++b) work += cn[b] * (st[b] + cn[b]);
       attention_layer_quant(kv, l, live, B, Tn, st, cn, lm, local_stride, group, qkv.data(), qkv_size, cos_p, sin_p,
-                            scale, attn.data(), q_size, work * Hq * D >= 32768);
+                            scale, attn.data(), q_size);
     } else {
     T* kl = kv.k + l * kv.layer_stride;
     T* vl = kv.v + l * kv.layer_stride;
@@ -2741,46 +2745,19 @@ void step_impl(const StepModel& m, at::Tensor& x, int64_t Tn, const at::Tensor& 
       }
     }
     clock.lap(P_ROPE_KV);
-    int64_t work = 0;
-    for (int64_t b = 0; b < B; ++b) work += cn[b] * (st[b] + cn[b]);
     if (isa() >= ISA_AVX512 && attn512::chunked(D)) {
-      // work items: up to QB queries (token, head) of one row and kv head; each key row is read once for them
-      std::vector<int64_t> item_row, item_first;  // per item: its row b and its first query index
-      std::vector<int64_t> row_first(B + 1, 0);   // the row's first live index in `live`
-      for (int64_t b = 0; b < B; ++b) row_first[b + 1] = row_first[b] + cn[b];
-      for (int64_t b = 0; b < B; ++b)
-        for (int64_t h = 0; h < Hkv; ++h)
-          for (int64_t f = 0; f < cn[b] * group; f += attn512::QB) {
-            item_row.push_back(b * Hkv + h);
-            item_first.push_back(f);
-          }
-      auto attend_items = [&](int64_t begin, int64_t end) {
-        std::vector<float> scores, packed, q(attn512::QB * D);
-        std::vector<int64_t> where;
-        for (int64_t i = begin; i < end; ++i) {
-          const int64_t b = item_row[i] / Hkv, h = item_row[i] % Hkv;
-          const int nq = static_cast<int>(std::min<int64_t>(attn512::QB, cn[b] * group - item_first[i]));
-          int64_t tok[attn512::QB];
-          T* outs[attn512::QB];
-          for (int u = 0; u < nq; ++u) {  // query f of this (row, kv head): token f / group, head h * group + f % group
-            const int64_t f = item_first[i] + u, t = f / group, head = h * group + f % group, r = row_first[b] + t;
-            const int64_t row = live[r];
-            tok[u] = t;
-            rope(qkv.data() + r * qkv_size + head * D, cos_p + row * D, sin_p + row * (D / 2), q.data() + u * D, D);
-            outs[u] = attn.data() + r * q_size + head * D;
-          }
-          attn512::attend(kv, l, b, h, nq, tok, st[b], cn[b], lm ? lm + b * local_stride : nullptr, Tn, q.data(),
-                          scale, outs, scores, packed, where);
-        }
-      };
-      const int64_t items = static_cast<int64_t>(item_row.size());
-      if (work * Hq * D >= 32768)
-        at::parallel_for(0, items, 1, attend_items);
-      else
-        attend_items(0, items);
+      attention_items(live, B, Hkv, group, D, Tn, st, cn, lm, local_stride, qkv.data(), qkv_size, cos_p, sin_p,
+                      attn.data(), q_size,
+                      [&](AttnScratch& s, int64_t b, int64_t h, int nq, const int64_t* tok, const bool* mask,
+                          const KeyRange& range, T* const* outs, float* const* parts) {
+                        attn512::attend(kv, l, b, h, nq, tok, st[b], cn[b], mask, Tn, s.q.data(), scale, range, outs,
+                                        parts, s);
+                      });
     } else {
     // work items: (token, kv head) with its query heads together, or (token, query head) when there are too few
     // tokens to keep both cores busy (decode steps)
+    int64_t work = 0;
+    for (int64_t b = 0; b < B; ++b) work += cn[b] * (st[b] + cn[b]);
     const int64_t per = R * Hkv >= 4 ? group : 1, items = R * Hq / per;
     auto attend_range = [&](int64_t begin, int64_t end) {
       std::vector<float> scores, acc, packed, q(per * D);
