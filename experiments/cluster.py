@@ -235,7 +235,7 @@ class Sweep:
     def __init__(self, cfg: ExperimentConfig, rows: list[Row], records_path: Path, base: dict, store: Path):
         self.cfg, self.records_path, self.base, self.store = cfg, records_path, base, store
         self.cfg_data = dataclasses.asdict(cfg)
-        self.sha = git_sha()
+        self.sha = base.get("git_sha") or git_sha()
         self.nodes = alive_nodes()
         check_fits(cfg, self.nodes)
         self.records: list[dict] = []
@@ -364,7 +364,7 @@ class Sweep:
             record = {"row": dataclasses.asdict(task.row), "status": "failed", "results": {}, "reason": error}
             if detail:
                 record["traceback"] = detail
-            record.update(provenance(self.cfg.seed, self.base["command"]))
+            record.update(provenance(self.cfg.seed, self.base["command"]), git_sha=self.sha)
         else:
             record = message
         self.finish_row(task, record)
@@ -394,7 +394,7 @@ class Sweep:
             status = "skipped" if isinstance(err, RowSkipped) else "wired, not run"
             reason = str(err)
         record = {"row": dataclasses.asdict(row), "status": status, "results": {}, "reason": reason}
-        return {**record, **provenance(self.cfg.seed, self.base["command"])}
+        return {**record, **provenance(self.cfg.seed, self.base["command"]), "git_sha": self.sha}
 
     def finish_row(self, task: Task, record: dict) -> None:
         row = task.row

@@ -34,7 +34,7 @@ from runtime.cliutil import ArgumentParser, interrupted, run
 from runtime.data import TEXTS
 from runtime.loader import ModelSpecError, check_model_spec
 from runtime.paths import qspec_home
-from runtime.provenance import module_command, provenance
+from runtime.provenance import git_sha, module_command, provenance
 
 __all__ = ["check_claim", "main", "run_table"]
 
@@ -45,6 +45,7 @@ def run_table(cfg: ExperimentConfig, ctx: Context, rows: list[Row], records_path
     out = []
     for row in rows:
         rec = {**base, **run_row(ctx, row), **provenance(cfg.seed, base["command"])}
+        rec["git_sha"] = base.get("git_sha", rec["git_sha"])  # the tree the run started from (main)
         append_jsonl(records_path, rec)
         out.append(rec)
         render_table(cfg, out, records_path.parent)  # a long run shows its table as it goes
@@ -205,6 +206,9 @@ def main(argv: list[str] | None = None) -> None:
         "config": dataclasses.asdict(cfg),
         "run_id": time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()),
         "command": module_command("experiments.run", argv),
+        # the tree the run starts from, taken once: the run's own records and tables, when they are tracked files,
+        # would otherwise mark every later row "-dirty"
+        "git_sha": git_sha(),
     }
     try:
         ctx = None if cluster else load_context(cfg)  # on a cluster each worker loads it

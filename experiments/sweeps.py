@@ -208,6 +208,7 @@ def run_sweep(cfg, ctx, series: list[dict], records_path: Path, base: dict) -> l
             except RowUnavailable as err:
                 rec.update(status="wired, not run", reason=str(err))
             rec.update(provenance(cfg.seed, base["command"]))
+            rec["git_sha"] = base.get("git_sha", rec["git_sha"])  # the tree the run started from
             append_jsonl(records_path, rec)
             out.append(rec)
     return out

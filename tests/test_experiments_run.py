@@ -204,3 +204,18 @@ def test_ray_flag_needs_ray_and_a_table_config(tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit):
         main([str(sweep), "--ray"])
     assert "--ray runs table configs" in capsys.readouterr().err
+
+
+def test_every_record_names_the_tree_the_run_started_from(tmp_path, monkeypatch):
+    """The run takes git_sha once, as it starts: a run writing into tracked result files (notes/...) must not mark
+    its later rows "-dirty" with its own output. Here the tree 'changes' after every call to git_sha."""
+    import experiments.run as run_module
+
+    provenance_module = sys.modules["runtime.provenance"]  # the package's `provenance` attribute is the function
+    calls = iter(range(1000))
+    moving = lambda repo=None: f"sha-{next(calls)}"  # noqa: E731
+    monkeypatch.setattr(provenance_module, "git_sha", moving)
+    monkeypatch.setattr(run_module, "git_sha", moving)
+    main([str(TINY), "--results-dir", str(tmp_path), "--rows", "fp32 reference,KV cache", "--no-evals"])
+    records = read_jsonl(tmp_path / "tiny" / "records.jsonl")
+    assert len(records) == 2 and {r["git_sha"] for r in records} == {"sha-0"}
