@@ -2095,8 +2095,9 @@ inline bool chunked(int64_t D) {
 // Each query's probabilities (s.scores row u, by local index i - range.from) times the value rows, summed in key
 // order in registers (QP queries at a time, C chunks of 16 channels each); a query's sums for one piece are flushed
 // when its next weighted key lies past the piece (or at the end): to its output when it is one piece, else to its
-// part. value(i, vc) loads the value row of local index i as C vectors. A zero weight adds nothing and is skipped,
-// so co-queries never change a result, and rows no query weighs are never read.
+// part. value(i, vc) loads the value row of local index i as C vectors and returns their factor (a quantized row's
+// scale; 1, so the same bits, for a full-precision row), applied to the row's weight. A zero weight adds nothing and
+// is skipped, so co-queries never change a result, and rows no query weighs are never read.
 template <int C, typename T, typename Value>
 inline void value_sums(int nq, int64_t n, const int64_t* tok, int64_t start, int64_t count, const bool* local,
                        int64_t Tn, const KeyRange& range, T* const* out, float* const* part, AttnScratch& s,
@@ -2130,12 +2131,12 @@ inline void value_sums(int nq, int64_t n, const int64_t* tok, int64_t start, int
       }
       if (!any) continue;
       __m512 vc[C];
-      value(i, vc);
+      const float factor = value(i, vc);
       _Pragma("GCC unroll 4") for (int u = 0; u < QP; ++u) {
         if (p[u] == 0.0f) continue;
         for (; i >= s.pieces[u0 + u][k[u]].hi; ++k[u]) flush(u);
-        _Pragma("GCC unroll 16") for (int c = 0; c < C; ++c)
-          acc[u][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[u]), vc[c], acc[u][c]);
+        const __m512 weight = _mm512_set1_ps(p[u] * factor);
+        _Pragma("GCC unroll 16") for (int c = 0; c < C; ++c) acc[u][c] = _mm512_fmadd_ps(weight, vc[c], acc[u][c]);
       }
     }
     _Pragma("GCC unroll 4") for (int u = 0; u < QP; ++u)
@@ -2179,6 +2180,7 @@ void attend_chunks(const KVView<T>& kv, int64_t l, int64_t b, int64_t h, int nq,
   value_sums<C>(nq, n, tok, start, count, local, Tn, range, out, part, s, [&](int64_t i, __m512 (&vc)[C]) {
     const T* v = vbase + kv.at(b, h, from + i);
     _Pragma("GCC unroll 16") for (int c = 0; c < C; ++c) vc[c] = lanes16(v + 16 * c);
+    return 1.0f;
   });
 }
 
@@ -2198,7 +2200,8 @@ void attend(const KVView<T>& kv, int64_t l, int64_t b, int64_t h, int nq, const 
 // The step quantizes each new token's k/v exactly as kv_quant.py does (fp32 math in the same order, torch.round's
 // round-half-to-even, fp16 scales rounded to nearest even, e4m3 by round to nearest even) and its attention
 // dequantizes one cached row at a time into an fp32 scratch row, with the values kv_quant's read gives (code * scale
-// (+ min), each operation rounded to fp32 as torch's ops round): no full-precision copy of the cache exists.
+// (+ min), each operation rounded to fp32 as torch's ops round; the AVX-512 attention applies an int8 / FP8 row's
+// scale once to its score and its weight, attn512q::row16): no full-precision copy of the cache exists.
 // Attention over those rows follows the full-precision attention's contract (scores of the visible keys in key
 // order, softmax_packed8/16, values summed in key order), so it is row- and shape-invariant too.
 
@@ -2513,38 +2516,41 @@ namespace attn512q {
 
 // Position `row` (its (block, head, offset) index, token_at without the layer, as walk_rows gives it) of kv head h
 // of a quantized pool's keys (key = true; int4 reads the key groups of pool block `block`) or values as C blocks of
-// 16 fp32 lanes, the values kv_quant dequantizes to (the same products and sums as QuantKV::key_codes / value_row).
+// 16 fp32 lanes, to be multiplied by the returned factor. int8 codes, and e4m3 values / 256 against the fp16 scale
+// x 256, have at most 18 significant bits with their scale, so kv_quant's values (code * scale) are exact products
+// and a row's scale can be applied once, to its score or its weight, instead of to each of its D elements: the same
+// math, one multiply in another place. int4 (per-channel key scales, a min) gives its values and 1.
 template <int C, typename T>
-inline void codes16(const QuantKV<T>& kv, int64_t l, int64_t block, int64_t h, bool key, __m512* out, int64_t row) {
+inline float row16(const QuantKV<T>& kv, int64_t l, int64_t block, int64_t h, bool key, __m512* out, int64_t row) {
   const int64_t t = l * kv.token_layer + row;
   const uint8_t* c = (key ? kv.k : kv.v) + l * kv.code_layer + row * kv.row_bytes();
   if (kv.format == KV_INT8) {
-    const __m512 s = _mm512_set1_ps(half_value((key ? kv.k_scale : kv.v_scale)[t]));
-    for (int64_t j = 0; j < C; ++j) {
-      const __m512i w = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 16 * j)));
-      out[j] = _mm512_mul_ps(_mm512_cvtepi32_ps(w), s);
-    }
-  } else if (kv.format == KV_FP8) {  // e4m3 -> fp16 bits (value / 256), times scale * 256 (exact)
-    const __m512 s = _mm512_set1_ps(half_value((key ? kv.k_scale : kv.v_scale)[t]) * 256.0f);
+    for (int64_t j = 0; j < C; ++j)
+      out[j] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 16 * j))));
+    return half_value((key ? kv.k_scale : kv.v_scale)[t]);
+  }
+  if (kv.format == KV_FP8) {  // e4m3 -> fp16 bits (value / 256), the scale * 256 (exact)
     for (int64_t j = 0; j < C; ++j) {
       const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 16 * j)));
       const __m256i f = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7f)), 7),
                                         _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8));
-      out[j] = _mm512_mul_ps(_mm512_cvtph_ps(f), s);
+      out[j] = _mm512_cvtph_ps(f);
     }
-  } else {  // int4: code * scale + min, keys per channel (the block's), values per token
-    const int64_t g = l * kv.group_layer + (block * kv.Hkv + h) * kv.D;
-    const __m512 vs = _mm512_set1_ps(half_value(kv.v_scale[t])), vm = _mm512_set1_ps(half_value(kv.v_min[t]));
-    const __m128i mask = _mm_set1_epi8(15);
-    for (int64_t j = 0; j < C; ++j) {
-      const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + 8 * j));
-      const __m128i n = _mm_unpacklo_epi8(_mm_and_si128(b, mask), _mm_and_si128(_mm_srli_epi16(b, 4), mask));
-      const __m512 code = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(n));
-      const __m512 s = key ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(kv.k_scale + g + 16 * j))) : vs;
-      const __m512 m = key ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(kv.k_min + g + 16 * j))) : vm;
-      out[j] = _mm512_add_ps(_mm512_mul_ps(code, s), m);
-    }
+    return half_value((key ? kv.k_scale : kv.v_scale)[t]) * 256.0f;
   }
+  // int4: code * scale + min, keys per channel (the block's), values per token
+  const int64_t g = l * kv.group_layer + (block * kv.Hkv + h) * kv.D;
+  const __m512 vs = _mm512_set1_ps(half_value(kv.v_scale[t])), vm = _mm512_set1_ps(half_value(kv.v_min[t]));
+  const __m128i mask = _mm_set1_epi8(15);
+  for (int64_t j = 0; j < C; ++j) {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + 8 * j));
+    const __m128i n = _mm_unpacklo_epi8(_mm_and_si128(b, mask), _mm_and_si128(_mm_srli_epi16(b, 4), mask));
+    const __m512 code = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(n));
+    const __m512 s = key ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(kv.k_scale + g + 16 * j))) : vs;
+    const __m512 m = key ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(kv.k_min + g + 16 * j))) : vm;
+    out[j] = _mm512_add_ps(_mm512_mul_ps(code, s), m);
+  }
+  return 1.0f;
 }
 
 // QuantKV's attention (attend_quant's contract, key range and pieces included) with each key and value row
@@ -2570,6 +2576,7 @@ void attend_quant_chunks(const QuantKV<T>& kv, int64_t l, int64_t b, int64_t h, 
   for (int64_t i0 = from; i0 < range.to; i0 += 16) {  // 16 key rows, then each query's 16 scores
     const int64_t kk = std::min<int64_t>(16, range.to - i0);
     uint32_t staged = 0;  // int4: rows with a sealed-now key's full-precision copy in keys16f
+    alignas(64) float key_scale[16];  // each row's factor (row16): int8 / FP8 scores take their key's scale at the end
     for (int64_t j = 0; j < 16; ++j) {
       const int64_t i = i0 + j;
       bool any = false;
@@ -2584,10 +2591,11 @@ void attend_quant_chunks(const QuantKV<T>& kv, int64_t l, int64_t b, int64_t h, 
       __m512 kc[C];
       const T* open = any && int4 ? kv.open_key(l, block, o, h) : nullptr;  // int4's residual and key groups, by block
       const T* stage = any && int4 && !open ? kv.staged_key(l, block, o, h) : nullptr;
+      key_scale[j] = 1.0f;
       if (open)
         _Pragma("GCC unroll 16") for (int c = 0; c < C; ++c) kc[c] = attn512::lanes16(open + 16 * c);
       else if (any)  // rows no query sees are never read
-        codes16<C>(kv, l, block, h, true, kc, s.rows[i - from]);
+        key_scale[j] = row16<C>(kv, l, block, h, true, kc, s.rows[i - from]);
       _Pragma("GCC unroll 16") for (int c = 0; c < C; ++c)
         _mm512_store_ps(row + 16 * c, any ? kc[c] : _mm512_setzero_ps());
       if (stage) {
@@ -2598,6 +2606,7 @@ void attend_quant_chunks(const QuantKV<T>& kv, int64_t l, int64_t b, int64_t h, 
     }
     for (int u = 0; u < nq; ++u) {
       __m512 r = attn512::scores16<C>(q + u * D, s.keys16, scale);
+      if (!int4) r = _mm512_mul_ps(r, _mm512_load_ps(key_scale));
       uint32_t own = 0;  // keys this query reads from their fresh copy (int4: j >= its fresh_from)
       for (int64_t j = 0; j < kk && staged; ++j)
         if ((staged >> j & 1) && i0 + j >= fresh[u]) own |= 1u << j;
@@ -2612,7 +2621,7 @@ void attend_quant_chunks(const QuantKV<T>& kv, int64_t l, int64_t b, int64_t h, 
                     &s.pieces[u]);
   }
   attn512::value_sums<C>(nq, n, tok, start, count, local, Tn, range, out, part, s, [&](int64_t i, __m512 (&vc)[C]) {
-    codes16<C>(kv, l, 0, h, false, vc, s.rows[i]);
+    return row16<C>(kv, l, 0, h, false, vc, s.rows[i]);
   });
 }
 
