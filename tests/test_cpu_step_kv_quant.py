@@ -298,11 +298,11 @@ def test_positions_are_shape_invariant(fmt, family, piece):
     assert torch.equal(chain, torch.cat(steps, dim=1))
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", FORMATS + ["auto"])
 def test_paged_engine_with_speculation_matches_the_python_layers(fmt, piece, monkeypatch):
     """The serving engine over a quantized pool (ragged rows, n-gram chains rewriting draft slots, int4 groups
-    sealed and reopened): the step runs its decode and verification steps, greedy tokens equal the Python layers'
-    (with contexts split in pieces too)."""
+    sealed and reopened) and over a full-precision one ("auto"): the step runs its decode and verification steps,
+    greedy tokens equal the Python layers' (with contexts split in pieces too: the AVX-512 attention of either pool)."""
     from runtime.engine import EngineConfig, LLMEngine
     from runtime.sampling import SamplingParams
     from speculate.ngram import NgramSpeculator
