@@ -2160,7 +2160,7 @@ void attend_chunks(const KVView<T>& kv, int64_t l, int64_t b, int64_t h, int nq,
   auto visible = [&](int u, int64_t i) {
     return i < start || (local ? local[tok[u] * Tn + (i - start)] : i - start <= tok[u]);
   };
-  s.scores.assign(ATTN_QB * n, -INFINITY);  // masked keys stay -inf: e^-inf = 0
+  s.scores.assign(nq * n, -INFINITY);  // the queries' rows; masked keys stay -inf: e^-inf = 0
   for (int64_t i0 = from; i0 < range.to; i0 += 16) {  // 16 key rows widened to fp32, then each query's 16 scores
     const int64_t kk = std::min<int64_t>(16, range.to - i0);
     for (int64_t j = 0; j < 16; ++j) {
@@ -2436,7 +2436,7 @@ void attend_quant(const QuantKV<T>& kv, int64_t l, int64_t b, int64_t h, int nq,
   int64_t fresh[ATTN_QB];
   for (int u = 0; u < nq; ++u) fresh[u] = kv.format == KV_INT4 ? kv.fresh_from(start + tok[u]) : range.to;
   kv.walk_rows(b, h, from, range.to, s.rows);
-  s.scores.assign(ATTN_QB * n, -INFINITY);  // masked keys stay -inf: e^-inf = 0
+  s.scores.assign(nq * n, -INFINITY);  // the queries' rows; masked keys stay -inf: e^-inf = 0
   int64_t block = kv.tables[b * kv.W + from / kv.bs], o = from % kv.bs - 1;  // position i's block and offset, walked
   for (int64_t i0 = from; i0 < range.to; i0 += KEYS4) {
     const int64_t kk = std::min(KEYS4, range.to - i0);
@@ -2571,7 +2571,7 @@ void attend_quant_chunks(const QuantKV<T>& kv, int64_t l, int64_t b, int64_t h, 
   int64_t fresh[ATTN_QB];
   for (int u = 0; u < nq; ++u) fresh[u] = int4 ? kv.fresh_from(start + tok[u]) : range.to;
   kv.walk_rows(b, h, from, range.to, s.rows);  // no division per row in the loops below
-  s.scores.assign(ATTN_QB * n, -INFINITY);  // masked keys stay -inf: e^-inf = 0
+  s.scores.assign(nq * n, -INFINITY);  // the queries' rows; masked keys stay -inf: e^-inf = 0
   int64_t block = kv.tables[b * kv.W + from / kv.bs], o = from % kv.bs - 1;  // position i's block and offset, walked
   for (int64_t i0 = from; i0 < range.to; i0 += 16) {  // 16 key rows, then each query's 16 scores
     const int64_t kk = std::min<int64_t>(16, range.to - i0);
