@@ -155,7 +155,7 @@ def row_task(cfg_data: dict, row_data: dict, store: str, command: str, sha: str,
     torch.set_num_threads(EVAL_THREADS["n"])
     LOCKING["enabled"] = cfg.bench.lock
     record = run_row(worker_context(cfg, Path(store)), Row(**row_data))
-    yield {**record, **provenance(cfg.seed, command), "git_sha": sha}
+    yield {**record, **provenance(cfg.seed, command, sha)}
 
 
 @ray.remote(max_retries=0, num_returns="streaming")
@@ -364,7 +364,7 @@ class Sweep:
             record = {"row": dataclasses.asdict(task.row), "status": "failed", "results": {}, "reason": error}
             if detail:
                 record["traceback"] = detail
-            record.update(provenance(self.cfg.seed, self.base["command"]), git_sha=self.sha)
+            record.update(provenance(self.cfg.seed, self.base["command"], self.sha))
         else:
             record = message
         self.finish_row(task, record)
@@ -394,7 +394,7 @@ class Sweep:
             status = "skipped" if isinstance(err, RowSkipped) else "wired, not run"
             reason = str(err)
         record = {"row": dataclasses.asdict(row), "status": status, "results": {}, "reason": reason}
-        return {**record, **provenance(self.cfg.seed, self.base["command"]), "git_sha": self.sha}
+        return {**record, **provenance(self.cfg.seed, self.base["command"], self.sha)}
 
     def finish_row(self, task: Task, record: dict) -> None:
         row = task.row

@@ -44,8 +44,7 @@ def run_table(cfg: ExperimentConfig, ctx: Context, rows: list[Row], records_path
 
     out = []
     for row in rows:
-        rec = {**base, **run_row(ctx, row), **provenance(cfg.seed, base["command"])}
-        rec["git_sha"] = base.get("git_sha", rec["git_sha"])  # the tree the run started from (main)
+        rec = {**base, **run_row(ctx, row), **provenance(cfg.seed, base["command"], base.get("git_sha"))}
         append_jsonl(records_path, rec)
         out.append(rec)
         render_table(cfg, out, records_path.parent)  # a long run shows its table as it goes

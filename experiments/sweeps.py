@@ -207,8 +207,7 @@ def run_sweep(cfg, ctx, series: list[dict], records_path: Path, base: dict) -> l
                 rec["results"] = POINTS[cfg.kind](ctx, s, x)
             except RowUnavailable as err:
                 rec.update(status="wired, not run", reason=str(err))
-            rec.update(provenance(cfg.seed, base["command"]))
-            rec["git_sha"] = base.get("git_sha", rec["git_sha"])  # the tree the run started from
+            rec.update(provenance(cfg.seed, base["command"], base.get("git_sha")))
             append_jsonl(records_path, rec)
             out.append(rec)
     return out

@@ -57,13 +57,15 @@ def module_command(module: str, argv: list[str] | None = None) -> str:
     return shlex.join(["python", "-m", module, *(sys.argv[1:] if argv is None else argv)])
 
 
-def provenance(seed: int | None = None, command: str | None = None) -> dict:
+def provenance(seed: int | None = None, command: str | None = None, sha: str | None = None) -> dict:
     """command: the exact reproducing line; by default this process's ``python -m`` module and arguments
-    (callers running in-process, e.g. from tests, pass their own so the record names the tool, not pytest)."""
+    (callers running in-process, e.g. from tests, pass their own so the record names the tool, not pytest).
+    sha: the tree a long run started from (taken once as it starts; its own output may be tracked files), else
+    HEAD now."""
     return {
         "command": command or module_command(_main_module()),
         "seed": seed,
-        "git_sha": git_sha(),
+        "git_sha": sha or git_sha(),
         "versions": versions(),
         "device": device_info(),
         "cwd": os.getcwd(),

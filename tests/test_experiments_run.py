@@ -213,7 +213,10 @@ def test_every_record_names_the_tree_the_run_started_from(tmp_path, monkeypatch)
 
     provenance_module = sys.modules["runtime.provenance"]  # the package's `provenance` attribute is the function
     calls = iter(range(1000))
-    moving = lambda repo=None: f"sha-{next(calls)}"  # noqa: E731
+
+    def moving(repo=None):
+        return f"sha-{next(calls)}"
+
     monkeypatch.setattr(provenance_module, "git_sha", moving)
     monkeypatch.setattr(run_module, "git_sha", moving)
     main([str(TINY), "--results-dir", str(tmp_path), "--rows", "fp32 reference,KV cache", "--no-evals"])
