@@ -4,7 +4,9 @@ Formats (``--kv-cache-dtype``), quantized when a token's k/v is written, dequant
 
 - ``auto``: the compute dtype, no quantization (the full-precision cache).
 - ``int8``: per token and KV head, symmetric: ``s = amax(|x|) / 127`` (stored fp16), ``code = round(x / s)``
-  clamped to [-127, 127], int8. ``x ~ code * s``.
+  clamped to [-127, 127], int8. ``x ~ code * s``. Keys are scored against the query rounded to 16-bit integers
+  (``round_query``: 2^-16 of its largest element, where the codes are 2^-8 of theirs), so a CPU kernel can take
+  the scores as exact integer dot products of the query's and the key's codes.
 - ``fp8_e4m3``: per token and KV head: ``s = amax(|x|) / 448`` (fp16), ``code = float8_e4m3fn(x / s)`` (torch's
   round-to-nearest-even cast; x / s is clamped to +-448 first, so fp16 rounding of s cannot overflow).
 - ``int4`` (KIVI, Liu et al. 2024): keys per channel over a group of G tokens (G = the pool's block size),
@@ -68,6 +70,7 @@ KV_DTYPES = ("auto", "fp8_e4m3", "int8", "int4")
 CHUNK = 256  # keys dequantized at a time inside attention
 DENSE_BYTES = 128 << 20  # up to this much dequantized fp32 k/v, attention reads them whole and runs SDPA
 INT8_MAX = 127.0
+QUERY_MAX = 32767.0  # int8 caches: queries on a 16-bit grid (round_query)
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 INT4_LEVELS = 15.0
 SCALE_DTYPE = torch.float16
@@ -120,6 +123,16 @@ def quantize_fp8(x: Tensor) -> tuple[Tensor, Tensor]:
     scale = _scale(x.float().abs().amax(-1), FP8_MAX)
     codes = (x.float() / scale.float()[..., None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return codes, scale
+
+
+def round_query(q: Tensor) -> Tensor:
+    """q [..., D] -> fp32 on the 16-bit grid an int8 cache's keys are scored against: ``round(q / f) * f`` (half to
+    even), ``f = amax(|q|) / 32767`` per vector (1 for a zero vector). The CPU step scores ``round(q / f)`` against
+    the int8 codes as integers and multiplies by f and the key's scale: the same values."""
+    q = q.float()
+    amax = q.abs().amax(-1, keepdim=True)
+    f = torch.where(amax > 0, amax / QUERY_MAX, torch.ones_like(amax))
+    return torch.round(q / f).clamp_(-QUERY_MAX, QUERY_MAX) * f
 
 
 def dequantize_scaled(codes: Tensor, scale: Tensor) -> Tensor:
@@ -180,6 +193,7 @@ def chunked_attention(
     num_sinks: int = 0,
     read_fresh: Callable[[int, int], tuple[Tensor, Tensor] | None] | None = None,
     fresh_from: Tensor | None = None,
+    query_grid: bool = False,
 ) -> Tensor:
     """softmax(q k^T / sqrt(D)) v over keys 0..kv_len-1, read `chunk` at a time, with an online softmax in fp32.
 
@@ -189,7 +203,8 @@ def chunked_attention(
     scored against (StreamingLLM's in-cache positions; runtime.kv_policy.SinkWindowKVCache).
     read_fresh(start, stop) -> (k [B, Hkv, n, D], fresh [B, n]) or None: full-precision keys of int4 groups sealed
     by this very write; query t reads fresh key j in full precision when j >= fresh_from[b, t] (as it would in
-    token-by-token decoding, where the group was still open at its step). -> [B, H, T, D].
+    token-by-token decoding, where the group was still open at its step). query_grid: score the queries (and
+    sink_q) rounded by round_query, as an int8 cache's keys are. -> [B, H, T, D].
 
     Without sinks, a cache whose dequantized k/v take at most DENSE_BYTES is read whole and handed to SDPA (the same
     math, its fused kernel: a 2k-token prefill over an int8 cache runs ~4x faster). A whole causal prompt (kv_len ==
@@ -198,8 +213,12 @@ def chunked_attention(
     there), so every visible key is still scored exactly once."""
     B, H, T, D = q.shape
     copies = 1 if read_fresh is None else 2
+    out_dtype = q.dtype
+    if query_grid:
+        q = round_query(q)
+        sink_q = round_query(sink_q) if sink_q is not None else None
     if sink_q is None and B * H * kv_len * D * 8 * copies <= DENSE_BYTES:  # q's heads bound k/v's
-        return _dense_attention(q, read, kv_len, mask, is_causal, read_fresh, fresh_from)
+        return _dense_attention(q, read, kv_len, mask, is_causal, read_fresh, fresh_from).to(out_dtype)
     scale = D**-0.5
     m = l = acc = None
     for start in range(0, kv_len, chunk):
@@ -236,7 +255,7 @@ def chunked_attention(
     if acc is None:
         raise ValueError("attention over an empty cache (kv_len 0)")
     out = torch.where(l > 0, acc / l.clamp_min(1e-30), torch.zeros_like(acc))
-    return out.reshape(B, H, T, D).to(q.dtype)
+    return out.reshape(B, H, T, D).to(out_dtype)
 
 
 def _dense_attention(q, read, kv_len, mask, is_causal, read_fresh, fresh_from) -> Tensor:
@@ -581,7 +600,9 @@ class KVPool:
                 is_fresh = (pos >= 0)[:, :, None].expand(-1, -1, bs).reshape(B, n * bs)
                 return k[:, :, lo : lo + stop - start], is_fresh[:, lo : lo + stop - start]
 
-        return chunked_attention(q, read, kv_len, mask, is_causal, chunk, sink_q, num_sinks, read_fresh, fresh_from)
+        return chunked_attention(
+            q, read, kv_len, mask, is_causal, chunk, sink_q, num_sinks, read_fresh, fresh_from, self.kv_dtype == "int8"
+        )
 
     # ---- copies -----------------------------------------------------------------------------------
 

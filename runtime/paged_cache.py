@@ -42,6 +42,7 @@ from runtime.kv_quant import (
     check_kv_dtype,
     open_blocks_per_sequence,
     residual_bytes_per_block,
+    round_query,
 )
 from runtime.model import AttentionMetadata
 
@@ -490,12 +491,13 @@ class PagedKVCache:
         self.write(layer, k, v, meta)
         self.kernel_launches += 1
         scales = (self.pool.k_scale[layer], self.pool.v_scale[layer]) if quantized else (None, None)
-        # SDPA's default scale, so both paths compute the same function; the kernel accumulates in fp32
+        # SDPA's default scale, so both paths compute the same function; the kernel accumulates in fp32. int8 keys
+        # are scored against the query on its 16-bit grid (kv_quant.round_query, fp32), as every int8 reader does
+        query = round_query(q[:, :, 0]) if self.kv_cache_dtype == "int8" else q[:, :, 0]
         out = self._decode_fn(
-            q[:, :, 0], self.k[layer], self.v[layer], meta.block_tables, meta.context_lens, q.shape[-1] ** -0.5,
-            *scales,
+            query, self.k[layer], self.v[layer], meta.block_tables, meta.context_lens, q.shape[-1] ** -0.5, *scales,
         )  # fmt: skip  # [B, H, D]
-        return out[:, :, None]
+        return out[:, :, None].to(q.dtype)
 
 
 def gather_blocks(pool: Tensor, block_tables: Tensor, kv_len: int) -> Tensor:

@@ -64,6 +64,25 @@ def test_int8_round_trip_matches_the_reference_formula():
     assert torch.equal(deq[3], torch.zeros(64))
 
 
+def test_round_query_puts_each_vector_on_its_16_bit_grid():
+    """round_query: each vector's elements become multiples of f = amax / 32767 (its largest at +-32767 f), the
+    nearest multiple with ties to even, a zero vector stays zero; against the formula in float64."""
+    q = torch.randn(40, 64, dtype=torch.float64) * torch.rand(40, 1, dtype=torch.float64) * 8
+    q[3] = 0
+    q[5, :4] = torch.tensor([2.5, 3.5, -2.5, 32767.0])  # amax 32767: f = 1, the ties land on even integers
+    got = kv_quant.round_query(q.float())
+    assert got.dtype == torch.float32
+    x = q.float().double()
+    f = (x.abs().amax(-1, keepdim=True).float() / 32767).double()  # fp32 division, as the step takes it
+    f[3] = 1
+    k = torch.round(got.double() / f)  # the grid's integers (got = k * f rounded to fp32: k is recovered exactly)
+    assert torch.equal(got, (k * f).float())
+    assert ((k - x / f).abs() <= 0.5 + 1e-3).all()  # the nearest multiple (to an fp32 division's precision)
+    assert torch.equal(k.abs().amax(-1)[torch.arange(40) != 3], torch.full((39,), 32767.0, dtype=torch.float64))
+    assert torch.equal(got[5, :4], torch.tensor([2.0, 4.0, -2.0, 32767.0]))  # ties to even
+    assert torch.equal(got[3], torch.zeros(64))
+
+
 def test_fp8_round_trip_rounds_to_the_nearest_e4m3_value():
     x = torch.randn(40, 64) * torch.rand(40, 1) * 100
     codes, scale = quantize_fp8(x)
@@ -127,7 +146,7 @@ def write_random(pool: KVPool, B: int, S: int, seed: int = 0, lookahead_chunks=N
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_attention_over_a_quantized_pool_equals_sdpa_over_its_dequantized_copy(fmt, dense, monkeypatch):
     """Both readings: the whole dequantized cache through SDPA (up to DENSE_BYTES) and CHUNK-sized reads with an
-    online softmax (beyond it)."""
+    online softmax (beyond it); int8 keys scored against the query on its 16-bit grid (round_query)."""
     monkeypatch.setattr(kv_quant, "DENSE_BYTES", kv_quant.DENSE_BYTES if dense else 0)
     B, H, Hkv, D, bs, S, T = 2, 4, 2, 16, 16, 600, 3  # S spans several CHUNK-sized reads
     pool = KVPool(2, B * 40, bs, Hkv, D, fmt, torch.float32, open_blocks=8)
@@ -137,7 +156,8 @@ def test_attention_over_a_quantized_pool_equals_sdpa_over_its_dequantized_copy(f
     mask = torch.arange(S)[None, None, None, :] <= positions[:, None, :, None]
     for layer in range(2):
         k, v = pool.read_slots(layer, tables, 0, S)  # the dequantized copy, [B, Hkv, S, D]
-        ref = F.scaled_dot_product_attention(q, k[:, :, :S], v[:, :, :S], attn_mask=mask, enable_gqa=True)
+        scored = kv_quant.round_query(q) if fmt == "int8" else q
+        ref = F.scaled_dot_product_attention(scored, k[:, :, :S], v[:, :, :S], attn_mask=mask, enable_gqa=True)
         got = pool.attend(layer, q, tables, S, mask)
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     assert S > 2 * CHUNK

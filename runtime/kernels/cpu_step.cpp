@@ -1851,7 +1851,25 @@ struct AttnScratch {
   std::vector<Piece> pieces[ATTN_QB];
   alignas(32) float key[KEYS4 * 256], fresh_key[KEYS4 * 256], value[VALUE_ROWS * 256];
   alignas(64) float keys16[16 * 256], keys16f[16 * 256];  // attn512q: a block of 16 key rows (f: int4's fresh copies)
+  alignas(64) int16_t q16[ATTN_QB * 256];  // int8 keys: the queries rounded to int16 (round_query) ...
+  float q_factor[ATTN_QB];                  // ... and their factors
 };
+
+// An int8 cache's keys are scored against the query rounded to 16-bit integers (kv_quant.round_query, the format's
+// arithmetic in every family and in the Python layers): q16[d] = round(q[d] / f), half to even, f = max |q| / 32767
+// (1 for a zero query). q becomes q16 * f in place (what the fp32 attentions score with) and f is returned (the
+// AVX-512 family's integer scores take it). The rounding moves an element by at most f / 2: 2^-16 of the query's
+// largest, where the int8 keys' own codes are 2^-8 of theirs.
+inline float round_query(float* q, int64_t D, int16_t* q16) {
+  float amax = 0.0f;
+  for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(q[d]));
+  const float f = amax > 0.0f ? amax / 32767.0f : 1.0f;
+  for (int64_t d = 0; d < D; ++d) {
+    q16[d] = static_cast<int16_t>(std::clamp(std::nearbyint(q[d] / f), -32767.0f, 32767.0f));
+    q[d] = q16[d] * f;
+  }
+  return f;
+}
 
 // The attention over a quantized cache (both families) and over a full-precision one (AVX-512) splits a long context
 // over the cores: a work item reads the keys [from, to) of one row and kv head, `from` a multiple of `piece` at or
@@ -2023,19 +2041,29 @@ inline float softmax_packed16(float* p, int64_t nv, float* max_out) {
 // additions over its own vector's lanes whatever the other vectors hold (pairs within 128-bit quarters, then the
 // quarters), so a score never depends on the keys beside it. 45 instructions for 16 sums, where one
 // _mm512_reduce_add_ps per sum takes ~8 and leaves the result in a scalar.
-inline __m512 sum_lanes16(const __m512 (&v)[16]) {
+// Add: fp32 lanes (AddPs) or int32 lanes carried in the same registers (AddEpi32: exact sums, any order gives them).
+struct AddPs {
+  __m512 operator()(__m512 a, __m512 b) const { return _mm512_add_ps(a, b); }
+};
+struct AddEpi32 {
+  __m512 operator()(__m512 a, __m512 b) const {
+    return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(a), _mm512_castps_si512(b)));
+  }
+};
+template <typename Add = AddPs>
+inline __m512 sum_lanes16(const __m512 (&v)[16], Add add = {}) {
   __m512 t[8], u[4];
   for (int m = 0; m < 8; ++m)  // quarter q of t[m]: (v[2m] lanes 0+2, v[2m+1] lanes 0+2, v[2m] 1+3, v[2m+1] 1+3)
-    t[m] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * m], v[2 * m + 1]), _mm512_unpackhi_ps(v[2 * m], v[2 * m + 1]));
+    t[m] = add(_mm512_unpacklo_ps(v[2 * m], v[2 * m + 1]), _mm512_unpackhi_ps(v[2 * m], v[2 * m + 1]));
   for (int m = 0; m < 4; ++m)  // quarter q of u[m]: the quarter-q sums of v[4m .. 4m + 3]
-    u[m] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * m], t[2 * m + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm512_shuffle_ps(t[2 * m], t[2 * m + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  const __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(1, 0, 1, 0)),
-                                  _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 2, 3, 2)));
-  const __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(1, 0, 1, 0)),
-                                  _mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(3, 2, 3, 2)));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_f32x4(w0, w1, _MM_SHUFFLE(3, 1, 3, 1)));
+    u[m] = add(_mm512_shuffle_ps(t[2 * m], t[2 * m + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+               _mm512_shuffle_ps(t[2 * m], t[2 * m + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 w0 = add(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                        _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 w1 = add(_mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                        _mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(3, 2, 3, 2)));
+  return add(_mm512_shuffle_f32x4(w0, w1, _MM_SHUFFLE(2, 0, 2, 0)),
+             _mm512_shuffle_f32x4(w0, w1, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
 // One query's scores against a block of 16 key rows (fp32, row j at keys + j * D, D = 16 * C), times scale: each
@@ -2053,6 +2081,27 @@ inline __m512 scores16(const float* q, const float* keys, float scale) {
       v[j] = _mm512_fmadd_ps(qc, _mm512_load_ps(keys + j * D + 16 * c), v[j]);
   }
   return _mm512_mul_ps(sum_lanes16(v), _mm512_set1_ps(scale));
+}
+
+// scores16 for int8 key codes (C even): the query rounded to int16 (q16 by round_query; factor: its f times the
+// softmax scale) and the codes widened to int16 (row j at keys + j * D), multiplied pairwise into int32 lanes
+// (vpmaddwd) and summed as integers: exact, so each score is float(q16 . codes) * factor whatever its
+// neighbours. Products |q16 * code| <= 2^22, a row of D <= 256 of them stays below 2^30.
+template <int C>
+inline __m512 scores16_int8(const int16_t* q16, const int16_t* keys, float factor) {
+  static_assert(C % 2 == 0, "int16 rows are whole 32-lane vectors");
+  constexpr int64_t D = 16 * C;
+  __m512 v[16];
+  const __m512i q0 = _mm512_loadu_si512(q16);
+  _Pragma("GCC unroll 16") for (int j = 0; j < 16; ++j)
+    v[j] = _mm512_castsi512_ps(_mm512_madd_epi16(q0, _mm512_load_si512(keys + j * D)));
+  _Pragma("GCC unroll 8") for (int w = 1; w < C / 2; ++w) {
+    const __m512i qw = _mm512_loadu_si512(q16 + 32 * w);
+    _Pragma("GCC unroll 16") for (int j = 0; j < 16; ++j)
+      v[j] = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(v[j]),
+                                                  _mm512_madd_epi16(qw, _mm512_load_si512(keys + j * D + 32 * w))));
+  }
+  return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_castps_si512(sum_lanes16(v, AddEpi32{}))), _mm512_set1_ps(factor));
 }
 
 // Query u's 16 scores of keys i0 .. i0 + kk - 1 (local indices from i0 - base) into its row of scores, each only
@@ -2352,18 +2401,23 @@ struct QuantKV {
     const int64_t s = stage_of[block];
     return s < 0 ? nullptr : stage + l * stage_layer + ((s * bs + o) * Hkv + h) * D;
   }
-  // key row of pool block `block` from its codes (int4: the block's per-channel scale and min), as fp32; row: the
-  // position's (block, head, offset) index, token_at(0, slot, h), as walk_rows gives it
+  // the codes of layer l's key (or value) row `row`: the position's (block, head, offset) index, token_at(0, slot,
+  // h), as walk_rows gives it; and, int8 / FP8, the row's scale
+  const uint8_t* codes(bool key, int64_t l, int64_t row) const { return (key ? k : v) + l * code_layer + row * row_bytes(); }
+  float row_scale(bool key, int64_t l, int64_t row) const {
+    return half_value((key ? k_scale : v_scale)[l * token_layer + row]);
+  }
+  // key row of pool block `block` from its codes (int4: the block's per-channel scale and min), as fp32
   void key_codes(int64_t l, int64_t block, int64_t h, int64_t row, float* out) const {
-    const uint8_t* c = k + l * code_layer + row * row_bytes();
-    if (format != KV_INT4) return dequant_scaled_row(c, format == KV_FP8, half_value(k_scale[l * token_layer + row]), out, D);
+    const uint8_t* c = codes(true, l, row);
+    if (format != KV_INT4) return dequant_scaled_row(c, format == KV_FP8, row_scale(true, l, row), out, D);
     const int64_t g = l * group_layer + (block * Hkv + h) * D;
     dequant_asym4_row(c, k_scale + g, k_min + g, true, out, D);
   }
   void value_row(int64_t l, int64_t row, float* out) const {  // row as key_codes'
-    const uint8_t* c = v + l * code_layer + row * row_bytes();
+    const uint8_t* c = codes(false, l, row);
+    if (format != KV_INT4) return dequant_scaled_row(c, format == KV_FP8, row_scale(false, l, row), out, D);
     const int64_t t = l * token_layer + row;
-    if (format != KV_INT4) return dequant_scaled_row(c, format == KV_FP8, half_value(v_scale[t]), out, D);
     dequant_asym4_row(c, v_scale + t, v_min + t, false, out, D);
   }
   // each position's row index for kv head h of sequence b, positions [from, to) (rows[i - from]), walked block by
@@ -2522,12 +2576,11 @@ namespace attn512q {
 // math, one multiply in another place. int4 (per-channel key scales, a min) gives its values and 1.
 template <int C, typename T>
 inline float row16(const QuantKV<T>& kv, int64_t l, int64_t block, int64_t h, bool key, __m512* out, int64_t row) {
-  const int64_t t = l * kv.token_layer + row;
-  const uint8_t* c = (key ? kv.k : kv.v) + l * kv.code_layer + row * kv.row_bytes();
+  const uint8_t* c = kv.codes(key, l, row);
   if (kv.format == KV_INT8) {
     for (int64_t j = 0; j < C; ++j)
       out[j] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 16 * j))));
-    return half_value((key ? kv.k_scale : kv.v_scale)[t]);
+    return kv.row_scale(key, l, row);
   }
   if (kv.format == KV_FP8) {  // e4m3 -> fp16 bits (value / 256), the scale * 256 (exact)
     for (int64_t j = 0; j < C; ++j) {
@@ -2536,10 +2589,11 @@ inline float row16(const QuantKV<T>& kv, int64_t l, int64_t block, int64_t h, bo
                                         _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8));
       out[j] = _mm512_cvtph_ps(f);
     }
-    return half_value((key ? kv.k_scale : kv.v_scale)[t]) * 256.0f;
+    return kv.row_scale(key, l, row) * 256.0f;
   }
   // int4: code * scale + min, keys per channel (the block's), values per token
   const int64_t g = l * kv.group_layer + (block * kv.Hkv + h) * kv.D;
+  const int64_t t = l * kv.token_layer + row;
   const __m512 vs = _mm512_set1_ps(half_value(kv.v_scale[t])), vm = _mm512_set1_ps(half_value(kv.v_min[t]));
   const __m128i mask = _mm_set1_epi8(15);
   for (int64_t j = 0; j < C; ++j) {
@@ -2568,8 +2622,10 @@ void attend_quant_chunks(const QuantKV<T>& kv, int64_t l, int64_t b, int64_t h, 
   auto visible = [&](int u, int64_t i) {
     return i < start || (local ? local[tok[u] * Tn + (i - start)] : i - start <= tok[u]);
   };
+  const bool ints = kv.format == KV_INT8 && C % 2 == 0;  // integer scores of s.q16 (scores16_int8)
   int64_t fresh[ATTN_QB];
   for (int u = 0; u < nq; ++u) fresh[u] = int4 ? kv.fresh_from(start + tok[u]) : range.to;
+  int16_t* keys16i = reinterpret_cast<int16_t*>(s.keys16);  // ints: the 16 rows' codes widened to int16
   kv.walk_rows(b, h, from, range.to, s.rows);  // no division per row in the loops below
   s.scores.assign(nq * n, -INFINITY);  // the queries' rows; masked keys stay -inf: e^-inf = 0
   int64_t block = kv.tables[b * kv.W + from / kv.bs], o = from % kv.bs - 1;  // position i's block and offset, walked
@@ -2592,6 +2648,15 @@ void attend_quant_chunks(const QuantKV<T>& kv, int64_t l, int64_t b, int64_t h, 
       const T* open = any && int4 ? kv.open_key(l, block, o, h) : nullptr;  // int4's residual and key groups, by block
       const T* stage = any && int4 && !open ? kv.staged_key(l, block, o, h) : nullptr;
       key_scale[j] = 1.0f;
+      if (ints) {  // the row's codes widened to int16, its scale applied to its scores
+        const uint8_t* c = any ? kv.codes(true, l, s.rows[i - from]) : nullptr;
+        _Pragma("GCC unroll 8") for (int w = 0; w < C / 2; ++w)
+          _mm512_store_si512(keys16i + j * D + 32 * w,
+                             c ? _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32 * w)))
+                               : _mm512_setzero_si512());
+        if (c) key_scale[j] = kv.row_scale(true, l, s.rows[i - from]);
+        continue;
+      }
       if (open)
         _Pragma("GCC unroll 16") for (int c = 0; c < C; ++c) kc[c] = attn512::lanes16(open + 16 * c);
       else if (any)  // rows no query sees are never read
@@ -2605,7 +2670,12 @@ void attend_quant_chunks(const QuantKV<T>& kv, int64_t l, int64_t b, int64_t h, 
       }
     }
     for (int u = 0; u < nq; ++u) {
-      __m512 r = attn512::scores16<C>(q + u * D, s.keys16, scale);
+      __m512 r;
+      if constexpr (C % 2 == 0)
+        r = ints ? attn512::scores16_int8<C>(s.q16 + u * D, keys16i, s.q_factor[u] * scale)
+                 : attn512::scores16<C>(q + u * D, s.keys16, scale);
+      else
+        r = attn512::scores16<C>(q + u * D, s.keys16, scale);
       if (!int4) r = _mm512_mul_ps(r, _mm512_load_ps(key_scale));
       uint32_t own = 0;  // keys this query reads from their fresh copy (int4: j >= its fresh_from)
       for (int64_t j = 0; j < kk && staged; ++j)
@@ -2669,6 +2739,9 @@ void attention_layer_quant(const QuantKV<T>& kv, int64_t l, const std::vector<in
                   q_size,
                   [&](AttnScratch& s, int64_t b, int64_t h, int nq, const int64_t* tok, const bool* mask,
                       const KeyRange& range, T* const* outs, float* const* parts) {
+                    if (kv.format == KV_INT8)
+                      for (int u = 0; u < nq; ++u)
+                        s.q_factor[u] = round_query(s.q.data() + u * kv.D, kv.D, s.q16 + u * kv.D);
                     if (wide)
                       attn512q::attend_quant(kv, l, b, h, nq, tok, st[b], cn[b], mask, Tn, s.q.data(), scale, range,
                                              outs, parts, s);
