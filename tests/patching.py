@@ -3,6 +3,7 @@ module (not in conftest, which pytest may load under a second name) so the conft
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import sys
 
@@ -48,3 +49,17 @@ def spy_on_cpu_step(monkeypatch) -> list[bool]:
 
     monkeypatch.setattr(cpu_step, "decode", spy)
     return taken
+
+
+@contextlib.contextmanager
+def kv_pieces(keys: int):
+    """The compiled step's attention splits contexts into pieces of `keys` keys (cpu_step.cpp's g_kv_piece) inside
+    the block, its previous setting restored after."""
+    from runtime.kernels import cpu_step
+
+    ext = cpu_step.extension()
+    before = ext.set_kv_piece(keys)
+    try:
+        yield
+    finally:
+        ext.set_kv_piece(before)

@@ -31,7 +31,7 @@ import dataclasses
 
 import pytest
 import torch
-from patching import spy_on_cpu_step
+from patching import kv_pieces, spy_on_cpu_step
 
 from runtime import kv_quant
 from runtime.backends import CPU_STEP, PLAIN, use_backend
@@ -287,10 +287,8 @@ def test_int8_scores_are_the_query_grids(kind, family, monkeypatch):
 def piece(request):
     """The quantized attention's long-context split: off at these lengths (1024 keys a piece) or every 12 keys
     (not a multiple of the block size, so key ranges start inside a block and a chain's pieces cross its new keys)."""
-    ext = cpu_step.extension()
-    before = ext.set_kv_piece(request.param or 1024)
-    yield request.param
-    ext.set_kv_piece(before)
+    with kv_pieces(request.param or 1024):
+        yield request.param
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -299,15 +297,11 @@ def test_pieces_match_the_python_reference(fmt, layout, kind, dtype, family):
     """Contexts split into pieces (each query's visible keys softmaxed and summed 12 at a time on the cores, then
     merged by their maxima and sums) give PLAIN's logits within TOL, in each kernel family; in fp32 not the unsplit
     bits (the split ran; bf16 rounding can absorb the merge's last-bit differences)."""
-    ext = cpu_step.extension()
     model, cache, tokens, meta = scenario(fmt, layout, kind, dtype)
     with torch.inference_mode():
         whole = model(tokens, copy.deepcopy(meta), copy.deepcopy(cache)).float()
-    previous = ext.set_kv_piece(12)
-    try:
+    with kv_pieces(12):
         got, want, _ = step_and_reference(model, cache, tokens, meta)
-    finally:
-        ext.set_kv_piece(previous)
     assert float((got - want).abs().max()) <= tolerance(fmt, dtype)
     assert dtype == torch.bfloat16 or not torch.equal(got, whole)
 

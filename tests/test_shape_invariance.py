@@ -14,6 +14,7 @@ import copy
 
 import pytest
 import torch
+from patching import kv_pieces
 
 from runtime.kernels import cpu_step
 from runtime.kv_cache import KVCache
@@ -178,9 +179,8 @@ def test_position_logits_do_not_depend_on_the_step_shape(family, fmt):
 def pieces_of_6():
     """The attention's long-context split (key ranges of g_kv_piece keys, each query's pieces merged) every 6 keys:
     the prefix of 13 and the chain's 14..18 keys cross piece boundaries inside the new tokens."""
-    before = ext.set_kv_piece(6)
-    yield
-    ext.set_kv_piece(before)
+    with kv_pieces(6):
+        yield
 
 
 @torch.inference_mode()
@@ -202,11 +202,8 @@ def test_pieces_merge_to_the_whole_attention(family, fmt):
     tokens = torch.randint(2, cfg.vocab_size, (30,), generator=torch.Generator().manual_seed(5)).tolist()
     base = prefill(model, tokens[:25], 40)
     whole = decode_steps(model, copy_cache(base), 25, tokens[25:])
-    before = ext.set_kv_piece(6)
-    try:
+    with kv_pieces(6):
         split = decode_steps(model, copy_cache(base), 25, tokens[25:])
-    finally:
-        ext.set_kv_piece(before)
     scale = float(whole.abs().max())
     assert float((split - whole).abs().max()) <= (1e-5 if fmt == "fp32" else 0.05) * scale
     if fmt == "fp32" and family != "avx2":

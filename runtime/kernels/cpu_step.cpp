@@ -1844,6 +1844,14 @@ void attend(const KVView<T>& kv, int64_t l, int64_t b, int64_t h, int64_t t, int
 
 // ---- attention's work items: queries grouped by kv head, long contexts split into key ranges ---------------------
 
+// Whether a layer's attention (cn[b] new tokens after st[b] cached ones per row, H query heads of D channels) is
+// worth splitting over the cores: below ~32k multiply-adds of scores the threads' start costs more than it saves.
+inline bool attention_threaded(int64_t B, const int64_t* st, const int64_t* cn, int64_t H, int64_t D) {
+  int64_t work = 0;
+  for (int64_t b = 0; b < B; ++b) work += cn[b] * (st[b] + cn[b]);
+  return work * H * D >= 32768;
+}
+
 constexpr int ATTN_QB = 8;  // queries (token, head) of one row and kv head that share each key and value row read
 struct AttnScratch {
   std::vector<float> scores, packed, acc, q;
@@ -1935,10 +1943,9 @@ void attention_items(const std::vector<int64_t>& live, int64_t B, int64_t Hkv, i
   const int64_t H = Hkv * group, piece = g_kv_piece;
   std::vector<int64_t> item_row, item_first, row_first(B + 1, 0);  // row_first: the row's first index in `live`
   std::vector<KeyRange> item_keys;
-  int64_t most = 1, work = 0;  // most: pieces of the longest row
+  int64_t most = 1;  // pieces of the longest row
   for (int64_t b = 0; b < B; ++b) {
     row_first[b + 1] = row_first[b] + cn[b];
-    work += cn[b] * (st[b] + cn[b]);
     if (cn[b]) most = std::max(most, (st[b] + cn[b] - 1) / piece + 1);
   }
   for (int64_t b = 0; b < B; ++b)
@@ -1973,7 +1980,7 @@ void attention_items(const std::vector<int64_t>& live, int64_t B, int64_t Hkv, i
     }
   };
   const int64_t items = static_cast<int64_t>(item_row.size());
-  if (work * H * D >= 32768)
+  if (attention_threaded(B, st, cn, H, D))
     at::parallel_for(0, items, 1, attend_items);
   else
     attend_items(0, items);
@@ -2626,6 +2633,11 @@ void attend_quant_chunks(const QuantKV<T>& kv, int64_t l, int64_t b, int64_t h, 
   int64_t fresh[ATTN_QB];
   for (int u = 0; u < nq; ++u) fresh[u] = int4 ? kv.fresh_from(start + tok[u]) : range.to;
   int16_t* keys16i = reinterpret_cast<int16_t*>(s.keys16);  // ints: the 16 rows' codes widened to int16
+  auto score = [&](int u) {  // query u's 16 scores of the block's rows (int8 / FP8: times each key's scale below)
+    if constexpr (C % 2 == 0)
+      if (ints) return attn512::scores16_int8<C>(s.q16 + u * D, keys16i, s.q_factor[u] * scale);
+    return attn512::scores16<C>(q + u * D, s.keys16, scale);
+  };
   kv.walk_rows(b, h, from, range.to, s.rows);  // no division per row in the loops below
   s.scores.assign(nq * n, -INFINITY);  // the queries' rows; masked keys stay -inf: e^-inf = 0
   int64_t block = kv.tables[b * kv.W + from / kv.bs], o = from % kv.bs - 1;  // position i's block and offset, walked
@@ -2670,12 +2682,7 @@ void attend_quant_chunks(const QuantKV<T>& kv, int64_t l, int64_t b, int64_t h, 
       }
     }
     for (int u = 0; u < nq; ++u) {
-      __m512 r;
-      if constexpr (C % 2 == 0)
-        r = ints ? attn512::scores16_int8<C>(s.q16 + u * D, keys16i, s.q_factor[u] * scale)
-                 : attn512::scores16<C>(q + u * D, s.keys16, scale);
-      else
-        r = attn512::scores16<C>(q + u * D, s.keys16, scale);
+      __m512 r = score(u);
       if (!int4) r = _mm512_mul_ps(r, _mm512_load_ps(key_scale));
       uint32_t own = 0;  // keys this query reads from their fresh copy (int4: j >= its fresh_from)
       for (int64_t j = 0; j < kk && staged; ++j)
@@ -2838,8 +2845,6 @@ void step_impl(const StepModel& m, at::Tensor& x, int64_t Tn, const at::Tensor& 
     } else {
     // work items: (token, kv head) with its query heads together, or (token, query head) when there are too few
     // tokens to keep both cores busy (decode steps)
-    int64_t work = 0;
-    for (int64_t b = 0; b < B; ++b) work += cn[b] * (st[b] + cn[b]);
     const int64_t per = R * Hkv >= 4 ? group : 1, items = R * Hq / per;
     auto attend_range = [&](int64_t begin, int64_t end) {
       std::vector<float> scores, acc, packed, q(per * D);
@@ -2853,8 +2858,8 @@ void step_impl(const StepModel& m, at::Tensor& x, int64_t Tn, const at::Tensor& 
                scale, attn.data() + r * q_size + head0 * D, D, scores, acc, packed, where);
       }
     };
-    if (work * Hq * D >= 32768)
-      at::parallel_for(0, items, 1, attend_range);  // split over the cores unless it is tiny
+    if (attention_threaded(B, st, cn, Hq, D))
+      at::parallel_for(0, items, 1, attend_range);
     else
       attend_range(0, items);
     }
