@@ -269,7 +269,7 @@ class FPLinear(nn.Module):
             raise ValueError(f"path {path!r} cannot run this layer: {reason}")
         for name in ("dense_weight", "kernel_data", "kernel_scales", "kernel_zeros"):
             self._buffers.pop(name, None)
-        self.__dict__.pop("_kernel_weight", None)
+        cpu_step.drop_kernel_weight(self)
         if path == "dense":  # not persistent: never saved
             self.register_buffer("dense_weight", self.fweight().dequantize(torch.float32), persistent=False)
         if path == "cpu":  # scales per (row, column group); x256: the kernel decodes e4m3 as fp16 bits (value / 256)

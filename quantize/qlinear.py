@@ -165,7 +165,7 @@ class QuantLinear(nn.Module):
             if self._buffers[n].dtype != t.dtype:
                 self._buffers[n] = t.to(self._buffers[n].device)
         self.compute_dtype = fn(torch.empty(0, dtype=self.compute_dtype)).dtype
-        self.__dict__.pop("_kernel_weight", None)
+        cpu_step.drop_kernel_weight(self)
         return self
 
     # ---- storage ----------------------------------------------------------------------------------------
@@ -175,7 +175,7 @@ class QuantLinear(nn.Module):
 
         layouts = ("packed_codes", "dense_weight", "int4_weight", "int4_scales_zeros", "int8_weight", "in_perm")
         layouts += ("int4_cuda_weight", "int8_cuda_weight", "kernel_data", "kernel_scales", "kernel_zeros")
-        self.__dict__.pop("_kernel_weight", None)
+        cpu_step.drop_kernel_weight(self)
         for name in layouts + ("zero_shift",):
             self._buffers.pop(name, None)
         self.path = path

@@ -363,6 +363,8 @@ class KVPool:
             tensor("k_open", L, max(open_blocks, 1), bs, H, D, dtype=dtype)
             self.open_of = torch.full((N,), -1, dtype=torch.int64)  # host copy: the write plan reads it
             self.open_of_dev = self.open_of.to(device)
+            self.open_slot_of: dict[int, int] = {}  # open_of's open blocks -> their slot (what the plan reads)
+            self._no_stage = torch.full((N,), -1, dtype=torch.int64, device=device)  # a plan that seals nothing
             self.free_open = list(range(open_blocks - 1, -1, -1))
             self.plan: _Int4Plan | None = None
             self.fresh: tuple[int, Tensor] | None = None  # (layer, keys of the blocks the last write sealed)
@@ -427,54 +429,57 @@ class KVPool:
         self._write_keys_int4(layer, k, self.plan)
 
     def _plan_int4(self, flat: Tensor, tables: Tensor, ends: list[int]) -> _Int4Plan:
-        """Which blocks this forward seals (quantizes), opens, and where each new key goes. Updates open_of."""
-        bs = self.block_size
-        flat_cpu = flat.cpu()
-        blocks = flat_cpu // bs
-        touched = set(blocks.tolist())
-        open_of = self.open_of
-        candidates = touched | set(torch.nonzero(open_of >= 0).flatten().tolist())
-        tables_cpu = tables.cpu()
+        """Which blocks this forward seals (quantizes), opens, and where each new key goes. Updates open_of. Plain
+        Python over the few touched and open blocks: it runs once per decode step."""
+        bs, open_now = self.block_size, self.open_slot_of
+        slots = flat.tolist()
+        blocks = [s // bs for s in slots]
+        touched = set(blocks)
+        candidates = touched | open_now.keys()
         seal: set[int] = set()
         for b, end in enumerate(ends):
             final = max(0, end - self.lookahead) // bs  # leading blocks of the row no write will touch again
-            seal.update(x for x in tables_cpu[b, :final].tolist() if x in candidates)
+            if final:
+                seal.update(x for x in tables[b, :final].tolist() if x in candidates)
         seal_blocks = sorted(seal)
-        seal_from = [int(open_of[x]) for x in seal_blocks]
-        opened = sorted(x for x in touched if x not in seal and open_of[x] < 0)
-        for x in seal_blocks:
-            if open_of[x] >= 0:
-                self.free_open.append(int(open_of[x]))
-                open_of[x] = -1
-        if len(opened) > len(self.free_open):
+        seal_from = [open_now.get(x, -1) for x in seal_blocks]
+        opened = sorted(x for x in touched if x not in seal and x not in open_now)
+        if len(opened) > len(self.free_open) + sum(x in open_now for x in seal_blocks):
             raise RuntimeError(
                 f"int4 KV: {len(opened)} blocks to open, {len(self.free_open)} residual slots free (a bug: the "
                 "cache was sized for fewer rows or a shorter lookahead)"
             )
+        for x in seal_blocks:
+            if x in open_now:
+                self.free_open.append(open_now.pop(x))
+                self.open_of[x] = -1
         opened_slots = [self.free_open.pop() for _ in opened]
         for x, s in zip(opened, opened_slots):
-            open_of[x] = s
-        self.open_of_dev.copy_(open_of)
-        stage_index = torch.full((self.num_blocks,), -1, dtype=torch.int64)
-        stage_index[seal_blocks] = torch.arange(len(seal_blocks))
-        to_stage = stage_index[blocks] >= 0
-        offsets = flat_cpu % bs
-        tokens = torch.arange(flat_cpu.numel())
+            open_now[x] = self.open_of[x] = s
+        if (seal_blocks or opened) and self.open_of_dev is not self.open_of:
+            self.open_of_dev.copy_(self.open_of)
+        stage_of = self._no_stage
+        if seal_blocks:
+            stage_of = torch.full((self.num_blocks,), -1, dtype=torch.int64)
+            stage_of[seal_blocks] = torch.arange(len(seal_blocks))
+        stage_index = {x: i for i, x in enumerate(seal_blocks)}
+        to_stage = [i for i, x in enumerate(blocks) if x in stage_index]
+        to_open = [i for i, x in enumerate(blocks) if x not in stage_index]
         dev = self.device
 
-        def t(x) -> Tensor:
-            return torch.as_tensor(x, dtype=torch.int64).to(dev)
+        def t(x: list[int]) -> Tensor:
+            return torch.tensor(x, dtype=torch.int64, device=dev)
 
         return _Int4Plan(
             seal_blocks=t(seal_blocks),
             seal_from=t(seal_from),
             opened_blocks=t(opened),
             opened_slots=t(opened_slots),
-            stage_src=t(tokens[to_stage]),
-            stage_dst=t(stage_index[blocks[to_stage]] * bs + offsets[to_stage]),
-            open_src=t(tokens[~to_stage]),
-            open_dst=t(open_of[blocks[~to_stage]] * bs + offsets[~to_stage]),
-            stage_of=t(stage_index),
+            stage_src=t(to_stage),
+            stage_dst=t([stage_index[blocks[i]] * bs + slots[i] % bs for i in to_stage]),
+            open_src=t(to_open),
+            open_dst=t([open_now[blocks[i]] * bs + slots[i] % bs for i in to_open]),
+            stage_of=stage_of.to(dev),
         )
 
     def _write_keys_int4(self, layer: int, k: Tensor, plan: _Int4Plan) -> None:
@@ -521,9 +526,9 @@ class KVPool:
     def block_freed(self, block: int) -> None:
         """A block went back to the free pool: seal its open keys (a prefix-cached block is read again later) and
         give its residual slot back (runtime.paged_cache.BlockManager.on_free)."""
-        if self.kv_dtype != "int4" or self.open_of[block] < 0:
+        if self.kv_dtype != "int4" or block not in self.open_slot_of:
             return
-        slot = int(self.open_of[block])
+        slot = self.open_slot_of.pop(block)
         index = torch.tensor([block], device=self.device)
         for layer in range(self.k.shape[0]):
             self._seal(layer, index, self.k_open[layer, slot : slot + 1])

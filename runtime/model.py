@@ -86,8 +86,9 @@ class AttentionMetadata:
 
 def decode_meta(positions: Tensor) -> AttentionMetadata:
     """Metadata for one new token per row at the given positions [B]."""
-    if bool((positions == positions[0]).all()):
-        return AttentionMetadata.contiguous(positions.shape[0], int(positions[0]), 1, positions.device)
+    values = positions.tolist()  # one host read (a few tensor ops here cost ~0.1 ms a step on cold caches)
+    if all(p == values[0] for p in values):
+        return AttentionMetadata.contiguous(len(values), values[0], 1, positions.device)
     meta = AttentionMetadata.causal(positions[:, None], kv_len=int(positions.max()) + 1)
     meta.starts = positions.cpu()
     return meta

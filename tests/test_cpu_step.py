@@ -78,6 +78,54 @@ def test_fast_and_python_decode_agree_token_for_token(tiny_llama, monkeypatch):
 
 
 @torch.inference_mode()
+def test_cached_step_follows_every_weight_change(monkeypatch):
+    """The step's compiled model is cached per model and re-checked in full only after a registration (a module or
+    weight re-assigned) or a dropped kernel layout; a weight's storage swapped in place (``.data =``) moves its data
+    pointer. After each kind of change the step gives the Python layers' logits again; with none, no walk."""
+    from runtime.model import Linear
+    from tests.tiny_models import TINY_CONFIGS
+
+    cfg = TINY_CONFIGS["llama"]
+    model = random_model(cfg, seed=3)
+    walks = []
+    step_layers = model.step_layers
+    monkeypatch.setattr(model, "step_layers", lambda: walks.append(1) or step_layers(), raising=False)
+    tokens = torch.randint(0, cfg.vocab_size, (1, 6), generator=torch.Generator().manual_seed(4))
+    taken = spy_on_cpu_step(monkeypatch)
+
+    def step_logits(fast: bool) -> torch.Tensor:
+        model.fast_decode = fast
+        cache = KVCache(cfg, 1, 8)
+        model(tokens[:, :5], AttentionMetadata.contiguous(1, 0, 5, "cpu"), cache)
+        return model(tokens[:, 5:], AttentionMetadata.contiguous(1, 5, 1, "cpu"), cache)
+
+    def check() -> torch.Tensor:
+        fast = step_logits(True)
+        torch.testing.assert_close(fast, step_logits(False), atol=2e-5, rtol=1e-4)
+        return fast
+
+    before = check()
+    built, count = cpu_step.step_model(model), len(walks)
+    check()
+    assert cpu_step.step_model(model) is built and len(walks) == count  # nothing changed: not walked, not rebuilt
+    torch.nn.Linear(2, 2)  # a registration anywhere: one full check, the same StepModel kept
+    assert cpu_step.step_model(model) is built and len(walks) == count + 1
+    gen, H = torch.Generator().manual_seed(9), cfg.hidden_size
+    o_proj, norm = model.layers[0].self_attn.o_proj.weight, model.layers[1].post_attention_layernorm.weight
+    changes = [
+        lambda: setattr(o_proj, "data", torch.randn(H, H, generator=gen)),  # storage swapped in place
+        lambda: setattr(norm, "data", torch.rand(H, generator=gen) + 0.5),
+        lambda: setattr(model.layers[1].mlp, "down_proj", Linear(cfg.intermediate_size, H, bias=False)),
+    ]
+    for change in changes:
+        change()
+        after = check()
+        assert not torch.equal(after, before)
+        before = after
+    assert taken == [True, True, False, False] * 5  # prefill + step: compiled when fast, else the Python layers
+
+
+@torch.inference_mode()
 def test_ineligible_steps_fall_back(tiny_llama):
     x = torch.zeros(1, 1, tiny_llama.config.hidden_size)
     meta = AttentionMetadata.contiguous(1, 3, 1, "cpu")

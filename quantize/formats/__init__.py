@@ -36,6 +36,7 @@ from quantize.qembedding import shares_quantized_head, tie_quantized_embedding
 from quantize.qlinear import QuantizedWeight, QuantLinear, set_module
 from quantize.rotation import HadamardMLP, RotatedRMSNorm, install_online_hadamard
 from runtime import layout
+from runtime.kernels import cpu_step
 from runtime.loader import load_state_dict, register_quantized_format, save_checkpoint
 
 FORMATS = ("gptq", "gptq_v2", "awq", "compressed-tensors", "qspec")
@@ -502,7 +503,7 @@ def round_dense_tensors(model, dense_dtype: torch.dtype) -> None:
     for m in model.modules():
         if isinstance(m, QuantLinear | FPLinear) and m.bias is not None and m.bias.dtype != dense_dtype:
             m.bias = m.bias.to(dense_dtype).to(m.bias.dtype)
-            m.__dict__.pop("_kernel_weight", None)  # a CPU kernel's view holding the old bias
+            cpu_step.drop_kernel_weight(m)  # a CPU kernel's view holding the old bias
 
 
 def save_quantized(

@@ -359,8 +359,50 @@ def isa_supported(family: str) -> bool:
 
 # ---- the whole step --------------------------------------------------------------------------------------------
 
-# model -> (fingerprint, StepModel, whether every layer takes int8 activations)
-_STEP_MODELS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+@dataclass
+class StepEntry:
+    """A model's compiled StepModel and what it was built from. ``generation``: the registrations count when last
+    checked in full; ``weights`` / ``pointers``: every dense weight and norm the step reads and its data pointer
+    then (an in-place ``.data`` swap keeps the module and Parameter but moves the pointer)."""
+
+    generation: int
+    fingerprint: tuple
+    built: object
+    int8_acts: bool
+    weights: list[Tensor]
+    pointers: list[int]
+
+    def unchanged(self) -> bool:
+        """Whether nothing the step reads can have changed since the last full check, without walking the model
+        (that walk, run on caches the step's weights just flushed, cost ~0.35 ms a decode step)."""
+        return self.generation == _GENERATION[0] and [w.data_ptr() for w in self.weights] == self.pointers
+
+
+_STEP_MODELS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> StepEntry
+
+# Counts module / parameter / buffer registrations anywhere (a layer replaced, a weight re-assigned) and dropped
+# kernel layouts (drop_kernel_weight): a cached StepModel is checked in full (fingerprint) only after one.
+_GENERATION = [0]
+
+
+def _registered(*_) -> None:
+    _GENERATION[0] += 1
+
+
+for _register in (
+    torch.nn.modules.module.register_module_module_registration_hook,
+    torch.nn.modules.module.register_module_parameter_registration_hook,
+    torch.nn.modules.module.register_module_buffer_registration_hook,
+):
+    _register(_registered)
+
+
+def drop_kernel_weight(module) -> None:
+    """Forget a quantized layer's kernel layout (its codes, bias or dtype changed): the next call rebuilds it, and
+    cached whole-step models holding the old one are checked again."""
+    module.__dict__.pop("_kernel_weight", None)
+    _GENERATION[0] += 1
 
 
 def weight_handle(module, dtype: torch.dtype):
@@ -392,22 +434,26 @@ def fingerprint(layers: list[tuple]) -> tuple:
 def step_model(model):
     """The extension's StepModel over the model's layers (cached; rebuilt when a module or weight changes), or
     None when some layer is not one the step runs."""
-    built = _step_entry(model)
-    return None if built is None else built[1]
+    entry = _step_entry(model)
+    return None if entry is None else entry.built
 
 
 def step_tokens_limit(model) -> int:
     """The most new tokens per row the step takes in a causal chunk (trees: any number)."""
-    built = _step_entry(model)
-    return MAX_INT8_ACT_TOKENS if built is not None and built[2] else MAX_TOKENS
+    entry = _step_entry(model)
+    return MAX_INT8_ACT_TOKENS if entry is not None and entry.int8_acts else MAX_TOKENS
 
 
-def _step_entry(model):
+def _step_entry(model) -> StepEntry | None:
+    cached = _STEP_MODELS.get(model)
+    if cached is not None and cached.unchanged():
+        return cached
+    generation = _GENERATION[0]
     layers = model.step_layers()  # per layer: input norm, post norm, qkv, o, gate_up, down (runtime.model)
     if layers is None:
         return None
-    cached = _STEP_MODELS.get(model)
-    if cached is not None and cached[0] == fingerprint(layers):
+    if cached is not None and cached.fingerprint == fingerprint(layers):
+        cached.generation, cached.pointers = generation, [w.data_ptr() for w in cached.weights]
         return cached
     dtype = model.compute_dtype
     norms, linears, int8_acts = [], [], True
@@ -423,7 +469,10 @@ def _step_entry(model):
     cfg = model.config
     built = extension().StepModel(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps,
                                   norms, linears)  # fmt: skip
-    entry = _STEP_MODELS[model] = (fingerprint(layers), built, int8_acts)  # after the handles: they make the layouts
+    # after the handles: they make the layouts and move weights into huge pages
+    weights = [m.weight for mods in layers for m in mods if isinstance(m._parameters.get("weight"), Tensor)]
+    entry = StepEntry(generation, fingerprint(layers), built, int8_acts, weights, [w.data_ptr() for w in weights])
+    _STEP_MODELS[model] = entry
     return entry
 
 
