@@ -233,6 +233,25 @@ def test_rope_final_norm_and_head_are_row_invariant(head_dtype):
         assert torch.equal(model.logits(normed[i : i + 5])[0], logits[i])
 
 
+@torch.inference_mode()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_step_rope_rows_are_model_rope(dtype):
+    """The step reads rope rows from a table of model.rope over blocks of positions: each row is model.rope's own
+    value for that position, bit for bit, before and after the table grows past its first block."""
+    cfg = tiny_model_config(head_dim=64, num_heads=2, num_kv_heads=1, hidden_size=128, rope_theta=1e6)
+    model = random_model(cfg, seed=1)
+    if dtype == torch.bfloat16:
+        model.set_dtype(torch.bfloat16)
+    gen = torch.Generator().manual_seed(5)
+    for top in (40, 3000):  # the second call grows the table past ROPE_TABLE_BLOCK
+        positions = torch.randint(0, top, (3, 4), generator=gen)
+        meta = AttentionMetadata.causal(positions, kv_len=top)
+        cos, sin = cpu_step.step_rope(model, meta, 12)
+        want_cos, want_sin = model.rope(positions, model.compute_dtype)
+        assert torch.equal(cos, want_cos.reshape(12, -1)) and torch.equal(sin, want_sin[:, :, 0, 1].reshape(12, -1))
+    assert cpu_step._ROPE_TABLES[model][model.compute_dtype][0].shape[0] >= 3000
+
+
 def test_amx_row_policy():
     """AMX is off unless asked for ("exact": every row count; "approximate": from AMX_MIN_ROWS rows only)."""
     assert ext.amx_mode() == "off"
