@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from quantize.qlinear import QuantizedWeight, QuantLinear
 from runtime.data import LANGUAGES, wiki_text
 from runtime.loader import load_tokenizer
 from runtime.model import Linear, Transformer
@@ -81,11 +82,22 @@ class SubsetHead:
     """The draft's head restricted to `kept` token ids: logits for those, -inf for every other token."""
 
     def __init__(self, draft: Transformer, kept: Tensor):
-        weight = draft.lm_head.weight.detach()  # a quantized head dequantizes: the kept rows in its compute dtype
-        self.kept = kept.to(weight.device)
+        full = draft.lm_head
         self.digest = hashlib.sha256(kept.to("cpu", torch.int64).numpy().tobytes()).hexdigest()[:12]
-        self.vocab = weight.shape[0]
         self.dtype = draft.head_dtype
+        if isinstance(full, QuantLinear):  # a quantized head keeps its codes: the kept rows, the same layer (an
+            # int8 head's rows read half the bytes of their bf16 copy, once per draft token)
+            q = full.qweight()
+            self.kept = kept.to(q.codes.device)
+            rows = QuantizedWeight(q.codes[self.kept], q.scales[self.kept], q.zeros[self.kept], q.bits, q.group_size,
+                                   q.g_idx, None if q.bias is None else q.bias[self.kept])  # fmt: skip
+            self.head = QuantLinear(rows, act_quant=full.act_quant, compute_dtype=full.compute_dtype)
+            self.head.auto = True  # its device's fast path at the first forward, as the full head's
+            self.vocab = full.out_features
+            return
+        weight = full.weight.detach()  # a dense head (an FP8 one dequantizes): the kept rows in its compute dtype
+        self.kept = kept.to(weight.device)
+        self.vocab = weight.shape[0]
         self.head = Linear(weight.shape[1], len(kept), bias=False).to(device=weight.device, dtype=self.dtype)
         with torch.no_grad():
             self.head.weight.copy_(weight[self.kept].to(self.dtype))

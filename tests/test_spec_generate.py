@@ -573,6 +573,27 @@ def test_a_request_with_one_token_left_takes_a_plain_step_under_a_limit():
         assert bool(calls) is asked, (limit, calls)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_subset_head_of_a_quantized_head_keeps_its_codes(dtype):
+    """A quantized draft's int8 head (speculate.draft.quantized_draft) restricted to kept ids stays quantized: the
+    kept rows' codes and scales, whose logits are the full quantized head's there (not a dequantized copy's)."""
+    from quantize.qlinear import QuantLinear
+    from speculate.draft import quantized_draft
+
+    base = random_model(CFG, seed=0)
+    draft = quantized_draft(base if dtype == torch.float32 else base.set_dtype(dtype), 4, group_size=32, head_bits=8)
+    kept = torch.tensor([1, 5, 6, 40, 95])
+    head = SubsetHead(draft, kept)
+    assert isinstance(head.head, QuantLinear) and head.head.bits == 8
+    assert torch.equal(head.head.codes, draft.lm_head.codes[kept])
+    h = torch.randn(3, CFG.hidden_size)
+    full, part = draft.logits(h), head.logits(h)
+    torch.testing.assert_close(part[:, kept], full[:, kept], rtol=1e-5, atol=1e-5)
+    rest = torch.ones(CFG.vocab_size, dtype=torch.bool)
+    rest[kept] = False
+    assert bool(torch.isneginf(part[:, rest]).all())
+
+
 def test_subset_head_keeps_its_tokens_logits_and_rules_out_the_rest():
     """The draft's head over kept ids equals its full head there (the same rows; summation order may differ with
     the matmul's width) and gives -inf elsewhere, so its q is zero outside; kept_tokens keeps the special ids and
