@@ -215,12 +215,14 @@ def test_int4_keeps_the_open_group_in_full_precision_until_it_is_final():
     assert pool.open_of[1] == -1 and sorted(pool.free_open) == [0, 1]
 
 
-@pytest.mark.parametrize("dense", [True, False], ids=["dense", "chunked"])
-def test_int4_attention_does_not_depend_on_how_the_sequence_is_chunked(dense, monkeypatch):
+@pytest.mark.parametrize("reading", ["dense", "dense-rows", "chunked"])
+def test_int4_attention_does_not_depend_on_how_the_sequence_is_chunked(reading, monkeypatch):
     """A query reads each key group as it would have token by token: in full precision while the group was still
     open at the query's own step, quantized after, so chunked writes give token-by-token decoding's attention.
-    Both readings: one SDPA call over the codes and the fresh keys side by side, and the online softmax."""
-    monkeypatch.setattr(kv_quant, "DENSE_BYTES", kv_quant.DENSE_BYTES if dense else 0)
+    Every reading: SDPA over the codes and the fresh keys side by side (all queries in one call, or 7 a call, each
+    call trimmed to the keys its queries see), and the online softmax."""
+    monkeypatch.setattr(kv_quant, "DENSE_BYTES", 0 if reading == "chunked" else kv_quant.DENSE_BYTES)
+    monkeypatch.setattr(kv_quant, "QUERY_ROWS", 7 if reading == "dense-rows" else kv_quant.QUERY_ROWS)
     torch.manual_seed(0)
     bs, H, D = 8, 2, 16
     k, v, q = torch.randn(1, H, 30, D), torch.randn(1, H, 30, D), torch.randn(1, 4, 30, D)
