@@ -83,6 +83,7 @@ def test_cached_step_follows_every_weight_change(monkeypatch):
     weight re-assigned) or a dropped kernel layout; a weight's storage swapped in place (``.data =``) moves its data
     pointer. After each kind of change the step gives the Python layers' logits again; with none, no walk."""
     from runtime.model import Linear
+    from runtime.reference.naive_attention import naive_attention
     from tests.tiny_models import TINY_CONFIGS
 
     cfg = TINY_CONFIGS["llama"]
@@ -122,7 +123,12 @@ def test_cached_step_follows_every_weight_change(monkeypatch):
         after = check()
         assert not torch.equal(after, before)
         before = after
-    assert taken == [True, True, False, False] * 5  # prefill + step: compiled when fast, else the Python layers
+    with naive_attention(model):  # attention classes swapped in place: nothing registers, the step must not run
+        assert cpu_step.step_model(model) is None
+        torch.testing.assert_close(step_logits(True), before, atol=2e-5, rtol=1e-4)
+    assert cpu_step.step_model(model) is not None
+    # prefill + step: compiled when fast, else the Python layers (and under naive attention)
+    assert taken == [True, True, False, False] * 5 + [False, False]
 
 
 @torch.inference_mode()

@@ -363,20 +363,32 @@ def isa_supported(family: str) -> bool:
 @dataclass
 class StepEntry:
     """A model's compiled StepModel and what it was built from. ``generation``: the registrations count when last
-    checked in full; ``weights`` / ``pointers``: every dense weight and norm the step reads and its data pointer
-    then (an in-place ``.data`` swap keeps the module and Parameter but moves the pointer)."""
+    checked in full; ``modules`` / ``types``: every module the check looks at and its class then (a class swapped in
+    place, as runtime.reference.naive_attention does, registers nothing); ``weights`` / ``pointers``: every dense
+    weight and norm the step reads and its data pointer then (an in-place ``.data`` swap moves the pointer)."""
 
     generation: int
     fingerprint: tuple
     built: object
     int8_acts: bool
+    modules: list
+    types: list[type]
     weights: list[Tensor]
     pointers: list[int]
 
     def unchanged(self) -> bool:
         """Whether nothing the step reads can have changed since the last full check, without walking the model
         (that walk, run on caches the step's weights just flushed, cost ~0.35 ms a decode step)."""
-        return self.generation == _GENERATION[0] and [w.data_ptr() for w in self.weights] == self.pointers
+        return (
+            self.generation == _GENERATION[0]
+            and [type(m) for m in self.modules] == self.types
+            and [w.data_ptr() for w in self.weights] == self.pointers
+        )
+
+    def checked(self, generation: int) -> StepEntry:
+        """Record a full check that found the model unchanged (at registrations count `generation`)."""
+        self.generation, self.pointers = generation, [w.data_ptr() for w in self.weights]
+        return self
 
 
 _STEP_MODELS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> StepEntry
@@ -453,8 +465,7 @@ def _step_entry(model) -> StepEntry | None:
     if layers is None:
         return None
     if cached is not None and cached.fingerprint == fingerprint(layers):
-        cached.generation, cached.pointers = generation, [w.data_ptr() for w in cached.weights]
-        return cached
+        return cached.checked(generation)
     dtype = model.compute_dtype
     norms, linears, int8_acts = [], [], True
     for input_norm, post_norm, *lin in layers:
@@ -470,10 +481,14 @@ def _step_entry(model) -> StepEntry | None:
     built = extension().StepModel(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps,
                                   norms, linears)  # fmt: skip
     # after the handles: they make the layouts and move weights into huge pages
+    parts = [m for layer in model.layers for m in (layer, layer.self_attn, layer.mlp)]
+    modules = parts + [m for mods in layers for m in mods]
     weights = [m.weight for mods in layers for m in mods if isinstance(m._parameters.get("weight"), Tensor)]
-    entry = StepEntry(generation, fingerprint(layers), built, int8_acts, weights, [w.data_ptr() for w in weights])
+    entry = StepEntry(
+        generation, fingerprint(layers), built, int8_acts, modules, [type(m) for m in modules], weights, []
+    )
     _STEP_MODELS[model] = entry
-    return entry
+    return entry.checked(generation)
 
 
 def decode(model, x: Tensor, meta, cache) -> Tensor | None:
