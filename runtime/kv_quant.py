@@ -467,9 +467,10 @@ class KVPool:
         seal_blocks = sorted(seal)
         seal_from = [open_now.get(x, -1) for x in seal_blocks]
         opened = sorted(x for x in touched if x not in seal and x not in open_now)
-        if len(opened) > len(self.free_open) + sum(x in open_now for x in seal_blocks):
+        free = len(self.free_open) + sum(x in open_now for x in seal_blocks)  # sealing frees their slots
+        if len(opened) > free:
             raise RuntimeError(
-                f"int4 KV: {len(opened)} blocks to open, {len(self.free_open)} residual slots free (a bug: the "
+                f"int4 KV: {len(opened)} blocks to open, {free} residual slots free (a bug: the "
                 "cache was sized for fewer rows or a shorter lookahead)"
             )
         for x in seal_blocks:

@@ -555,8 +555,9 @@ def step_rope(model, meta, rows: int) -> tuple[Tensor, Tensor]:
     dtype = model.compute_dtype
     tables = _ROPE_TABLES.setdefault(model, {})
     cos, sin = tables.get(dtype, (None, None))
-    if cos is None or int(positions.max()) >= cos.shape[0]:
-        size = max(int(positions.max()) + 1, 2 * (0 if cos is None else cos.shape[0]))
+    top = int(positions.max())
+    if cos is None or top >= cos.shape[0]:
+        size = max(top + 1, 2 * (0 if cos is None else cos.shape[0]))
         cos, sin = tables[dtype] = rope_table(model, dtype, -(-size // ROPE_TABLE_BLOCK) * ROPE_TABLE_BLOCK)
     return cos.index_select(0, positions), sin.index_select(0, positions)
 
