@@ -55,13 +55,14 @@ def test_stop_conditions(tiny_llama):
 
 
 def brute_force_probs(logits: torch.Tensor, t: float, k: int, p: float) -> torch.Tensor:
-    """Independent oracle: the same filters written as plain loops over sorted tokens."""
+    """Independent oracle: the same filters written as plain loops over sorted tokens (ties in index order)."""
     probs = torch.softmax(logits.double() / t, -1)
-    order = sorted(range(len(logits)), key=lambda i: -float(logits[i]))
+    values, masses = logits.tolist(), probs.tolist()
+    order = sorted(range(len(values)), key=lambda i: -values[i])
     keep = set(order[:k]) if k else set(order)
     if k:  # ties with the k-th logit are kept
-        keep |= {i for i in order if logits[i] == logits[order[k - 1]]}
-    kept_mass = sum(float(probs[i]) for i in keep)
+        keep |= {i for i in order if values[i] == values[order[k - 1]]}
+    kept_mass = sum(masses[i] for i in keep)
     mass = 0.0
     final = set()
     for i in order:
@@ -70,7 +71,7 @@ def brute_force_probs(logits: torch.Tensor, t: float, k: int, p: float) -> torch
         if mass >= p - 1e-12:
             break
         final.add(i)
-        mass += float(probs[i]) / kept_mass
+        mass += masses[i] / kept_mass
     out = torch.zeros_like(probs)
     for i in final:
         out[i] = probs[i]
@@ -84,6 +85,45 @@ def test_logits_to_probs_exact(t, k, p):
         logits = torch.randn(20, generator=gen) * 3
         got = logits_to_probs(logits, SamplingParams(temperature=t, top_k=k, top_p=p))
         torch.testing.assert_close(got.double(), brute_force_probs(logits, t, k, p), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "scale,t,p",
+    [
+        (4.0, 0.7, 0.95),  # peaked: the nucleus within the first candidates
+        (2.0, 1.0, 0.6),  # ~1-2k tokens: the candidates grow once
+        (1.5, 1.0, 0.5),  # several thousand: twice
+    ],
+)
+def test_top_p_on_a_real_vocabulary_is_the_sorted_nucleus(scale, t, p):
+    """top_p_filter searches a few hundred candidates first and widens them until the nucleus ends inside: on
+    Qwen2.5's vocabulary size it equals the oracle's full sort, also where the nucleus is far wider than the first
+    candidates (a search that stopped early would cut it short) and for a batch mixing both."""
+    from runtime.sampling import TOP_P_CANDIDATES
+
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(2, 151936, generator=gen) * torch.tensor([[scale], [4.0]])
+    got = logits_to_probs(logits, SamplingParams(temperature=t, top_p=p))
+    for row in range(2):
+        want = brute_force_probs(logits[row], t, 0, p)
+        assert torch.equal(got[row] > 0, want > 0)
+        torch.testing.assert_close(got[row].double(), want, atol=1e-7, rtol=1e-4)
+    if scale < 4.0:
+        assert int((got[0] > 0).sum()) > TOP_P_CANDIDATES  # the case exercises the widening
+
+
+def test_top_p_breaks_ties_at_the_nucleus_edge_by_index():
+    """Logits on a 3-value grid tie about a thousand tokens each; the nucleus ends inside a tie block and keeps
+    its lowest token indices, as the oracle's stable sort does (some tokens of the block in, some out). A token
+    holds ~1e-3 of the mass here, far above fp32's cumsum error, so the edge is the same in fp32 and float64."""
+    gen = torch.Generator().manual_seed(9)
+    logits = torch.randint(0, 3, (3000,), generator=gen).float()
+    got = logits_to_probs(logits, SamplingParams(temperature=1.0, top_p=0.77))
+    want = brute_force_probs(logits, 1.0, 0, 0.77)
+    assert torch.equal(got > 0, want > 0)
+    block = logits == logits[want > 0].min()
+    assert 0 < int((want[block] > 0).sum()) < int(block.sum())  # the edge cuts a tie block
+    torch.testing.assert_close(got.double(), want, atol=1e-9, rtol=1e-4)
 
 
 def test_greedy_is_one_hot_argmax():
