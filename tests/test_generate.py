@@ -145,6 +145,30 @@ def test_sampler_frequencies_match_probs():
     assert chisquare(counts.numpy(), (probs * 20000).numpy()).pvalue > 1e-3
 
 
+def test_sample_draws_a_real_vocabulary_exactly():
+    """The inverse-CDF sampler on Qwen2.5's vocabulary size: a few likely tokens, zeros between them and a long
+    tail. Chi-square of 10k draws (one call of 10k rows, one generator) over the likely tokens and the tail
+    lumped into one bin, significance 1e-3 (a correct sampler fails for 0.1 % of seeds); zero-probability
+    tokens are never drawn; an unnormalized row is its normalized distribution; a row without mass is refused."""
+    from scipy.stats import chisquare
+
+    from runtime.sampling import sample
+
+    V = 151936
+    probs = torch.zeros(V)
+    probs[torch.arange(1, V, 2)] = 0.3 / (V // 2)  # the tail on odd tokens, the even ones impossible
+    likely = torch.tensor([0, 4096, 77778, V - 1 - (V % 2 == 0)])
+    probs[likely] = torch.tensor([0.35, 0.2, 0.1, 0.05])
+    draws = sample((probs * 7.0).expand(10000, V), make_generator(3))  # unnormalized rows
+    assert not bool((probs[draws] == 0).any())
+    hits = torch.stack([(draws == t).sum() for t in likely]).double()
+    observed = torch.cat([hits, (10000 - hits.sum()).reshape(1)])
+    expected = torch.cat([probs[likely].double(), torch.tensor([0.3], dtype=torch.float64)]) * 10000
+    assert chisquare(observed.numpy(), expected.numpy() * observed.sum().item() / expected.sum().item()).pvalue > 1e-3
+    with pytest.raises(ValueError, match="mass"):
+        sample(torch.zeros(2, 10))
+
+
 @pytest.mark.parametrize(
     "bad", [dict(temperature=-1), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-2), dict(max_tokens=0)]
 )
