@@ -173,15 +173,17 @@ def sample(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
     exceeds u times the row's total, so a zero-probability token is never drawn. torch.multinomial drew the same
     distribution at ~3 ms a row over Qwen2.5's 151936 tokens on CPU; this takes ~0.2 ms."""
     flat = probs.reshape(-1, probs.shape[-1])
-    u = torch.rand(flat.shape[0], dtype=torch.float64, generator=generator, device=flat.device)
-    out = torch.empty(flat.shape[0], dtype=torch.long, device=flat.device)
-    for row in range(flat.shape[0]):  # row by row: one row's float64 cdf stays in cache
-        cdf = flat[row].double().cumsum(-1)
-        total = cdf[-1:]
-        if not bool(torch.isfinite(total).all() and (total > 0).all()):
-            raise ValueError(f"cannot sample from a distribution whose mass is {float(total[0])}")
-        out[row] = torch.searchsorted(cdf, u[row : row + 1] * total, right=True).clamp_(max=flat.shape[-1] - 1)[0]
-    return out.reshape(probs.shape[:-1])
+    u = torch.rand(flat.shape[0], 1, dtype=torch.float64, generator=generator, device=flat.device)
+    # on CPU row by row (one row's float64 cdf stays in cache); elsewhere in one call (one host sync)
+    spans = [(r, r + 1) for r in range(flat.shape[0])] if flat.device.type == "cpu" else [(0, flat.shape[0])]
+    out = []
+    for a, b in spans:
+        cdf = flat[a:b].double().cumsum(-1)
+        total = cdf[:, -1:]
+        if not bool((torch.isfinite(total) & (total > 0)).all()):
+            raise ValueError(f"cannot sample from a distribution whose mass is {total.min().item()}")
+        out.append(torch.searchsorted(cdf, u[a:b] * total, right=True).clamp_(max=flat.shape[-1] - 1))
+    return torch.cat(out).reshape(probs.shape[:-1])
 
 
 def sample_rows(probs: Tensor, params: list[SamplingParams], generators: list[torch.Generator]) -> Tensor:
