@@ -189,10 +189,11 @@ def sample(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
 def sample_rows(probs: Tensor, params: list[SamplingParams], generators: list[torch.Generator]) -> Tensor:
     """[B, V] -> [B]: each row drawn with its own generator, so a sequence's draws do not depend on
     which other sequences share its batch; greedy rows take the argmax."""
-    out = probs.argmax(-1)
-    for b, (p, gen) in enumerate(zip(params, generators)):
-        if not p.greedy:
-            out[b] = sample(probs[b], gen)
+    if not len(params) == len(generators) == probs.shape[0]:
+        raise ValueError(f"{probs.shape[0]} rows, {len(params)} params, {len(generators)} generators")
+    out = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
+    for b, (p, gen) in enumerate(zip(params, generators)):  # an argmax over 151936 tokens is ~0.2 ms: greedy rows
+        out[b] = probs[b].argmax(-1) if p.greedy else sample(probs[b], gen)
     return out
 
 
