@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from evals.speculation.spec_cost import load_profile
 from evals.speculation.specbench import main
 from evals.speculation.specbench_suite import SMOKE_CONFIG, parse_method, run_suite, smoke_suite
 from runtime.data import wiki_docs, wiki_split
@@ -121,3 +122,29 @@ def test_cli_smoke(tmp_path, dtype):
         parse_method("lookahead")
     with pytest.raises(SystemExit):
         main(["--smoke", "--methods", "ngram:k=2"])  # no plain baseline
+
+
+def test_cost_curve_timed_in_the_same_process_predicts_every_row(tmp_path):
+    """--cost-Ts: the curve and the drafts' propose() timed after the suite on its model; each batch-1 row's
+    prediction is the cost model's formula on that curve (by hand here) beside the row's measured decode speedup."""
+    out = tmp_path / "s.json"
+    argv = ["--smoke", "--per-category", "1", "--batch-sizes", "1", "--max-tokens", "6", "--warmup", "0"]
+    argv += ["--categories", "qa", "chat", "--methods", "plain", "ngram:k=2", "draft:layers=1,k=2"]
+    main([*argv, "--cost-Ts", "3,1,2", "--cost-repeats", "1", "--out", str(out)])
+    rec = json.loads(out.read_text())
+    prof = rec["cost_profile"]
+    c = {int(t): s for t, s in prof["verify_s"].items()}
+    assert sorted(c) == [1, 2, 3] and set(prof["draft_s"]) == {"ngram:k=2", "draft:layers=1,k=2"}
+    rows = {(r["category"], r["method"]): r for r in rec["rows"] if r["method"] != "plain"}
+    preds = {(p["category"], p["method"]): p for p in rec["cost_predictions"]}
+    assert set(preds) == set(rows) and len(rows) == 6  # qa, chat, overall x two methods
+    for key, p in preds.items():
+        row = rows[key]
+        hist = {int(t): n for t, n in row["fed_tokens_hist"].items()}
+        step = sum(n * (prof["empty_step_s"] if t == 1 else c[t]) for t, n in hist.items()) / sum(hist.values())
+        expected = row["tokens_per_step"] * c[1] / (prof["draft_s"][key[1]] + step)
+        assert p["predicted_speedup"] == pytest.approx(expected, rel=1e-3, abs=1e-4)
+        assert p["measured_speedup"] == row["decode_speedup_vs_plain"]
+    assert load_profile(str(out)).verify_s == c  # the record serves as spec_cost predict's --profile
+    with pytest.raises(SystemExit):
+        main([*argv, "--cost-Ts", "2,3"])  # no plain step in the curve

@@ -252,8 +252,8 @@ def roofline_profile(gpu_name: str, cfg, context: int = 512, max_T: int = 128) -
 
 
 def load_profile(spec: str, cfg=None, context: int = 512) -> Profile:
-    """A GPU name (roofline; needs cfg), or a JSON file: a measured profile (``kind`` measured) or a
-    gpu_check record (``verify_curve_s`` / ``verify_curve_ms``)."""
+    """A GPU name (roofline; needs cfg), or a JSON file: a measured profile (``kind`` measured), a specbench record
+    holding one (``cost_profile``) or a gpu_check record (``verify_curve_s`` / ``verify_curve_ms``)."""
     if spec in GPUS:
         if cfg is None:
             raise CostError("a roofline profile needs the model's config")
@@ -265,6 +265,7 @@ def load_profile(spec: str, cfg=None, context: int = 512) -> Profile:
         raw = json.loads(path.read_text())
     except json.JSONDecodeError as err:
         raise CostError(f"{path} is not JSON: {err}") from err
+    raw = raw.get("cost_profile", raw)  # a specbench record that measured its own curve (--cost-Ts)
     if raw.get("kind") == "measured":
         return Profile(
             raw.get("name", path.stem),
@@ -723,14 +724,23 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
     return ap, ap.parse_args(argv)
 
 
+def parse_Ts(text: str) -> list[int]:
+    """A comma list of chain sizes T to time ("1,2,4,8"): sorted, T = 1 (a plain step) among them."""
+    try:
+        Ts = sorted({int(t) for t in text.split(",")})
+    except ValueError:
+        raise CostError(f"{text!r}: a comma list of token counts, e.g. 1,2,4,8") from None
+    if Ts[0] != 1:
+        raise CostError(f"the chain sizes must include T = 1 (a plain step) and no T < 1, got {Ts}")
+    return Ts
+
+
 def step_sizes(ap: argparse.ArgumentParser, args) -> tuple[list[int], list[int]]:
     """(chain T, tree T) to time, from --Ts / --max-T and --tree-Ts."""
     try:
-        Ts = sorted({int(t) for t in args.Ts.split(",")}) if args.Ts else list(range(1, args.max_T + 1))
-    except ValueError:
-        ap.error(f"--Ts {args.Ts!r}: a comma list of token counts, e.g. 1,2,4,8")
-    if Ts[0] != 1:
-        ap.error(f"--Ts must include T = 1 (a plain step) and no T < 1, got {Ts}")
+        Ts = parse_Ts(args.Ts) if args.Ts else list(range(1, args.max_T + 1))
+    except CostError as err:
+        ap.error(f"--Ts {err}")
     try:
         tree_Ts = sorted({int(t) for t in args.tree_Ts.split(",") if t.strip()})
     except ValueError:
@@ -775,6 +785,38 @@ def print_profile(prof: Profile) -> None:
     )
 
 
+def profile_record(prof: Profile) -> dict:
+    """A measured profile as its JSON record's fields (load_profile reads them back)."""
+    return {
+        "kind": prof.kind,
+        "name": prof.name,
+        "verify_s": prof.verify_s,
+        "tree_verify_s": prof.tree_verify_s,
+        "draft_s": prof.draft_s,
+        "notes": prof.notes,
+        "batch": prof.batch,
+        "decode_overhead_s": prof.decode_overhead_s,
+        "step_overhead_s": prof.step_overhead_s,
+        "empty_step_s": prof.empty_step_s,
+    }
+
+
+def print_predictions(rows: list[dict]) -> None:
+    """predict_suite's rows as a table on stderr."""
+    print(
+        f"{'batch':>5s} {'category':14s} {'method':34s} {'tok/step':>8s} {'predicted':>9s} {'measured':>8s} error",
+        file=sys.stderr,
+    )
+    for r in rows:
+        meas = "" if r["measured_speedup"] is None else f"{r['measured_speedup']:7.2f}x"
+        err = "" if r["error"] is None else f"{100 * r['error']:+.1f}%"
+        print(
+            f"{r['batch']:5d} {r['category']:14s} {r['method']:34s} {r['tokens_per_step']:8.2f} "
+            f"{r['predicted_speedup']:8.2f}x {meas:>8s} {err}",
+            file=sys.stderr,
+        )
+
+
 def measure_command(ap: argparse.ArgumentParser, args, argv: list[str] | None) -> None:
     """``measure``: this machine's cost curve, written to --out."""
     methods = args.methods if args.methods is not None else (SMOKE_METHODS if args.smoke else DEFAULT_METHODS)
@@ -791,16 +833,7 @@ def measure_command(ap: argparse.ArgumentParser, args, argv: list[str] | None) -
     prof = measure(model, sps, args.context, Ts, args.repeats, args.batch, in_loop=in_loop, tree_Ts=tree_Ts)
     record = {
         **provenance(command=module_command("evals.speculation.spec_cost", argv)),
-        "kind": "measured",
-        "name": prof.name,
-        "verify_s": prof.verify_s,
-        "tree_verify_s": prof.tree_verify_s,
-        "draft_s": prof.draft_s,
-        "notes": prof.notes,
-        "batch": prof.batch,
-        "decode_overhead_s": prof.decode_overhead_s,
-        "step_overhead_s": prof.step_overhead_s,
-        "empty_step_s": prof.empty_step_s,
+        **profile_record(prof),
         "dtype": args.dtype,
         "timing": args.timing,
     }
@@ -864,18 +897,7 @@ def predict_command(ap: argparse.ArgumentParser, args) -> None:
     profile, rows = suite_rows(
         ap, args, lambda s, p, cfg: predict_suite(s, p, cfg, args.context, args.draft_from_suite)
     )
-    print(
-        f"{'batch':>5s} {'category':14s} {'method':34s} {'tok/step':>8s} {'predicted':>9s} {'measured':>8s} error",
-        file=sys.stderr,
-    )
-    for r in rows:
-        meas = "" if r["measured_speedup"] is None else f"{r['measured_speedup']:7.2f}x"
-        err = "" if r["error"] is None else f"{100 * r['error']:+.1f}%"
-        print(
-            f"{r['batch']:5d} {r['category']:14s} {r['method']:34s} {r['tokens_per_step']:8.2f} "
-            f"{r['predicted_speedup']:8.2f}x {meas:>8s} {err}",
-            file=sys.stderr,
-        )
+    print_predictions(rows)
     save_rows(args, profile, rows)
 
 

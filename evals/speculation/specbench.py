@@ -30,6 +30,10 @@ whose heads are missing is skipped and recorded as such.
 
     python -m evals.speculation.specbench --smoke                      # seconds, tiny random model (tested)
     python -m evals.speculation.specbench --per-category 4 --batch-sizes 1 4 --out results/specbench.json
+
+``--cost-Ts 1,2,...,9`` then times the cost curve in the same process on the same model and records the cost
+model's prediction of each batch-1 row beside its measurement (``cost_profile``, ``cost_predictions``; the record
+also serves as ``spec_cost predict --profile``).
 """
 
 from __future__ import annotations
@@ -43,6 +47,16 @@ from pathlib import Path
 
 import torch
 
+from evals.speculation.spec_cost import (
+    CostError,
+    measure,
+    parse_Ts,
+    predict_suite,
+    print_predictions,
+    print_profile,
+    profile_record,
+    speculators,
+)
 from evals.speculation.specbench_suite import (
     DEFAULT_METHODS,
     SMOKE_CONFIG,
@@ -59,6 +73,7 @@ from runtime.loader import DEFAULT_MODEL, load_tokenizer
 from runtime.model import random_model
 from runtime.prompts import CATEGORIES, SuiteError, build_suite, encode_messages
 from runtime.provenance import module_command, provenance
+from speculate.registry import BuildContext
 from speculate.training import head_dir
 
 
@@ -103,6 +118,15 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
         "w4a8-int8head, ...); lossless = equal to plain decoding of that target",
     )
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--cost-Ts",
+        default=None,
+        help="after the suite, time the cost curve c(T) at these chain sizes (comma list with 1) and each method's "
+        "propose() in this process, on the suite's own model, and predict every batch-1 row with it "
+        "(evals.speculation.spec_cost); a curve timed in another process can run in another host phase",
+    )
+    ap.add_argument("--cost-context", type=int, default=256, help="cached tokens the cost curve is timed at")
+    ap.add_argument("--cost-repeats", type=int, default=3, help="interleaved rounds of the cost curve")
     ap.add_argument("--smoke", action="store_true", help="tiny random model, synthetic prompts: seconds")
     ap.add_argument("--strict", action="store_true", help="exit non-zero if a lossless method's output differs")
     ap.add_argument("--out", default=None, help="write the JSON record here")
@@ -114,6 +138,12 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
         [parse_method(m) for m in args.methods]
     except SuiteError as err:
         ap.error(str(err))
+    try:
+        args.cost_Ts = parse_Ts(args.cost_Ts) if args.cost_Ts else None
+    except CostError as err:
+        ap.error(f"--cost-Ts {err}")
+    if args.cost_Ts and 1 not in args.batch_sizes:
+        ap.error("--cost-Ts predicts the batch-1 rows: --batch-sizes must include 1")
     return ap, args
 
 
@@ -191,7 +221,23 @@ def run_recorded(args, work: Workload, record: dict) -> dict:
         target_path=work.path,
     )
     save(result, complete=True)
+    if args.cost_Ts:
+        record.update(same_process_predictions(args, work, record))
+        save(result, complete=True)
     return result
+
+
+def same_process_predictions(args, work: Workload, record: dict) -> dict:
+    """The cost curve timed right after the suite on its own model (same process, same weights in memory: the
+    host phase the suite ran in) and the cost model's prediction of each batch-1 row with it."""
+    log(f"[specbench] cost curve: T = {args.cost_Ts}, context {args.cost_context}, {args.cost_repeats} rounds")
+    context = BuildContext(smoke=True) if args.smoke else BuildContext(target_path=work.path)
+    sps = speculators(args.methods, work.model, context)
+    profile = measure(work.model, sps, args.cost_context, args.cost_Ts, args.cost_repeats, batch=1)
+    rows = predict_suite(record, profile)
+    print_profile(profile)
+    print_predictions(rows)
+    return {"cost_profile": profile_record(profile), "cost_predictions": rows}
 
 
 def main(argv: list[str] | None = None) -> dict:
