@@ -162,9 +162,11 @@ def test_profile_files(tmp_path):
 def test_measure_tiny():
     model = random_model(SMOKE_CONFIG, seed=0)
     sps = {"ngram:k=2": build_method("ngram", {"k": 2}, model, {}, True)}
+    sps["draft:layers=1,k=2"] = build_method("draft", {"layers": 1, "k": 2}, model, {}, True)
     prof = measure(model, sps, context=8, Ts=[1, 2, 4], repeats=1)
     assert set(prof.verify_s) == {1, 2, 4} and all(v > 0 for v in prof.verify_s.values())
-    assert set(prof.draft_s) == {"ngram:k=2"}
+    assert set(prof.draft_s) == set(prof.draft_tokens) == {"ngram:k=2", "draft:layers=1,k=2"}
+    assert 1.5 <= prof.draft_tokens["draft:layers=1,k=2"] <= 2  # k = 2 a step (the last steps may be cut short)
 
 
 def test_choose_draft_by_acceptance_per_cost():
@@ -371,3 +373,22 @@ def test_a_dynamic_k_draft_costs_its_drafted_tokens_at_the_profiled_per_token_pr
     assert rows[dynamic] == pytest.approx(0.05 / 5 * 3.5)
     assert rows[fixed] == 0.05  # its own entry
     assert rows["draft:layers=3,k=5"] == 0.9  # another draft: the suite's own measurement
+
+
+def test_a_draft_timed_with_its_drafted_tokens_is_priced_per_token_it_drafts(tmp_path):
+    # the profile timed a confidence-stopped draft at 6 drafted tokens per call (on its random context) and this
+    # very method drafted 4 per step on the suite: its propose() costs 4 / 6 of the profiled call; the same draft
+    # at another k is priced by the 6 drafted tokens too (not by its k = 8); without the count, the call's cost
+    dynamic, other = "draft:layers=2,k=8,conf=0.4", "draft:layers=2,k=4"
+    profile = Profile("cpu", "measured", {1: 0.01, 9: 0.02}, {dynamic: 0.06}, draft_tokens={dynamic: 6.0})
+    row = {"batch": 1, "category": "overall", "tokens_per_step": 3.0, "fed_tokens_hist": {"5": 2},
+           "mean_fed_tokens": 5.0, "draft_s_per_step": 0.9, "decode_speedup_vs_plain": 1.0}  # fmt: skip
+    suite = {"rows": [dict(row, method=dynamic), dict(row, method=other), dict(row, method="ngram:k=8")]}
+    rows = {r["method"]: r["draft_s"] for r in predict_suite(suite, profile)}
+    assert rows[dynamic] == pytest.approx(0.06 / 6 * 4) and rows[other] == pytest.approx(0.06 / 6 * 4)
+    assert rows["ngram:k=8"] == 0.9  # not in the profile: the suite's own measurement
+    uncounted = Profile("cpu", "measured", {1: 0.01, 9: 0.02}, {dynamic: 0.06})
+    assert predict_suite({"rows": [dict(row, method=dynamic)]}, uncounted)[0]["draft_s"] == 0.06
+    path = tmp_path / "p.json"  # the count survives the profile's record
+    path.write_text(json.dumps({"kind": "measured", "verify_s": {"1": 0.01}, "draft_tokens": {dynamic: 6.0}}))
+    assert load_profile(str(path)).draft_tokens == {dynamic: 6.0}

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -98,6 +99,10 @@ class Profile:
     # seconds of a speculative step that offered no drafts (T = 1: an n-gram step without a match), measured in the
     # real loop: it runs the speculative loop's step, not the plain one; None: c(1) + o_spec
     empty_step_s: float | None = None
+    # method label -> tokens drafted per propose() in the run that timed draft_s (measured in the loop): a draft
+    # model's propose() runs one forward per drafted token, so a suite row is priced per token it drafted (a
+    # dynamic k drafts as many as its confidence allows, on the curve's context and on the suite's alike)
+    draft_tokens: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self):
         if not self.verify_s or 1 not in self.verify_s:
@@ -278,6 +283,7 @@ def load_profile(spec: str, cfg=None, context: int = 512) -> Profile:
             float(raw.get("step_overhead_s", 0.0)),
             {int(t): float(c) for t, c in raw.get("tree_verify_s", {}).items()},
             raw.get("empty_step_s"),
+            {k: float(v) for k, v in raw.get("draft_tokens", {}).items()},
         )
     if "verify_curve_s" in raw or "verify_curve_ms" in raw:
         scale, curve = (1.0, raw["verify_curve_s"]) if "verify_curve_s" in raw else (1e-3, raw["verify_curve_ms"])
@@ -346,19 +352,22 @@ def step_draft_seconds(
 
 
 def profile_draft_seconds(row: dict, describe: dict, profile: Profile, cfg=None, context: int = 512) -> float | None:
-    """A suite row's propose() seconds per step from the profile: its own entry; else, for a draft model the profile
-    timed under another k or confidence rule, that draft's seconds per drafted token times the drafts this row made
-    per step (mean fed tokens - 1: a dynamic k drafts fewer than k); else the roofline's (a GPU profile); None when
-    the profile does not know the method (the suite's own measurement is used)."""
-    method = row["method"]
+    """A suite row's propose() seconds per step from the profile. A draft model the profile timed: its seconds per
+    drafted token (per call / the tokens it drafted per call there) times the tokens this row drafted per step
+    (mean fed tokens - 1); for this very method only where the profile counted its drafted tokens (else its
+    seconds per call), for the same draft under another k or confidence rule with k drafts per call where it did
+    not. Another method the profile timed: its seconds per call; a GPU profile: the roofline's; None when the
+    profile does not know the method (the suite's own measurement is used)."""
+    method, drafted = row["method"], (row.get("mean_fed_tokens") or 0) - 1
     if method in profile.draft_s:
-        return profile.draft_s[method]
+        seconds, per_call = profile.draft_s[method], profile.draft_tokens.get(method)
+        return seconds / per_call * drafted if per_call and drafted > 0 and same_draft(method, method) else seconds
     if profile.kind == "roofline":
         return draft_time(GPUS[profile.name], Shapes.of(cfg), describe.get(method, {"name": method}), context)
     for other, seconds in profile.draft_s.items():
         k = same_draft(method, other)
-        if k and row.get("mean_fed_tokens"):
-            return seconds / k * (row["mean_fed_tokens"] - 1)
+        if k and drafted > 0:
+            return seconds / profile.draft_tokens.get(other, k) * drafted
     return None
 
 
@@ -489,11 +498,15 @@ def measure(
     prompts = tokens[:, :context]
     with torch.inference_mode():
         if in_loop:  # the real loops prefill for themselves
+            drafted = {}
             samplers = {("verify", T): loop_step_sampler(model, prompts, T) for T in Ts}
             samplers["empty", 1] = loop_step_sampler(model, prompts, 1, empty=True)
             samplers.update({("tree", T): loop_step_sampler(model, prompts, T, tree=True) for T in tree_Ts})
             samplers.update(
-                {("draft", label): loop_draft_sampler(model, prompts, sp) for label, sp in speculators.items()}
+                {
+                    ("draft", label): loop_draft_sampler(model, prompts, sp, drafted, label)
+                    for label, sp in speculators.items()
+                }
             )
             medians = interleaved_medians(samplers, repeats)
             verify, trees, draft = (
@@ -506,6 +519,7 @@ def measure(
             return Profile(
                 "cpu-measured", "measured", verify, draft, notes, batch, tree_verify_s=trees,
                 empty_step_s=medians["empty", 1],
+                draft_tokens={label: statistics.median(counts) for label, counts in drafted.items()},
             )  # fmt: skip
         cache, hidden = prefill(model, prompts, capacity)  # the drafts' states and the bare forwards read it
         draft = {}
@@ -642,16 +656,20 @@ def loop_step_sampler(model, prompts: torch.Tensor, T: int, tree: bool = False, 
     return spec_step
 
 
-def loop_draft_sampler(model, prompts: torch.Tensor, speculator: Speculator):
+def loop_draft_sampler(model, prompts: torch.Tensor, speculator: Speculator, drafted: dict | None = None, label=None):
     """A function timing one real speculative run (greedy, EOS ignored, OVERHEAD_STEPS tokens) and returning its
     seconds of propose() per step: the draft runs between target forwards, as in use, with its catch-up feeds.
-    Timed alone it looks cheaper (an int4 self-draft: 45 ms per call alone, 58 ms per step in the suite's loop)."""
+    Timed alone it looks cheaper (an int4 self-draft: 45 ms per call alone, 58 ms per step in the suite's loop).
+    drafted: each run appends the tokens drafted per step to drafted[label] (what the seconds paid for)."""
     rows = prompts.tolist()
     params = SamplingParams(temperature=0.0, max_tokens=OVERHEAD_STEPS + 1, ignore_eos=True)
 
     def per_step() -> float:
         timed = TimedSpeculator(speculator)
         out = speculative_generate(model, rows, params, timed, compile="off")
+        steps = max(sum(timed.fed.values()), 1)
+        if drafted is not None:
+            drafted.setdefault(label, []).append(sum((t - 1) * n for t, n in timed.fed.items()) / steps)
         return timed.draft_s / max(out.stats.steps, 1)
 
     return per_step
@@ -798,6 +816,7 @@ def profile_record(prof: Profile) -> dict:
         "decode_overhead_s": prof.decode_overhead_s,
         "step_overhead_s": prof.step_overhead_s,
         "empty_step_s": prof.empty_step_s,
+        "draft_tokens": prof.draft_tokens,
     }
 
 
