@@ -9,7 +9,7 @@ import json
 import pytest
 
 from evals.speculation.spec_cost import load_profile
-from evals.speculation.specbench import main
+from evals.speculation.specbench import main, progress_calls
 from evals.speculation.specbench_suite import SMOKE_CONFIG, parse_method, run_suite, smoke_suite
 from runtime.data import wiki_docs, wiki_split
 from runtime.model import random_model
@@ -145,6 +145,8 @@ def test_cost_curve_timed_in_the_same_process_predicts_every_row(tmp_path):
         expected = row["tokens_per_step"] * c[1] / (prof["draft_s"][key[1]] + step)
         assert p["predicted_speedup"] == pytest.approx(expected, rel=1e-3, abs=1e-4)
         assert p["measured_speedup"] == row["decode_speedup_vs_plain"]
+    assert "median of 1 rounds" in prof["notes"]  # the timed round ran between the prompt batches (and a warm-up)
+    assert progress_calls([("a", [1])] * 3 + [("b", [2])], [1, 2]) == (3 + 1) + (2 + 1)  # batches per size, category
     assert load_profile(str(out)).verify_s == c  # the record serves as spec_cost predict's --profile
     with pytest.raises(SystemExit):
         main([*argv, "--cost-Ts", "2,3"])  # no plain step in the curve

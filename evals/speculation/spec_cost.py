@@ -473,6 +473,47 @@ def choose_k(suite: dict, profile: Profile, cfg=None, context: int = 512, catego
 # ---- measuring this machine ----------------------------------------------------------------------------
 
 
+class CurveRounds:
+    """The in-loop cost curve as rounds that take one sample of every sampler (each T, the empty step, each tree
+    size, each draft) in turn: a caller spreads them over a longer run (specbench --cost-Ts: between the suite's
+    prompts), so the curve meets the host's phases as the suite did; the profile takes each sampler's median."""
+
+    def __init__(self, model, speculators: dict, context: int, Ts: list[int], batch: int = 1, tree_Ts=()):
+        gen = torch.Generator().manual_seed(0)
+        prompts = torch.randint(2, model.config.vocab_size, (batch, context), generator=gen)
+        self.context, self.batch, self.drafted = context, batch, {}
+        self.samplers = {("verify", T): loop_step_sampler(model, prompts, T) for T in Ts}
+        self.samplers["empty", 1] = loop_step_sampler(model, prompts, 1, empty=True)
+        self.samplers.update({("tree", T): loop_step_sampler(model, prompts, T, tree=True) for T in tree_Ts})
+        for label, sp in speculators.items():
+            self.samplers["draft", label] = loop_draft_sampler(model, prompts, sp, self.drafted, label)
+        self.values = {key: [] for key in self.samplers}
+
+    def round(self) -> None:
+        with torch.inference_mode():
+            for key, sample in self.samplers.items():
+                self.values[key].append(sample())
+
+    def profile(self, skip: int = 0) -> Profile:
+        """The medians of the rounds after the first ``skip`` (warm-up) ones."""
+        rounds = len(self.values["empty", 1]) - skip
+        if rounds < 1:
+            raise CostError(f"the cost curve has no timed round ({skip} warm-up)")
+        med = {key: statistics.median(v[skip:]) for key, v in self.values.items()}
+        verify, trees, draft = (
+            {key: v for (kind, key), v in med.items() if kind == k} for k in ("verify", "tree", "draft")
+        )
+        notes = (
+            f"in-loop steps of {OVERHEAD_STEPS} from context {self.context}, batch {self.batch}, median of {rounds}"
+            " rounds interleaved over every T and draft"
+        )
+        drafted = {label: statistics.median(counts[skip:]) for label, counts in self.drafted.items()}
+        return Profile(
+            "cpu-measured", "measured", verify, draft, notes, self.batch, tree_verify_s=trees,
+            empty_step_s=med["empty", 1], draft_tokens=drafted,
+        )  # fmt: skip
+
+
 def measure(
     model,
     speculators: dict,
@@ -492,35 +533,16 @@ def measure(
     tree_Ts: the same for steps that verify a T-node candidate tree (FixedDrafts with a tree). Otherwise c(T) is a
     bare target forward over T new tokens, propose() is called alone, and the loops'
     own overheads are measured apart (loop_overheads)."""
+    if in_loop:  # the real loops prefill for themselves
+        curve = CurveRounds(model, speculators, context, Ts, batch, tree_Ts)
+        for _ in range(repeats + 1):  # a warm-up round, then the timed ones
+            curve.round()
+        return curve.profile(skip=1)
     gen = torch.Generator().manual_seed(0)
     capacity = context + max(Ts) + 64
     tokens = torch.randint(2, model.config.vocab_size, (batch, capacity), generator=gen)
     prompts = tokens[:, :context]
     with torch.inference_mode():
-        if in_loop:  # the real loops prefill for themselves
-            drafted = {}
-            samplers = {("verify", T): loop_step_sampler(model, prompts, T) for T in Ts}
-            samplers["empty", 1] = loop_step_sampler(model, prompts, 1, empty=True)
-            samplers.update({("tree", T): loop_step_sampler(model, prompts, T, tree=True) for T in tree_Ts})
-            samplers.update(
-                {
-                    ("draft", label): loop_draft_sampler(model, prompts, sp, drafted, label)
-                    for label, sp in speculators.items()
-                }
-            )
-            medians = interleaved_medians(samplers, repeats)
-            verify, trees, draft = (
-                {key: v for (kind, key), v in medians.items() if kind == k} for k in ("verify", "tree", "draft")
-            )
-            notes = (
-                f"in-loop steps of {OVERHEAD_STEPS} from context {context}, batch {batch}, median of {repeats} rounds"
-                " interleaved over every T and draft"
-            )
-            return Profile(
-                "cpu-measured", "measured", verify, draft, notes, batch, tree_verify_s=trees,
-                empty_step_s=medians["empty", 1],
-                draft_tokens={label: statistics.median(counts) for label, counts in drafted.items()},
-            )  # fmt: skip
         cache, hidden = prefill(model, prompts, capacity)  # the drafts' states and the bare forwards read it
         draft = {}
         for label, sp in speculators.items():

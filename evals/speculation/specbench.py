@@ -31,9 +31,9 @@ whose heads are missing is skipped and recorded as such.
     python -m evals.speculation.specbench --smoke                      # seconds, tiny random model (tested)
     python -m evals.speculation.specbench --per-category 4 --batch-sizes 1 4 --out results/specbench.json
 
-``--cost-Ts 1,2,...,9`` then times the cost curve in the same process on the same model and records the cost
-model's prediction of each batch-1 row beside its measurement (``cost_profile``, ``cost_predictions``; the record
-also serves as ``spec_cost predict --profile``).
+``--cost-Ts 1,2,...,9`` also times the cost curve in the same process on the same model, its rounds spread between
+the suite's prompt batches, and records the cost model's prediction of each batch-1 row beside its measurement
+(``cost_profile``, ``cost_predictions``; the record also serves as ``spec_cost predict --profile``).
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ import argparse
 import json
 import os
 import sys
+from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -49,7 +50,7 @@ import torch
 
 from evals.speculation.spec_cost import (
     CostError,
-    measure,
+    CurveRounds,
     parse_Ts,
     predict_suite,
     print_predictions,
@@ -121,12 +122,13 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
     ap.add_argument(
         "--cost-Ts",
         default=None,
-        help="after the suite, time the cost curve c(T) at these chain sizes (comma list with 1) and each method's "
-        "propose() in this process, on the suite's own model, and predict every batch-1 row with it "
-        "(evals.speculation.spec_cost); a curve timed in another process can run in another host phase",
+        help="time the cost curve c(T) at these chain sizes (comma list with 1) and each method's propose() in this "
+        "process, on the suite's own model, in rounds between the suite's prompt batches, and predict every batch-1 "
+        "row with it (evals.speculation.spec_cost): a curve timed in another process or another half hour meets "
+        "another host phase",
     )
     ap.add_argument("--cost-context", type=int, default=256, help="cached tokens the cost curve is timed at")
-    ap.add_argument("--cost-repeats", type=int, default=3, help="interleaved rounds of the cost curve")
+    ap.add_argument("--cost-repeats", type=int, default=5, help="timed rounds of the cost curve (after a warm-up)")
     ap.add_argument("--smoke", action="store_true", help="tiny random model, synthetic prompts: seconds")
     ap.add_argument("--strict", action="store_true", help="exit non-zero if a lossless method's output differs")
     ap.add_argument("--out", default=None, help="write the JSON record here")
@@ -202,6 +204,16 @@ def run_recorded(args, work: Workload, record: dict) -> dict:
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text(json.dumps(record, indent=2))
 
+    curve = start_cost_curve(args, work) if args.cost_Ts else None
+    calls, done = progress_calls(work.prompts, args.batch_sizes), [0]
+
+    def progress(result: dict) -> None:
+        save(result, complete=False)
+        if curve is not None:  # the curve's rounds spread evenly over the suite's prompt batches
+            done[0] += 1
+            for _ in range(done[0] * args.cost_repeats // calls - (done[0] - 1) * args.cost_repeats // calls):
+                curve.round()
+
     result = run_suite(
         work.model,
         work.prompts,
@@ -216,24 +228,36 @@ def run_recorded(args, work: Workload, record: dict) -> dict:
         top_p=args.top_p,
         warmup=args.warmup,
         log=log,
-        on_progress=lambda r: save(r, complete=False),
+        on_progress=progress,
         stop_at_eos=args.stop_at_eos,
         target_path=work.path,
     )
     save(result, complete=True)
-    if args.cost_Ts:
-        record.update(same_process_predictions(args, work, record))
+    if curve is not None:
+        record.update(curve_predictions(curve, record))
         save(result, complete=True)
     return result
 
 
-def same_process_predictions(args, work: Workload, record: dict) -> dict:
-    """The cost curve timed right after the suite on its own model (same process, same weights in memory: the
-    host phase the suite ran in) and the cost model's prediction of each batch-1 row with it."""
+def progress_calls(prompts: list[tuple[str, list[int]]], batch_sizes: list[int]) -> int:
+    """How many prompt batches run_suite runs (one progress call each): per batch size, each category's batches."""
+    counts = Counter(c for c, _ in prompts)
+    return sum(-(-n // B) for B in batch_sizes for n in counts.values())
+
+
+def start_cost_curve(args, work: Workload) -> CurveRounds:
+    """The cost curve's samplers on the suite's own model (same process, same weights in memory) and its warm-up
+    round, before the suite."""
     log(f"[specbench] cost curve: T = {args.cost_Ts}, context {args.cost_context}, {args.cost_repeats} rounds")
     context = BuildContext(smoke=True) if args.smoke else BuildContext(target_path=work.path)
-    sps = speculators(args.methods, work.model, context)
-    profile = measure(work.model, sps, args.cost_context, args.cost_Ts, args.cost_repeats, batch=1)
+    curve = CurveRounds(work.model, speculators(args.methods, work.model, context), args.cost_context, args.cost_Ts)
+    curve.round()
+    return curve
+
+
+def curve_predictions(curve: CurveRounds, record: dict) -> dict:
+    """The profile of the curve's timed rounds and the cost model's prediction of each batch-1 row with it."""
+    profile = curve.profile(skip=1)
     rows = predict_suite(record, profile)
     print_profile(profile)
     print_predictions(rows)
