@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 
-from evals.speculation.spec_cost import (
+from evals.speculation.cost_model import (
     GPU,
     CostError,
     FixedDrafts,

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from evals.speculation.spec_cost import load_profile
+from evals.speculation.cost_model import load_profile
 from evals.speculation.specbench import main, progress_calls
 from evals.speculation.specbench_suite import SMOKE_CONFIG, parse_method, run_suite, smoke_suite
 from runtime.data import wiki_docs, wiki_split

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from evals.serving.metrics import RequestRecord
-from evals.speculation.spec_cost import FixedDrafts
+from evals.speculation.cost_model import FixedDrafts
 from runtime import timing
 from runtime.decoding import generate
 from runtime.engine import EngineConfig, LLMEngine

@@ -48,7 +48,7 @@ from pathlib import Path
 
 import torch
 
-from evals.speculation.spec_cost import (
+from evals.speculation.cost_model import (
     CostError,
     CurveRounds,
     parse_Ts,
