@@ -150,3 +150,5 @@ def test_cost_curve_timed_in_the_same_process_predicts_every_row(tmp_path):
     assert load_profile(str(out)).verify_s == c  # the record serves as spec_cost predict's --profile
     with pytest.raises(SystemExit):
         main([*argv, "--cost-Ts", "2,3"])  # no plain step in the curve
+    with pytest.raises(SystemExit):
+        main([*argv, "--cost-Ts", "1,2", "--cost-repeats", "0"])  # no timed round: refused before the suite runs

@@ -146,6 +146,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
         ap.error(f"--cost-Ts {err}")
     if args.cost_Ts and 1 not in args.batch_sizes:
         ap.error("--cost-Ts predicts the batch-1 rows: --batch-sizes must include 1")
+    if args.cost_Ts and (args.cost_repeats < 1 or args.cost_context < 1):
+        ap.error("--cost-repeats and --cost-context must be >= 1")
     return ap, args
 
 
