@@ -58,10 +58,7 @@ from pathlib import Path
 
 import torch
 
-from evals.speculation.specbench_suite import (
-    TimedSpeculator,
-    plain_decode,
-)
+from evals.speculation.specbench_suite import TimedSpeculator, plain_decode
 from runtime.kv_cache import KVCache
 from runtime.model import prefill_meta
 from runtime.sampling import SamplingParams
@@ -482,6 +479,9 @@ class CurveRounds:
         self.values = {key: [] for key in self.samplers}
 
     def round(self) -> None:
+        """One sample of every sampler in turn: a slow phase of the host (a busy neighbour, khugepaged collapsing the
+        weights' pages after their first copy) then lands on every T alike instead of on whichever was timed during
+        it (the twenty-second session's curve had c(1) above c(2..8), timed first)."""
         with torch.inference_mode():
             for key, sample in self.samplers.items():
                 self.values[key].append(sample())
@@ -572,23 +572,11 @@ def median_seconds(fn, repeats: int) -> float:
     return median_of(lambda: _seconds(fn), repeats)
 
 
-def interleaved_medians(samplers: dict, repeats: int) -> dict:
-    """Median of each sampler() over ``repeats`` rounds that take one sample of every sampler in turn, after one
-    warm-up call of each: a slow phase of the host (a busy neighbour, khugepaged collapsing the weights' pages
-    after their first copy) then lands on every T alike instead of on whichever was timed during it (the
-    twenty-second session's curve had c(1) above c(2..8), timed first)."""
-    for sample in samplers.values():
-        sample()
-    values = {key: [] for key in samplers}
-    for _ in range(repeats):
-        for key, sample in samplers.items():
-            values[key].append(sample())
-    return {key: sorted(v)[len(v) // 2] for key, v in values.items()}
-
-
 def median_of(value, repeats: int) -> float:
-    """Median of value() over ``repeats`` calls after one warm-up call."""
-    return interleaved_medians({"value": value}, repeats)["value"]
+    """Median of value() over ``repeats`` calls after one warm-up call (the upper one of an even count)."""
+    value()
+    values = sorted(value() for _ in range(repeats))
+    return values[len(values) // 2]
 
 
 def _seconds(fn) -> float:
