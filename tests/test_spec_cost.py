@@ -169,6 +169,30 @@ def test_measure_tiny():
     assert 1.5 <= prof.draft_tokens["draft:layers=1,k=2"] <= 2  # k = 2 a step (the last steps may be cut short)
 
 
+def test_curve_runs_generate_the_steps_asked_for(monkeypatch):
+    """CurveRounds(steps=s): each timed plain run decodes s steps and each draft run generates s tokens (a curve
+    predicting a suite runs as long as the suite's answers: later steps meet other host phases)."""
+    import evals.speculation.cost_model as cm
+
+    model = random_model(SMOKE_CONFIG, seed=0)
+    plain_steps, real_plain = [], cm.plain_decode
+
+    def counted(*args, **kwargs):
+        out, decode_s = real_plain(*args, **kwargs)
+        plain_steps.append(len(out.timing.step_times_s))
+        return out, decode_s
+
+    monkeypatch.setattr(cm, "plain_decode", counted)
+    sps = {"draft:layers=1,k=2": build_method("draft", {"layers": 1, "k": 2}, model, {}, True)}
+    for steps in (3, 11):
+        curve = cm.CurveRounds(model, sps, context=8, Ts=[1, 2], steps=steps)
+        curve.round()
+        assert plain_steps[-1] == steps
+        assert f"runs of {steps} tokens" in curve.profile().notes
+        # a k = 2 draft run of `steps` tokens: ceil(steps / 3) .. steps speculative steps of at most 2 drafts
+        assert 1 <= curve.drafted["draft:layers=1,k=2"][-1] <= 2
+
+
 def test_choose_draft_by_acceptance_per_cost():
     suite = {
         "speculators": {

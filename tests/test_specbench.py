@@ -146,9 +146,12 @@ def test_cost_curve_timed_in_the_same_process_predicts_every_row(tmp_path):
         assert p["predicted_speedup"] == pytest.approx(expected, rel=1e-3, abs=1e-4)
         assert p["measured_speedup"] == row["decode_speedup_vs_plain"]
     assert "median of 1 rounds" in prof["notes"]  # the timed round ran between the prompt batches (and a warm-up)
+    assert "runs of 6 tokens" in prof["notes"]  # as long as the suite's answers (--max-tokens) by default
     assert progress_calls([("a", [1])] * 3 + [("b", [2])], [1, 2]) == (3 + 1) + (2 + 1)  # batches per size, category
     assert load_profile(str(out)).verify_s == c  # the record serves as spec_cost predict's --profile
     with pytest.raises(SystemExit):
         main([*argv, "--cost-Ts", "2,3"])  # no plain step in the curve
     with pytest.raises(SystemExit):
         main([*argv, "--cost-Ts", "1,2", "--cost-repeats", "0"])  # no timed round: refused before the suite runs
+    with pytest.raises(SystemExit):
+        main([*argv, "--cost-Ts", "1,2", "--cost-steps", "0"])

@@ -461,21 +461,39 @@ def choose_k(suite: dict, profile: Profile, cfg=None, context: int = 512, catego
 
 # ---- measuring this machine ----------------------------------------------------------------------------
 
+OVERHEAD_K = 4  # drafts per step of the overhead run: T = 5, inside the measured curve
+# Tokens a timed run generates by default. A curve meant to predict a suite runs as long as the suite's answers
+# (specbench --cost-steps): on the EPYC hosts a decode step's time swings 52 <-> 87 ms within one process for tens
+# of steps at a time, and the first 8-24 steps of a run read faster than a 256-step run's mean (notes/issue-37.md,
+# twenty-ninth session), so 24-token runs timed every step ~13 % below the suite's own.
+OVERHEAD_STEPS = 24
+
 
 class CurveRounds:
     """The in-loop cost curve as rounds that take one sample of every sampler (each T, the empty step, each tree
     size, each draft) in turn: a caller spreads them over a longer run (specbench --cost-Ts: between the suite's
     prompts), so the curve meets the host's phases as the suite did; the profile takes each sampler's median."""
 
-    def __init__(self, model, speculators: dict, context: int, Ts: list[int], batch: int = 1, tree_Ts=()):
+    def __init__(
+        self,
+        model,
+        speculators: dict,
+        context: int,
+        Ts: list[int],
+        batch: int = 1,
+        tree_Ts=(),
+        steps: int = OVERHEAD_STEPS,
+    ):
         gen = torch.Generator().manual_seed(0)
         prompts = torch.randint(2, model.config.vocab_size, (batch, context), generator=gen)
-        self.context, self.batch, self.drafted = context, batch, {}
-        self.samplers = {("verify", T): loop_step_sampler(model, prompts, T) for T in Ts}
-        self.samplers["empty", 1] = loop_step_sampler(model, prompts, 1, empty=True)
-        self.samplers.update({("tree", T): loop_step_sampler(model, prompts, T, tree=True) for T in tree_Ts})
+        self.context, self.batch, self.steps, self.drafted = context, batch, steps, {}
+        self.samplers = {("verify", T): loop_step_sampler(model, prompts, T, steps=steps) for T in Ts}
+        self.samplers["empty", 1] = loop_step_sampler(model, prompts, 1, empty=True, steps=steps)
+        self.samplers.update(
+            {("tree", T): loop_step_sampler(model, prompts, T, tree=True, steps=steps) for T in tree_Ts}
+        )
         for label, sp in speculators.items():
-            self.samplers["draft", label] = loop_draft_sampler(model, prompts, sp, self.drafted, label)
+            self.samplers["draft", label] = loop_draft_sampler(model, prompts, sp, self.drafted, label, steps)
         self.values = {key: [] for key in self.samplers}
 
     def round(self) -> None:
@@ -496,7 +514,7 @@ class CurveRounds:
             {key: v for (kind, key), v in med.items() if kind == k} for k in ("verify", "tree", "draft")
         )
         notes = (
-            f"in-loop steps of {OVERHEAD_STEPS} from context {self.context}, batch {self.batch}, median of {rounds}"
+            f"in-loop runs of {self.steps} tokens from context {self.context}, batch {self.batch}, median of {rounds}"
             " rounds interleaved over every T and draft"
         )
         drafted = {label: statistics.median(counts[skip:]) for label, counts in self.drafted.items()}
@@ -515,6 +533,7 @@ def measure(
     batch: int = 1,
     in_loop: bool = True,
     tree_Ts: list[int] = (),
+    steps: int = OVERHEAD_STEPS,
 ) -> Profile:
     """This machine's cost curve at ``batch`` rows and ``context`` cached tokens, and each speculator's propose().
 
@@ -522,11 +541,12 @@ def measure(
     curve: c(1) is a plain decoding step, c(T > 1) a speculative step whose T - 1 drafts are rejected (FixedDrafts)
     less its propose(), the empty step a speculative step that offers no drafts (the n-gram's steps without a
     match), a draft's cost its propose() per step of a real speculative run; no separate overhead terms;
-    tree_Ts: the same for steps that verify a T-node candidate tree (FixedDrafts with a tree). Otherwise c(T) is a
+    tree_Ts: the same for steps that verify a T-node candidate tree (FixedDrafts with a tree); steps: tokens each
+    timed run generates (CurveRounds: as long as the runs being predicted). Otherwise c(T) is a
     bare target forward over T new tokens, propose() is called alone, and the loops'
     own overheads are measured apart (loop_overheads)."""
     if in_loop:  # the real loops prefill for themselves
-        curve = CurveRounds(model, speculators, context, Ts, batch, tree_Ts)
+        curve = CurveRounds(model, speculators, context, Ts, batch, tree_Ts, steps)
         for _ in range(repeats + 1):  # a warm-up round, then the timed ones
             curve.round()
         return curve.profile(skip=1)
@@ -613,10 +633,6 @@ class FixedDrafts(Speculator):
         return Proposal(tokens=tokens, num_drafted=torch.full((B,), 0 if self.empty else self.k, device=state.device))
 
 
-OVERHEAD_K = 4  # drafts per step of the overhead run: T = 5, inside the measured curve
-OVERHEAD_STEPS = 24
-
-
 def plain_step(model, rows: list[list[int]], params: SamplingParams) -> float:
     """Seconds per step of plain decoding, all its host work included (the suite's decode clock)."""
     out, decode_s = plain_decode(model, rows, params)
@@ -630,13 +646,15 @@ def loop_step_seconds(
     return median_of(loop_step_sampler(model, prompts, T, tree=tree, empty=empty), repeats)
 
 
-def loop_step_sampler(model, prompts: torch.Tensor, T: int, tree: bool = False, empty: bool = False):
-    """A function timing one run of the real loop from ``prompts`` (greedy, EOS ignored, OVERHEAD_STEPS steps) and
+def loop_step_sampler(
+    model, prompts: torch.Tensor, T: int, tree: bool = False, empty: bool = False, steps: int = OVERHEAD_STEPS
+):
+    """A function timing one run of the real loop from ``prompts`` (greedy, EOS ignored, ``steps`` steps) and
     returning its seconds per step: T = 1 is a plain decoding step (plain_step), T > 1 a speculative step feeding T
     tokens (T - 1 rejected FixedDrafts; tree: a T-node candidate tree) less the drafts' propose(); empty (T = 1): a
     speculative step whose speculator offered no drafts."""
     rows = prompts.tolist()
-    params = SamplingParams(temperature=0.0, max_tokens=OVERHEAD_STEPS + 1, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
     if empty:
         if T != 1 or tree:
             raise CostError(f"a step without drafts feeds 1 token, got T = {T}{' (a tree)' if tree else ''}")
@@ -658,13 +676,20 @@ def loop_step_sampler(model, prompts: torch.Tensor, T: int, tree: bool = False, 
     return spec_step
 
 
-def loop_draft_sampler(model, prompts: torch.Tensor, speculator: Speculator, drafted: dict | None = None, label=None):
-    """A function timing one real speculative run (greedy, EOS ignored, OVERHEAD_STEPS tokens) and returning its
+def loop_draft_sampler(
+    model,
+    prompts: torch.Tensor,
+    speculator: Speculator,
+    drafted: dict | None = None,
+    label=None,
+    steps: int = OVERHEAD_STEPS,
+):
+    """A function timing one real speculative run (greedy, EOS ignored, ``steps`` tokens) and returning its
     seconds of propose() per step: the draft runs between target forwards, as in use, with its catch-up feeds.
     Timed alone it looks cheaper (an int4 self-draft: 45 ms per call alone, 58 ms per step in the suite's loop).
     drafted: each run appends the tokens drafted per step to drafted[label] (what the seconds paid for)."""
     rows = prompts.tolist()
-    params = SamplingParams(temperature=0.0, max_tokens=OVERHEAD_STEPS + 1, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
 
     def per_step() -> float:
         timed = TimedSpeculator(speculator)

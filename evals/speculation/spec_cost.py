@@ -19,6 +19,7 @@ import torch
 
 from evals.speculation.cost_model import (
     GPUS,
+    OVERHEAD_STEPS,
     CostError,
     Profile,
     choose_draft,
@@ -63,6 +64,12 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
         "plus separately measured loop overheads",
     )
     m.add_argument("--repeats", type=int, default=7)
+    m.add_argument(
+        "--steps",
+        type=int,
+        default=OVERHEAD_STEPS,
+        help="tokens each timed run generates (--timing loop): as long as the suite's answers to predict them",
+    )
     m.add_argument("--batch", type=int, default=1, help="rows per forward (predicts the suite's rows of this batch)")
     m.add_argument(
         "--methods", nargs="*", default=None, help="draft methods to time (evals.speculation.specbench syntax)"
@@ -111,6 +118,8 @@ def step_sizes(ap: argparse.ArgumentParser, args) -> tuple[list[int], list[int]]
         tree_Ts = sorted({int(t) for t in args.tree_Ts.split(",") if t.strip()})
     except ValueError:
         ap.error(f"--tree-Ts {args.tree_Ts!r}: a comma list of tree sizes, e.g. 9,16,32")
+    if args.steps < 1:
+        ap.error(f"--steps must be >= 1, got {args.steps}")
     if tree_Ts and (tree_Ts[0] < 2 or args.timing != "loop"):
         ap.error("--tree-Ts: tree sizes >= 2, timed in the real loop (--timing loop)")
     return Ts, tree_Ts
@@ -137,7 +146,9 @@ def measure_command(ap: argparse.ArgumentParser, args, argv: list[str] | None) -
     Ts, tree_Ts = step_sizes(ap, args)
     sps = speculators(methods, model, context)
     in_loop = args.timing == "loop"
-    prof = measure(model, sps, args.context, Ts, args.repeats, args.batch, in_loop=in_loop, tree_Ts=tree_Ts)
+    prof = measure(
+        model, sps, args.context, Ts, args.repeats, args.batch, in_loop=in_loop, tree_Ts=tree_Ts, steps=args.steps
+    )
     record = {
         **provenance(command=module_command("evals.speculation.spec_cost", argv)),
         **profile_record(prof),

@@ -129,6 +129,13 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
     )
     ap.add_argument("--cost-context", type=int, default=256, help="cached tokens the cost curve is timed at")
     ap.add_argument("--cost-repeats", type=int, default=5, help="timed rounds of the cost curve (after a warm-up)")
+    ap.add_argument(
+        "--cost-steps",
+        type=int,
+        default=None,
+        help="tokens each of the curve's timed runs generates (default --max-tokens: as long as the suite's "
+        "answers, whose later steps meet the host's slow phases more often than a short run's first ones)",
+    )
     ap.add_argument("--smoke", action="store_true", help="tiny random model, synthetic prompts: seconds")
     ap.add_argument("--strict", action="store_true", help="exit non-zero if a lossless method's output differs")
     ap.add_argument("--out", default=None, help="write the JSON record here")
@@ -146,8 +153,9 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
         ap.error(f"--cost-Ts {err}")
     if args.cost_Ts and 1 not in args.batch_sizes:
         ap.error("--cost-Ts predicts the batch-1 rows: --batch-sizes must include 1")
-    if args.cost_Ts and (args.cost_repeats < 1 or args.cost_context < 1):
-        ap.error("--cost-repeats and --cost-context must be >= 1")
+    args.cost_steps = args.max_tokens if args.cost_steps is None else args.cost_steps
+    if args.cost_Ts and (args.cost_repeats < 1 or args.cost_context < 1 or args.cost_steps < 1):
+        ap.error("--cost-repeats, --cost-context and --cost-steps must be >= 1")
     return ap, args
 
 
@@ -250,9 +258,13 @@ def progress_calls(prompts: list[tuple[str, list[int]]], batch_sizes: list[int])
 def start_cost_curve(args, work: Workload) -> CurveRounds:
     """The cost curve's samplers on the suite's own model (same process, same weights in memory) and its warm-up
     round, before the suite."""
-    log(f"[specbench] cost curve: T = {args.cost_Ts}, context {args.cost_context}, {args.cost_repeats} rounds")
+    log(
+        f"[specbench] cost curve: T = {args.cost_Ts}, context {args.cost_context}, runs of {args.cost_steps} tokens,"
+        f" {args.cost_repeats} rounds"
+    )
     context = BuildContext(smoke=True) if args.smoke else BuildContext(target_path=work.path)
-    curve = CurveRounds(work.model, speculators(args.methods, work.model, context), args.cost_context, args.cost_Ts)
+    sps = speculators(args.methods, work.model, context)
+    curve = CurveRounds(work.model, sps, args.cost_context, args.cost_Ts, steps=args.cost_steps)
     curve.round()
     return curve
 
