@@ -100,6 +100,11 @@ class Speculator:
             verdict.last.append(path[-1])
         return verdict
 
+    def sources(self) -> dict[str, int]:
+        """Counts of this speculator's proposals by where they came from, since it was built (a composite's parts:
+        speculate.lookup_first); empty for a single source. Readers take differences."""
+        return {}
+
     def describe(self) -> dict:
         return {"name": self.name, "acceptance": self.acceptance, "lossless": self.lossless}
 

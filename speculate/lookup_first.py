@@ -14,6 +14,7 @@ needs. Under a grammar the lookup is not tried (the draft masks its own proposal
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Hashable
 
 import torch
@@ -31,6 +32,9 @@ class LookupFirstSpeculator(Speculator):
         self.ngram = NgramSpeculator(inner.draft_depth(), max(max_ngram, min_ngram), min_ngram, scaled=True)
         self.name = f"{inner.name}+lookup:{min_ngram}"
         self.acceptance = inner.acceptance
+        # rows answered by the lookup, rows asked of the draft model and the tokens it drafted for them: a lookup
+        # costs no draft forward, so the cost model prices the two apart (evals.speculation.cost_model)
+        self.counts = Counter(lookup_rows=0, model_rows=0, model_drafted=0)
 
     def max_tokens_per_step(self) -> int:
         return self.inner.max_tokens_per_step()
@@ -47,12 +51,13 @@ class LookupFirstSpeculator(Speculator):
         found = self.ngram.propose(state)  # num_drafted 0: no match
         lengths = found.drafted()
         asked = [b for b, n in enumerate(lengths) if n == 0]
+        self.counts["lookup_rows"] += len(lengths) - len(asked)
         if len(asked) == len(lengths):
-            return self.inner.propose(state)
+            return self._asked(self.inner.propose(state))
         if not asked:
             return found
         tokens, num = found.tokens.clone(), found.num_drafted.clone()
-        sub = self.inner.propose(state.select(asked))
+        sub = self._asked(self.inner.propose(state.select(asked)))
         at = torch.tensor(asked, device=state.device)
         tokens[at] = sub.tokens
         num[at] = torch.tensor(sub.drafted(), dtype=torch.long, device=state.device)
@@ -64,6 +69,15 @@ class LookupFirstSpeculator(Speculator):
             for b, n in enumerate(lengths):
                 probs[b, torch.arange(n), tokens[b, :n]] = 1.0
         return Proposal(tokens=tokens, num_drafted=num, draft_probs=probs)
+
+    def _asked(self, sub: Proposal) -> Proposal:
+        drafted = sub.drafted()
+        self.counts["model_rows"] += len(drafted)
+        self.counts["model_drafted"] += sum(drafted)
+        return sub
+
+    def sources(self) -> dict[str, int]:
+        return dict(self.counts)
 
     def describe(self) -> dict:
         return {**self.inner.describe(), "name": self.name, "lookup_min_ngram": self.ngram.min_ngram}

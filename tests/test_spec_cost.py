@@ -193,6 +193,42 @@ def test_curve_runs_generate_the_steps_asked_for(monkeypatch):
         assert 1 <= curve.drafted["draft:layers=1,k=2"][-1] <= 2
 
 
+def test_a_composite_draft_is_priced_by_its_own_mix_of_lookups_and_drafted_tokens():
+    """Prompt lookup first, a draft model otherwise: the model's drafted tokens at its own price per token (its
+    MODEL_PART run), each lookup at what the curve's composite run spent beyond its model tokens (by hand here)."""
+    from evals.speculation.cost_model import MODEL_PART, step_draft_seconds
+
+    m = "draft:model=w4a8+qwen2.5-coder-0.5b,k=8,lookup=3"
+    prof = Profile(
+        "p", "measured", {1: 0.08, 9: 0.12}, {m: 0.006, m + MODEL_PART: 0.08},
+        draft_tokens={m: 1.5, m + MODEL_PART: 8.0},
+        draft_sources={m: {"lookup_rows": 0.8, "model_rows": 0.2, "model_drafted": 0.4}},
+    )  # fmt: skip
+    row = {"method": m, "steps": 100, "mean_fed_tokens": 5.2, "draft_s_per_step": 0.5,
+           "draft_sources": {"lookup_rows": 40, "model_rows": 60, "model_drafted": 300}}  # fmt: skip
+    per_token = 0.08 / 8.0
+    per_lookup = (0.006 - 0.4 * per_token) / 0.8
+    assert step_draft_seconds(row, {}, prof) == pytest.approx((40 * per_lookup + 300 * per_token) / 100)
+    # without the row's counts (an older record): one price per drafted token, as before
+    plain_row = {k: v for k, v in row.items() if k != "draft_sources"}
+    assert step_draft_seconds(plain_row, {}, prof) == pytest.approx(0.006 / 1.5 * 4.2)
+
+
+def test_curve_times_a_composite_draft_and_its_model_apart(tmp_path):
+    from evals.speculation.cost_model import load_profile, profile_record
+
+    model = random_model(SMOKE_CONFIG, seed=0)
+    m = "draft:layers=1,k=2,lookup=2"
+    sps = {m: build_method("draft", {"layers": 1, "k": 2, "lookup": 2}, model, {}, True)}
+    prof = measure(model, sps, context=8, Ts=[1, 2], repeats=1)
+    assert set(prof.draft_s) == {m, m + "#model"} and prof.draft_tokens[m + "#model"] > 0
+    mix = prof.draft_sources[m]
+    assert mix["lookup_rows"] + mix["model_rows"] == pytest.approx(1.0)  # each step one row, by one source
+    assert m + "#model" not in prof.draft_sources  # the model alone has one source
+    (tmp_path / "p.json").write_text(json.dumps(profile_record(prof)))
+    assert load_profile(str(tmp_path / "p.json")).draft_sources == prof.draft_sources
+
+
 def test_choose_draft_by_acceptance_per_cost():
     suite = {
         "speculators": {

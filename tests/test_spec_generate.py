@@ -350,6 +350,12 @@ def test_lookup_first_drafts_by_lookup_where_it_matches_and_asks_the_draft_only_
     ref = alone.propose(SpecState(["b"], seqs[1:], None, [SamplingParams(temperature=1.0)],
                                   [torch.Generator().manual_seed(2)]))  # fmt: skip
     assert torch.equal(got.tokens[1], ref.tokens[0]) and torch.equal(got.draft_probs[1], ref.draft_probs[0])
+    # the proposals by source (the cost model prices lookups and model drafts apart): row 0 by lookup, row 1 by the
+    # draft model with its 3 drafts; then one call where both rows ask the draft
+    assert spec.sources() == {"lookup_rows": 1, "model_rows": 1, "model_drafted": 3}
+    spec.propose(SpecState(["c", "d"], [[1, 2, 3], [5, 6, 7]], None, [SamplingParams(temperature=1.0)] * 2,
+                           [torch.Generator().manual_seed(s) for s in (3, 4)]))  # fmt: skip
+    assert spec.sources() == {"lookup_rows": 1, "model_rows": 3, "model_drafted": 9} and draft.sources() == {}
     with pytest.raises(SpeculatorError, match="chain"):
         LookupFirstSpeculator(MedusaSpeculator(model, random_heads(model), build_tree([[0.5]], 2)))
 

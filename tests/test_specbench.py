@@ -155,3 +155,15 @@ def test_cost_curve_timed_in_the_same_process_predicts_every_row(tmp_path):
         main([*argv, "--cost-Ts", "1,2", "--cost-repeats", "0"])  # no timed round: refused before the suite runs
     with pytest.raises(SystemExit):
         main([*argv, "--cost-Ts", "1,2", "--cost-steps", "0"])
+
+
+def test_a_composite_draft_row_counts_its_proposals_by_source(tmp_path):
+    """Prompt lookup first: the row records how many steps the lookup answered and how many the draft model did, with
+    the tokens the model drafted (the cost model prices the two apart); each batch-1 step is one row, by one source."""
+    out = tmp_path / "s.json"
+    main(["--smoke", "--per-category", "2", "--batch-sizes", "1", "--max-tokens", "12", "--warmup", "0",
+          "--categories", "qa", "--methods", "plain", "draft:layers=1,k=2,lookup=2", "--out", str(out)])  # fmt: skip
+    (row,) = [r for r in json.loads(out.read_text())["rows"] if r["method"] != "plain" and r["category"] == "overall"]
+    src = row["draft_sources"]
+    assert src["lookup_rows"] + src["model_rows"] == row["steps"]
+    assert src["model_rows"] <= src["model_drafted"] <= 2 * src["model_rows"]

@@ -65,6 +65,7 @@ from runtime.sampling import SamplingParams
 from runtime.speculation import CandidateTree
 from speculate.base import Proposal, SpecState, Speculator, SpeculatorError, check_k
 from speculate.generate import chain_metadata, speculative_generate
+from speculate.lookup_first import LookupFirstSpeculator
 from speculate.registry import BuildContext, build, check_method
 
 
@@ -92,6 +93,10 @@ class Profile:
     # model's propose() runs one forward per drafted token, so a suite row is priced per token it drafted (a
     # dynamic k drafts as many as its confidence allows, on the curve's context and on the suite's alike)
     draft_tokens: dict[str, float] = field(default_factory=dict)
+    # method label -> its proposals by source per propose() in the run that timed it (a composite speculator: prompt
+    # lookup first, a draft model otherwise); the label + MODEL_PART entry times the draft model alone, so a suite
+    # row is priced by its own mix of lookups and drafted tokens (composite_draft_seconds)
+    draft_sources: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def __post_init__(self):
         if not self.verify_s or 1 not in self.verify_s:
@@ -273,6 +278,7 @@ def load_profile(spec: str, cfg=None, context: int = 512) -> Profile:
             {int(t): float(c) for t, c in raw.get("tree_verify_s", {}).items()},
             raw.get("empty_step_s"),
             {k: float(v) for k, v in raw.get("draft_tokens", {}).items()},
+            {k: {n: float(c) for n, c in v.items()} for k, v in raw.get("draft_sources", {}).items()},
         )
     if "verify_curve_s" in raw or "verify_curve_ms" in raw:
         scale, curve = (1.0, raw["verify_curve_s"]) if "verify_curve_s" in raw else (1e-3, raw["verify_curve_ms"])
@@ -348,6 +354,9 @@ def profile_draft_seconds(row: dict, describe: dict, profile: Profile, cfg=None,
     not. Another method the profile timed: its seconds per call; a GPU profile: the roofline's; None when the
     profile does not know the method (the suite's own measurement is used)."""
     method, drafted = row["method"], (row.get("mean_fed_tokens") or 0) - 1
+    composite = composite_draft_seconds(row, profile)
+    if composite is not None:
+        return composite
     if method in profile.draft_s:
         seconds, per_call = profile.draft_s[method], profile.draft_tokens.get(method)
         return seconds / per_call * drafted if per_call and drafted > 0 and same_draft(method, method) else seconds
@@ -358,6 +367,25 @@ def profile_draft_seconds(row: dict, describe: dict, profile: Profile, cfg=None,
         if k and drafted > 0:
             return seconds / profile.draft_tokens.get(other, k) * drafted
     return None
+
+
+def composite_draft_seconds(row: dict, profile: Profile) -> float | None:
+    """A composite row's propose() seconds per step (prompt lookup first, a draft model otherwise), priced by its own
+    mix: the tokens the draft model drafted at the model's price per drafted token (the profile's MODEL_PART run)
+    and each lookup at what the curve's composite run spent beyond its model tokens per lookup (the lookup and the
+    draft's catch-up on the tokens it skipped). The curve's random context is answered by lookup far more often
+    than prompts are (1.5 against 4.2 tokens drafted a step on the six categories), so one price per drafted
+    token undercharged the suite's model drafts 2x. None when the row or the profile lacks the counts."""
+    method, sources = row["method"], row.get("draft_sources")
+    model, curve = method + MODEL_PART, profile.draft_sources.get(method)
+    if not sources or not curve or model not in profile.draft_s or not profile.draft_tokens.get(model):
+        return None
+    per_token = profile.draft_s[model] / profile.draft_tokens[model]
+    lookups = curve.get("lookup_rows", 0.0)
+    beyond_model = max(profile.draft_s[method] - curve.get("model_drafted", 0.0) * per_token, 0.0)
+    per_lookup = beyond_model / lookups if lookups else 0.0
+    steps = max(row.get("steps") or 1, 1)
+    return (sources.get("lookup_rows", 0) * per_lookup + sources.get("model_drafted", 0) * per_token) / steps
 
 
 def same_draft(method: str, other: str) -> int | None:
@@ -467,6 +495,7 @@ OVERHEAD_K = 4  # drafts per step of the overhead run: T = 5, inside the measure
 # of steps at a time, and the first 8-24 steps of a run read faster than a 256-step run's mean (notes/issue-37.md,
 # twenty-ninth session), so 24-token runs timed every step ~13 % below the suite's own.
 OVERHEAD_STEPS = 24
+MODEL_PART = "#model"  # a composite draft's label + this: its draft model timed alone (CurveRounds)
 
 
 class CurveRounds:
@@ -492,8 +521,14 @@ class CurveRounds:
         self.samplers.update(
             {("tree", T): loop_step_sampler(model, prompts, T, tree=True, steps=steps) for T in tree_Ts}
         )
+        self.sources: dict[str, list[dict]] = {}
         for label, sp in speculators.items():
-            self.samplers["draft", label] = loop_draft_sampler(model, prompts, sp, self.drafted, label, steps)
+            self.samplers["draft", label] = loop_draft_sampler(
+                model, prompts, sp, self.drafted, label, steps, self.sources
+            )
+            if isinstance(sp, LookupFirstSpeculator):  # its draft model alone: the price of a drafted token
+                part = label + MODEL_PART
+                self.samplers["draft", part] = loop_draft_sampler(model, prompts, sp.inner, self.drafted, part, steps)
         self.values = {key: [] for key in self.samplers}
 
     def round(self) -> None:
@@ -518,9 +553,13 @@ class CurveRounds:
             " rounds interleaved over every T and draft"
         )
         drafted = {label: statistics.median(counts[skip:]) for label, counts in self.drafted.items()}
+        sources = {
+            label: {key: statistics.median(run.get(key, 0) for run in runs[skip:]) for key in runs[-1]}
+            for label, runs in self.sources.items()
+        }
         return Profile(
             "cpu-measured", "measured", verify, draft, notes, self.batch, tree_verify_s=trees,
-            empty_step_s=med["empty", 1], draft_tokens=drafted,
+            empty_step_s=med["empty", 1], draft_tokens=drafted, draft_sources=sources,
         )  # fmt: skip
 
 
@@ -683,20 +722,25 @@ def loop_draft_sampler(
     drafted: dict | None = None,
     label=None,
     steps: int = OVERHEAD_STEPS,
+    sources: dict | None = None,
 ):
     """A function timing one real speculative run (greedy, EOS ignored, ``steps`` tokens) and returning its
     seconds of propose() per step: the draft runs between target forwards, as in use, with its catch-up feeds.
     Timed alone it looks cheaper (an int4 self-draft: 45 ms per call alone, 58 ms per step in the suite's loop).
-    drafted: each run appends the tokens drafted per step to drafted[label] (what the seconds paid for)."""
+    drafted: each run appends the tokens drafted per step to drafted[label] (what the seconds paid for); sources:
+    a composite speculator's proposals by source per step to sources[label]."""
     rows = prompts.tolist()
     params = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
 
     def per_step() -> float:
         timed = TimedSpeculator(speculator)
         out = speculative_generate(model, rows, params, timed, compile="off")
-        steps = max(sum(timed.fed.values()), 1)
+        calls = max(sum(timed.fed.values()), 1)
         if drafted is not None:
-            drafted.setdefault(label, []).append(sum((t - 1) * n for t, n in timed.fed.items()) / steps)
+            drafted.setdefault(label, []).append(sum((t - 1) * n for t, n in timed.fed.items()) / calls)
+        counts = timed.sources()
+        if sources is not None and counts:
+            sources.setdefault(label, []).append({key: n / calls for key, n in counts.items()})
         return timed.draft_s / max(out.stats.steps, 1)
 
     return per_step
@@ -762,6 +806,7 @@ def profile_record(prof: Profile) -> dict:
         "step_overhead_s": prof.step_overhead_s,
         "empty_step_s": prof.empty_step_s,
         "draft_tokens": prof.draft_tokens,
+        "draft_sources": prof.draft_sources,
     }
 
 

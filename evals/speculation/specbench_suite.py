@@ -100,6 +100,7 @@ class TimedSpeculator(Speculator):
         self.name, self.acceptance = inner.name, inner.acceptance
         self.draft_s = 0.0  # propose() seconds (inside the decode loop's time)
         self.fed: Counter = Counter()  # tokens fed to the target per step (T) -> steps
+        self._sources_from = inner.sources()
 
     def max_tokens_per_step(self) -> int:
         return self.inner.max_tokens_per_step()
@@ -119,6 +120,10 @@ class TimedSpeculator(Speculator):
 
     def describe(self) -> dict:
         return self.inner.describe()
+
+    def sources(self) -> dict[str, int]:
+        """The inner speculator's proposals by source while this wrapper ran (a composite's parts)."""
+        return {k: n - self._sources_from.get(k, 0) for k, n in self.inner.sources().items()}
 
 
 def build_method(name: str, kw: dict, model, heads_dir: dict[str, Path | None], smoke: bool) -> Speculator:
@@ -147,12 +152,14 @@ class Cell:
     accepted_at: list[int] = field(default_factory=list)
     proposed_at: list[int] = field(default_factory=list)
     fed: dict = field(default_factory=dict)
+    sources: Counter = field(default_factory=Counter)  # a composite speculator's proposals by source
 
-    def add_stats(self, stats, draft_s: float, fed: Counter) -> None:
+    def add_stats(self, stats, draft_s: float, fed: Counter, sources: dict | None = None) -> None:
         add_counts(self, stats)
         self.draft_s += draft_s
         for t, c in fed.items():
             self.fed[int(t)] = self.fed.get(int(t), 0) + c
+        self.sources.update(sources or {})
 
 
 def summarize(cell: Cell, base: Cell | None, lossless: bool) -> dict:
@@ -186,6 +193,8 @@ def summarize(cell: Cell, base: Cell | None, lossless: bool) -> dict:
             verify_s_per_step=round((cell.decode_s - cell.draft_s) / steps, 6),
             draft_fraction=round(cell.draft_s / max(cell.decode_s, 1e-12), 4),
         )
+        if cell.sources:
+            row["draft_sources"] = dict(cell.sources)
     return row
 
 
@@ -213,6 +222,7 @@ def merge(cells: list[Cell]) -> Cell:
             total.proposed_at[j] += n
         for t, n in c.fed.items():
             total.fed[t] = total.fed.get(t, 0) + n
+        total.sources.update(c.sources)
     return total
 
 
@@ -265,7 +275,7 @@ def run_suite(
             return out.tokens, decode_s, None
         timed = TimedSpeculator(speculators[spec])
         out = speculative_generate(model, batch, p, timed, tokenizer=tokenizer)
-        return out.tokens, out.timing.decode_s, (out.stats, timed.draft_s, timed.fed)
+        return out.tokens, out.timing.decode_s, (out.stats, timed.draft_s, timed.fed, timed.sources())
 
     for spec in active:  # untimed warm-up (first-call allocations, kernel choice, compiled steps)
         for _ in range(warmup):
