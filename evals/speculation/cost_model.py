@@ -493,7 +493,8 @@ OVERHEAD_K = 4  # drafts per step of the overhead run: T = 5, inside the measure
 # Tokens a timed run generates by default. A curve meant to predict a suite runs as long as the suite's answers
 # (specbench --cost-steps): on the EPYC hosts a decode step's time swings 52 <-> 87 ms within one process for tens
 # of steps at a time, and the first 8-24 steps of a run read faster than a 256-step run's mean (notes/issue-37.md,
-# twenty-ninth session), so 24-token runs timed every step ~13 % below the suite's own.
+# twenty-ninth session): 24-token runs timed every step ~13 % below the suite's own. Long runs narrowed that gap in
+# one HumanEval run of two (7 % against 18 %): not the whole cause.
 OVERHEAD_STEPS = 24
 MODEL_PART = "#model"  # a composite draft's label + this: its draft model timed alone (CurveRounds)
 
