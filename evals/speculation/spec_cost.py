@@ -118,8 +118,6 @@ def step_sizes(ap: argparse.ArgumentParser, args) -> tuple[list[int], list[int]]
         tree_Ts = sorted({int(t) for t in args.tree_Ts.split(",") if t.strip()})
     except ValueError:
         ap.error(f"--tree-Ts {args.tree_Ts!r}: a comma list of tree sizes, e.g. 9,16,32")
-    if args.steps < 1:
-        ap.error(f"--steps must be >= 1, got {args.steps}")
     if tree_Ts and (tree_Ts[0] < 2 or args.timing != "loop"):
         ap.error("--tree-Ts: tree sizes >= 2, timed in the real loop (--timing loop)")
     return Ts, tree_Ts
@@ -136,14 +134,16 @@ def measured_target(args) -> tuple[object, BuildContext]:
 def measure_command(ap: argparse.ArgumentParser, args, argv: list[str] | None) -> None:
     """``measure``: this machine's cost curve, written to --out."""
     methods = args.methods if args.methods is not None else (SMOKE_METHODS if args.smoke else DEFAULT_METHODS)
-    try:  # before the model loads: a bad method is one line
+    try:  # before the model loads: a bad method, T list or run length is one line
         [check_method(spec) for spec in methods if spec != "plain"]
     except SpeculatorError as err:
         ap.error(str(err))
+    Ts, tree_Ts = step_sizes(ap, args)
+    if args.steps < 1:
+        ap.error(f"--steps must be >= 1, got {args.steps}")
     if args.threads:
         torch.set_num_threads(args.threads)
     model, context = measured_target(args)
-    Ts, tree_Ts = step_sizes(ap, args)
     sps = speculators(methods, model, context)
     in_loop = args.timing == "loop"
     prof = measure(
