@@ -39,6 +39,11 @@ def versions() -> dict[str, str]:
 
 def device_info() -> dict:
     info = {"platform": platform.platform(), "cpu_count": os.cpu_count(), "processor": platform.processor()}
+    info["cpu_model"] = cpu_model()
+    step = sys.modules.get("runtime.kernels.cpu_step")
+    module = step._STATE.get("module") if step is not None else None
+    if module is not None:  # the CPU step's kernel family and AMX row policy, where this run loaded it
+        info["cpu_step"] = {"isa": module.isa(), "amx_policy": module.amx_mode()}
     try:
         import torch
 
@@ -50,6 +55,17 @@ def device_info() -> dict:
     if hasattr(os, "getloadavg"):
         info["loadavg_1m"] = os.getloadavg()[0]  # how busy the shared machine was
     return info
+
+
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo; platform.processor() is often empty on Linux)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
 
 
 def module_command(module: str, argv: list[str] | None = None) -> str:

@@ -24,7 +24,8 @@ from tests.tiny_models import TINY_CONFIGS, tiny_model_config
 
 ext = cpu_step.extension()
 pytestmark = pytest.mark.skipif(ext is None, reason="the C++ decode step could not be built here")
-FAMILIES = [f for f in ("avx2", "avx512", "avx512bf16") if ext is not None and cpu_step.isa_supported(f)]
+FAMILIES = [f for f in ("avx2", "avx512", "avx512bf16", "amx") if ext is not None and cpu_step.isa_supported(f)]
+FAMILIES += ["amx-exact"] if "amx" in FAMILIES else []  # amx: the default policy (dense layers); -exact: all layers
 # int4-fp32: int4 codes, fp32 activations; w8a8 / w4a8: int8 / int4 codes, int8 activations (per token, dynamic)
 FORMATS = ["fp32", "bf16", "int8", "int4", "fp8", "int4-fp32", "w8a8", "w4a8"]
 K = 4  # drafts per step: chains of K + 1 rows
@@ -32,8 +33,11 @@ K = 4  # drafts per step: chains of K + 1 rows
 
 @pytest.fixture(params=FAMILIES)
 def family(request):
-    ext.set_isa(request.param)
+    isa, _, policy = request.param.partition("-")
+    ext.set_isa(isa)
+    ext.set_amx(policy or "dense")
     yield request.param
+    ext.set_amx("dense")
     ext.set_isa("amx")  # back to the best this CPU has
 
 
@@ -253,16 +257,53 @@ def test_step_rope_rows_are_model_rope(dtype):
 
 
 def test_amx_row_policy():
-    """AMX is off unless asked for ("exact": every row count; "approximate": from AMX_MIN_ROWS rows only)."""
-    assert ext.amx_mode() == "off"
+    """AMX's default policy is row-invariant ("dense": dense bf16 layers at every row count); "exact" takes quantized
+    layers too, "approximate" (from AMX_MIN_ROWS rows only) and "off" are asked for by name."""
+    assert ext.amx_mode() == "dense"
     try:
-        for mode in ("exact", "approximate", "off"):
+        for mode in ("exact", "approximate", "off", "dense"):
             ext.set_amx(mode)
             assert ext.amx_mode() == mode
         with pytest.raises(RuntimeError, match="AMX row policy"):
             ext.set_amx("fast")
     finally:
-        ext.set_amx("off")
+        ext.set_amx("dense")
+
+
+@pytest.mark.skipif(ext is None or not cpu_step.isa_supported("amx"), reason="no AMX on this CPU")
+def test_amx_policies_choose_their_kernels():
+    """Each policy runs the kernels it names (the tiles sum in another order, so the bits tell): dense bf16 layers on
+    tiles at every row count under dense and exact, quantized ones under exact only, both from AMX_MIN_ROWS rows
+    under approximate, neither under off."""
+    from formats_helpers import rtn_quantize
+
+    from quantize.qlinear import QuantLinear
+
+    w = torch.randn(64, 256, generator=torch.Generator().manual_seed(0))
+    handles = {
+        "dense": cpu_step.dense_handle(w.bfloat16()),
+        "int4": cpu_step.weight_handle(
+            QuantLinear(rtn_quantize(w, 4, 32), compute_dtype=torch.bfloat16, path="cpu"), torch.bfloat16
+        ),
+    }
+    x = torch.randn(ext.AMX_MIN_ROWS, 256, generator=torch.Generator().manual_seed(1))
+    out = {}
+    try:
+        for mode in ("off", "dense", "exact", "approximate"):
+            ext.set_amx(mode)
+            out[mode] = {kind: (ext.linear(h, x[:1])[0], ext.linear(h, x)[0]) for kind, h in handles.items()}
+    finally:
+        ext.set_amx("dense")
+
+    def on_tiles(mode, kind):  # (1-row call, AMX_MIN_ROWS-row call): whether the row's bits left the vector kernels'
+        return tuple(not torch.equal(a, b) for a, b in zip(out[mode][kind], out["off"][kind]))
+
+    got = {mode: {kind: on_tiles(mode, kind) for kind in handles} for mode in ("dense", "exact", "approximate")}
+    assert got == {
+        "dense": {"dense": (True, True), "int4": (False, False)},
+        "exact": {"dense": (True, True), "int4": (True, True)},
+        "approximate": {"dense": (False, True), "int4": (False, True)},
+    }
 
 
 # ---- end to end: greedy speculation == plain greedy ---------------------------------------------------------------

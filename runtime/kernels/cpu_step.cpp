@@ -18,8 +18,8 @@
 // Shape invariance (the contract speculative decoding needs: greedy speculation equals plain greedy decoding token
 // for token). A position's results are the same bits whether the step computes it alone (a 1-token decode step),
 // as row j of a (k+1)-token chain, as a node of a tree, or beside other sequences of a batch, in every family and
-// weight format: linear kernels never choose their kernel or sum order by row count (AMX only by explicit request,
-// below); norms, rope and SiLU are per row; attention sums each query's softmax over its visible keys only, packed
+// weight format: linear kernels never choose their kernel or sum order by row count (AMX's default policy included;
+// only its opt-in "approximate" policy does, below); norms, rope and SiLU are per row; attention sums each query's softmax over its visible keys only, packed
 // in key order (softmax_packed8/16), so neither the chunk length nor masked keys between a tree node's ancestors
 // move a term; where the quantized attention cuts a long context into pieces, it cuts each query's own visible
 // keys by their number, so a piece holds the same keys in every shape. tests/test_shape_invariance.py checks it bit
@@ -28,8 +28,9 @@
 // Kernel families, chosen at run time (set_isa caps them for tests): AVX2 + FMA + F16C (the baseline this file is
 // compiled for); AVX-512; AVX512-BF16 (vdpbf16ps for bf16 x bf16, and int4 codes as bf16 128 + code, exactly);
 // AMX (Sapphire Rapids and later): tile matmuls for bf16-activation layers, dense weights loaded as the A operand
-// straight from [N, K], quantized tiles expanded to bf16 (exactly) as the B operand; off unless asked for (the row
-// policy below: AMX sums in another order, so mixing it with the vector kernels by row count is not row-invariant).
+// straight from [N, K], quantized tiles expanded to bf16 (exactly) as the B operand; by default for dense bf16 layers
+// at every row count (the row policy below: AMX sums in another order, so mixing it with the vector kernels by row
+// count is not row-invariant).
 // fp32 activations widen weights to fp32 and use FMA in every family.
 #include <ATen/Parallel.h>
 #include <ATen/ThreadLocalState.h>
@@ -128,9 +129,13 @@ struct ZeroTable {
 // blocks), so a layer whose kernel depended on the row count would give a row other bits in a 1-row decode step
 // than in a (k+1)-row verification: speculative greedy decoding would then drift from plain greedy decoding at
 // near-ties. The row policy (set_amx, QSPEC_CPU_AMX) therefore never mixes the two by default:
-//   off          (default) no AMX: every family's vector kernels, row-invariant (tested on every family here)
-//   exact        AMX for every bf16-activation layer it fits at ANY row count (decode steps too): row-invariant
-//                by construction, one kernel for all M (unverified: no AMX CPU was at hand)
+//   dense        (default) AMX for every dense bf16 layer it fits at ANY row count, the vector kernels for quantized
+//                ones: row-invariant (one kernel per layer for all M; tested on an AMX Xeon). On a model larger than
+//                the caches a 1-row step costs what the vector kernels' does (both wait on memory) and a 9-row
+//                verification ~1.1x of it instead of ~1.7x (notes/issue-37.md, AMX session)
+//   exact        AMX for every bf16-activation layer it fits at any row count, quantized ones too (codes expanded
+//                to bf16 tiles): row-invariant; a 1-row step of an int4 model ~1.5x slower than the vector kernels'
+//   off          no AMX: every family's vector kernels, row-invariant (the policy on CPUs without AMX)
 //   approximate  AMX from AMX_MIN_ROWS rows, vdpbf16ps below (the fastest mix: vdpbf16ps reads memory faster
 //                than the tile path when one row is all the work); a row's result is the same bits for any call
 //                of 1..AMX_MIN_ROWS-1 rows and for any call of more, but between the two it can differ in the
@@ -139,17 +144,18 @@ struct ZeroTable {
 // of 32 and N of 16 (the A operand is loaded from the weight in place), quantized ones with groups of whole
 // k-blocks (or one group per row).
 constexpr int64_t AMX_MIN_ROWS = 3;
-enum AmxMode : int { AMX_OFF = 0, AMX_EXACT = 1, AMX_APPROXIMATE = 2 };
-int g_amx_mode = AMX_OFF;
+enum AmxMode : int { AMX_OFF = 0, AMX_EXACT = 1, AMX_APPROXIMATE = 2, AMX_DENSE = 3 };
+int g_amx_mode = AMX_DENSE;
 inline bool amx_rows(int level, int64_t M) {
   if (level < ISA_AMX || g_amx_mode == AMX_OFF) return false;
-  return g_amx_mode == AMX_EXACT || M >= AMX_MIN_ROWS;
+  return g_amx_mode != AMX_APPROXIMATE || M >= AMX_MIN_ROWS;
 }
 inline bool amx_dense(const Weight& w, int level, int64_t M) {
   return amx_rows(level, M) && w.kind == BF16 && w.K % KB == 0 && w.N % NR == 0;
 }
 inline bool amx_quant(const Weight& w, int level, int64_t M) {
-  return amx_rows(level, M) && w.quantized() && w.bf16_act && (w.ngroups == 1 || w.group % KB == 0);
+  return g_amx_mode != AMX_DENSE && amx_rows(level, M) && w.quantized() && w.bf16_act &&
+         (w.ngroups == 1 || w.group % KB == 0);
 }
 
 inline uint16_t bf16_bits(float v) {  // round to nearest even, as torch's float -> bfloat16 cast
@@ -215,7 +221,7 @@ void prepare(const Weight& w, const float* x, int64_t M, int64_t ldx, Acts& a, i
     const int64_t kblocks = a.Kp / KB, pairs = a.Kp / 2;
     a.xt.assign(a.Mp * pairs, 0);
     const uint32_t* src = reinterpret_cast<const uint32_t*>(a.xb.data());
-    for (int64_t m = 0; m < a.Mp; ++m)
+    for (int64_t m = 0; m < a.M; ++m)  // rows M..Mp stay zero
       for (int64_t j = 0; j < pairs; ++j) {  // pair j of row m -> chunk m / 16, block j / 16, row j % 16, col m % 16
         const int64_t block = (m / 16) * kblocks + j / 16;
         a.xt[(block * 16 + j % 16) * 16 + m % 16] = src[m * pairs + j];
@@ -3393,13 +3399,17 @@ int64_t set_kv_piece(int64_t keys) {  // -> the previous setting
 }
 
 void set_amx(const std::string& mode) {
-  TORCH_CHECK(mode == "off" || mode == "exact" || mode == "approximate", "AMX row policy: off | exact | approximate, got ",
-              mode);
-  g_amx_mode = mode == "exact" ? AMX_EXACT : mode == "approximate" ? AMX_APPROXIMATE : AMX_OFF;
+  static const char* names[] = {"off", "exact", "approximate", "dense"};
+  for (int i = 0; i < 4; ++i)
+    if (mode == names[i]) {
+      g_amx_mode = i;
+      return;
+    }
+  TORCH_CHECK(false, "AMX row policy: dense | exact | off | approximate, got ", mode);
 }
 
 std::string amx_mode() {
-  static const char* names[] = {"off", "exact", "approximate"};
+  static const char* names[] = {"off", "exact", "approximate", "dense"};
   return names[g_amx_mode];
 }
 
@@ -3446,7 +3456,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("native_bf16_gemm", &qspec::native_bf16_gemm, "whether bf16 GEMMs run on native bf16 dot products");
   m.def("set_isa", &qspec::set_isa, "cap the kernel family: avx2 | avx512 | avx512bf16 (tests)");
   m.def("set_kv_piece", &qspec::set_kv_piece, "keys per piece of the quantized attention's long-context split (-> the previous)");
-  m.def("set_amx", &qspec::set_amx, "AMX row policy: off (default) | exact | approximate (see cpu_step.cpp)");
+  m.def("set_amx", &qspec::set_amx, "AMX row policy: dense (default) | exact | off | approximate (see cpu_step.cpp)");
   m.def("amx_mode", &qspec::amx_mode, "the AMX row policy in use");
   m.attr("AMX_MIN_ROWS") = qspec::AMX_MIN_ROWS;
   m.def("profile", &qspec::profile, "seconds per step phase since the last call; enable: keep counting");
