@@ -41,3 +41,28 @@ def test_tpot_is_read_per_round_and_refused_where_ttft_noise_exceeds_the_decode(
     assert summarize(r, new_tokens=5, bandwidth=1e4, prompt_tokens=8000)["tpot_ms"] == pytest.approx(100.0)
     r.walls = {1: [40.0, 44.0, 41.0], 5: [39.0, 42.0, 40.8]}  # a slower first call than the whole one
     assert math.isnan(summarize(r, new_tokens=5, bandwidth=1e4, prompt_tokens=8000)["tpot_ms"])
+
+
+def test_rows_name_their_kv_format_and_amx_policy():
+    from evals.speed.bench_decode import parse_rows, row_parts
+    from runtime.cliutil import UsageError
+    from runtime.kernels.cpu_step import isa_supported
+
+    assert row_parts("qspec:bf16:kv=int8:amx=off") == ("qspec", "bf16", {"kv": "int8", "amx": "off"})
+    assert row_parts("qspec:int4") == ("qspec", "int4", {})
+    assert parse_rows("qspec:bf16:kv=int8, hf:bf16") == ["qspec:bf16:kv=int8", "hf:bf16"]
+    for bad, why in [
+        ("qspec:bf16:kv=int3", "kv= takes one of"),
+        ("qspec:bf16:speed=fast", "options are kv=FORMAT and amx=POLICY"),
+        ("qspec:bf16:kv=int8:kv=int4", "each at most once"),
+        ("hf:bf16:kv=int8", "unknown row"),
+    ]:
+        with pytest.raises(UsageError, match=why):
+            parse_rows(bad)
+    if isa_supported("amx"):
+        assert parse_rows("qspec:bf16:amx=off") == ["qspec:bf16:amx=off"]
+        with pytest.raises(UsageError, match="amx= takes one of"):
+            parse_rows("qspec:bf16:amx=fast")
+    else:
+        with pytest.raises(UsageError, match="this CPU has no AMX"):
+            parse_rows("qspec:bf16:amx=off")

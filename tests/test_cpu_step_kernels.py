@@ -1,6 +1,7 @@
 """The CPU step's linear kernels (runtime/kernels/cpu_step.cpp) against an fp64 reference (dequantize, then
-matmul), for every weight format, every kernel family this CPU runs (AVX2, AVX-512, AVX512-BF16), odd shapes and
-1..64 activation rows; and a row's result never depends on the other rows of the call (bit for bit)."""
+matmul), for every weight format, every kernel family this CPU runs (AVX2, AVX-512, AVX512-BF16, and AMX under each
+row policy), odd shapes and 1..64 activation rows; and a row's result never depends on the other rows of the call
+(bit for bit; AMX's opt-in "approximate" policy excepted, as stated)."""
 
 from __future__ import annotations
 

@@ -24,9 +24,7 @@ def test_records_carry_the_cpu_step_policy():
     if ext is None:
         pytest.skip("the CPU step cannot be built here")
     previous = ext.amx_mode()
-    try:
-        ext.set_amx("approximate")
+    with cpu_step.amx_policy("approximate"):
         device = provenance(seed=0, command="x")["device"]
-        assert device["cpu_step"] == {"isa": ext.isa(), "amx_policy": "approximate"}
-    finally:
-        ext.set_amx(previous)
+    assert device["cpu_step"] == {"isa": ext.isa(), "amx_policy": "approximate"}
+    assert ext.amx_mode() == previous  # the block's policy is undone

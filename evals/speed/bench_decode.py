@@ -23,7 +23,9 @@ into that head as well: llama.cpp Q4_K_M's shape, whose output layer takes Q8_K 
 ``llama.cpp`` (llama-cpp-python on the GGUF the default model ships as, an optional peer: skipped with a note
 when it is not installed). Quantized rows use round-to-nearest codes (speed does not depend on how codes are
 chosen) with bf16 activations. A qspec row may name its KV cache format: ``qspec:bf16:kv=int8`` (``auto``,
-``int8``, ``fp8_e4m3``, ``int4``; runtime.kv_policy), the same model as the row without it.
+``int8``, ``fp8_e4m3``, ``int4``; runtime.kv_policy), the same model as the row without it, and on a CPU with AMX
+its AMX row policy: ``qspec:bf16:amx=off`` (``dense``, ``exact``, ``off``, ``approximate``; runtime.kernels.cpu_step),
+set around each of its calls.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from quantize.fast_copy import NAMED_COPIES, named_fast_copy
 from runtime.cliutil import ArgumentParser, UsageError, interrupted, run
 from runtime.data import wiki_split
 from runtime.decoding import generate
+from runtime.kernels.cpu_step import AMX_POLICIES, amx_policy, isa_supported
 from runtime.kv_policy import KVCacheSpec
 from runtime.kv_quant import KV_DTYPES, bytes_per_token_head
 from runtime.loader import DEFAULT_MODEL, check_model_arg, gguf_source, load_model, load_tokenizer
@@ -105,13 +108,18 @@ class Runner:
     own_tpot: list[float] = field(default_factory=list)
 
 
-def qspec_runner(name: str, model, prompt: list[int], kv: KVCacheSpec | None = None) -> Runner:
+def qspec_runner(name: str, model, prompt: list[int], kv: KVCacheSpec | None = None, amx: str | None = None) -> Runner:
+    """amx: the CPU step's AMX row policy for this row's calls (runtime.kernels.cpu_step.amx_policy), else the
+    process's."""
+
     def call(ids: list[int], n: int):
-        return generate(model, [ids], SamplingParams(max_tokens=n, ignore_eos=True), kv_cache=kv).timing
+        with amx_policy(amx):
+            return generate(model, [ids], SamplingParams(max_tokens=n, ignore_eos=True), kv_cache=kv).timing
 
     def profile(n: int) -> dict:
         params = SamplingParams(max_tokens=n, ignore_eos=True)
-        timing = generate(model, [prompt], params, profile=True, kv_cache=kv).timing
+        with amx_policy(amx):
+            timing = generate(model, [prompt], params, profile=True, kv_cache=kv).timing
         return {k: v / timing.wall_s for k, v in timing.phase_s.items()}
 
     kv_dtype = "auto" if kv is None else kv.dtype
@@ -239,18 +247,40 @@ def summarize(r: Runner, new_tokens: int, bandwidth: float, prompt_tokens: int) 
     return out
 
 
+ROW_OPTIONS = ("kv", "amx")
+
+
+def row_parts(row: str) -> tuple[str, str, dict[str, str]]:
+    """``qspec:bf16:kv=int8:amx=off`` -> ("qspec", "bf16", {"kv": "int8", "amx": "off"})."""
+    kind, _, rest = row.partition(":")
+    variant, *options = rest.split(":") if rest else [""]
+    parsed = {}
+    for option in options:
+        key, eq, value = option.partition("=")
+        if not eq or key not in ROW_OPTIONS or key in parsed:
+            raise UsageError(f"row {row!r}: options are kv=FORMAT and amx=POLICY, each at most once (got {option!r})")
+        parsed[key] = value
+    return kind, variant, parsed
+
+
 def parse_rows(spec: str) -> list[str]:
     rows = [r.strip() for r in spec.split(",") if r.strip()]
     for r in rows:
-        kind, _, variant = r.partition(":")
-        variant, _, kv = variant.partition(":kv=")
-        ok = (kind == "qspec" and variant in QSPEC_ROWS) or (kind == "hf" and variant in ("fp32", "bf16") and not kv)
+        kind, variant, options = row_parts(r)
+        hf_ok = kind == "hf" and variant in ("fp32", "bf16") and not options
+        ok = (kind == "qspec" and variant in QSPEC_ROWS) or hf_ok
         if not ok and r != "llama.cpp":
             raise UsageError(
-                f"unknown row {r!r}: qspec:{{{','.join(QSPEC_ROWS)}}}[:kv=FORMAT], hf:{{fp32,bf16}} or llama.cpp"
+                f"unknown row {r!r}: qspec:{{{','.join(QSPEC_ROWS)}}}[:kv=FORMAT][:amx=POLICY], hf:{{fp32,bf16}} or "
+                "llama.cpp"
             )
-        if kv and kv not in KV_DTYPES:
+        if options.get("kv", "auto") not in KV_DTYPES:
             raise UsageError(f"row {r!r}: kv= takes one of {', '.join(KV_DTYPES)}")
+        if "amx" in options:
+            if options["amx"] not in AMX_POLICIES:
+                raise UsageError(f"row {r!r}: amx= takes one of {', '.join(AMX_POLICIES)}")
+            if not isa_supported("amx"):
+                raise UsageError(f"row {r!r}: amx= names an AMX row policy, and this CPU has no AMX")
     return rows
 
 
@@ -284,13 +314,13 @@ def build_runners(
     base, _, path = load_model(model_spec)
     runners, skipped, copies = [], {}, {}
     for row in rows:
-        kind, _, variant = row.partition(":")
+        kind, variant, options = row_parts(row)
         print(f"[bench_decode] building {row}", file=sys.stderr, flush=True)
         if kind == "qspec":  # rows of one variant share its model; each call builds its own KV cache
-            variant, _, kv = variant.partition(":kv=")
             if variant not in copies:
                 copies[variant] = named_fast_copy(base, variant)
-            runners.append(qspec_runner(row, copies[variant], prompt, KVCacheSpec(dtype=kv or "auto")))
+            kv = KVCacheSpec(dtype=options.get("kv", "auto"))
+            runners.append(qspec_runner(row, copies[variant], prompt, kv, amx=options.get("amx")))
         elif kind == "hf":
             dtype = torch.float32 if variant == "fp32" else torch.bfloat16
             hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()

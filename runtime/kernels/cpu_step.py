@@ -53,6 +53,7 @@ import os
 import sys
 import warnings
 import weakref
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -348,6 +349,25 @@ def dequantize(weight: KernelWeight, dtype: torch.dtype = torch.bfloat16) -> Ten
     out = torch.empty_like(w, memory_format=torch.contiguous_format)
     out[:, weight.perm] = w  # column j of the layout is input column perm[j]
     return out
+
+
+AMX_POLICIES = ("dense", "exact", "off", "approximate")
+
+
+@contextmanager
+def amx_policy(policy: str | None):
+    """Run a block under an AMX row policy (module docstring), then restore the previous one. None, or no CPU step
+    here: the block runs under whatever is set."""
+    ext = extension() if policy is not None else None
+    if ext is None:
+        yield
+        return
+    previous = ext.amx_mode()
+    ext.set_amx(policy)
+    try:
+        yield
+    finally:
+        ext.set_amx(previous)
 
 
 FAMILY_FLAGS = {"avx2": {"avx2", "fma", "f16c"}, "avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq"}}
