@@ -15,14 +15,17 @@ from runtime.kernels import cpu_step
 
 ext = cpu_step.extension()
 pytestmark = pytest.mark.skipif(ext is None, reason="the CPU step cannot be built here")
-# (isa cap, VNNI allowed, the kernel int8-activation layers then run)
+# (isa cap, VNNI allowed, the kernel int8-activation layers then run at one row); "amx": VNNI at one row, AMX-INT8
+# tiles from AMX_INT8_MIN_ROWS rows where the layer's groups fit whole 64-column chunks (the same bits)
 KERNELS = [("avx2", False, "avx2-maddwd"), ("avx512", False, "avx512-maddwd"), ("avx512", True, "avx512-vnni")]
+KERNELS += [("amx", True, "avx512-vnni")] if ext is not None and "amx_int8" in cpu_step.cpu_flags() else []
 KERNELS = [k for k in KERNELS if ext is not None and cpu_step.isa_supported(k[0])]
 if ext is not None and "avx512_vnni" not in cpu_step.cpu_flags():
     KERNELS = [k for k in KERNELS if not k[1]]
+KERNEL_IDS = ["amx-int8" if k[0] == "amx" else k[2] for k in KERNELS]
 
 
-@pytest.fixture(params=KERNELS, ids=[k[2] for k in KERNELS])
+@pytest.fixture(params=KERNELS, ids=KERNEL_IDS)
 def kernel(request):
     isa, vnni, name = request.param
     ext.set_isa(isa)
@@ -92,6 +95,9 @@ def test_kernels_equal_the_reference_bitwise(kernel, bits, group, N, K):
     codes, scales, zeros = quantized(N, K, bits, group, seed=N + K + bits)
     h = handle(codes, scales, zeros, bits, group)
     assert ext.int8_kernel(h) == expected_kernel(kernel, bits, K, group)
+    tiles = ext.isa() == "amx" and kernel == "avx512-vnni" and -(-K // 32) * 32 % 64 == 0 and group % 64 == 0
+    assert ext.int8_kernel(h, 9) == ("amx-int8" if tiles else ext.int8_kernel(h))
+    assert ext.int8_kernel(h, ext.AMX_INT8_MIN_ROWS - 1) == ext.int8_kernel(h)
     for m in (1, 5, 64):
         x = rows(m, K, m)
         assert torch.equal(ext.linear(h, x), reference(x, codes, scales, zeros, group))
@@ -115,6 +121,8 @@ def test_rows_never_change_a_result(kernel, bits, group):
     bias = torch.randn(n)
     h = handle(codes, scales, zeros, bits, group, bias)
     x = rows(37, k, 3)
+    if ext.isa() == "amx" and kernel == "avx512-vnni" and group % 64 == 0:
+        assert ext.int8_kernel(h, 37) == "amx-int8" and ext.int8_kernel(h, 1) == "avx512-vnni"  # both kernels
     together = ext.linear(h, x)
     assert torch.equal(together, reference(x, codes, scales, zeros, group, bias))
     for m in range(37):

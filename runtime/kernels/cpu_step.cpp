@@ -923,14 +923,16 @@ void quantize_row(const Weight& w, const float* src, int64_t m, QActs& a, int fa
   }
 }
 
-void prepare(const Weight& w, const float* x, int64_t M, int64_t ldx, QActs& a, int fam) {
+// rows: the rows the activation arrays hold (>= M: AMX tiles load 16 rows at a time; the rows past M are not read
+// back)
+void prepare(const Weight& w, const float* x, int64_t M, int64_t ldx, QActs& a, int fam, int64_t rows) {
   a.M = M;
   a.Kp = (w.K + KB - 1) / KB * KB;
-  a.q.assign(M * a.Kp, 0);
+  a.q.assign(rows * a.Kp, 0);
   a.scale.resize(M);
   a.qsum.resize(M * w.ngroups);
   if (fam == MADD2 || fam == MADD512) a.pairs.resize(M * a.Kp / 2);  // vpmaddubsw and VNNI read q itself
-  if (fam == VNNI && w.kind == I4) a.split.resize(M * a.Kp / 4);
+  if (fam == VNNI && w.kind == I4) a.split.resize(rows * a.Kp / 4);
   if (fam == MADDUBS2 && M < EXPAND_ROWS) a.spread.resize(M * a.Kp / 4);
   std::vector<float> gathered;
   for (int64_t m = 0; m < M; ++m) quantize_row(w, x + m * ldx, m, a, fam, gathered);
@@ -1263,6 +1265,115 @@ void block(const Weight& w, const QActs& a, int64_t tile0, int64_t m0, float* y,
 }  // namespace i8act512
 #pragma GCC pop_options
 
+// ---- AMX-INT8 for int8-activation layers -------------------------------------------------------------------------
+// The same integer sums as the VNNI kernel (per group d = sum q * code, exact in int32: tdpbsud multiplies signed
+// activation bytes by unsigned code bytes as vpdpbusd does and adds without saturation), then the same fp32 epilogue
+// in the same order: the same bits as VNNI for every row, so calls of AMX_INT8_MIN_ROWS rows or more take the tiles
+// and fewer take VNNI without a row's result depending on the call (shape-invariant by construction, unlike bf16).
+// C tiles 0..3: [16 activation rows, 16 outputs] int32 for up to 4 chunks of 16 rows; tile 4: A, 16 rows x 64
+// activation bytes (q, or for int4 the even / odd split of each 8 columns that octet_i4's code order wants); tile 5:
+// B, 16 k-quads x 16 outputs x 4 code bytes, expanded from the tile's codes AHEAD chunks in front of its load.
+// From 8 rows: below, the codes' expansion to B tiles through memory costs more than VNNI's extra row products
+// (the 1.5B's W4A8 step: 2 and 5 rows slower on tiles, 9 rows 1.07-1.26x faster; notes/issue-39.md, 30th session)
+constexpr int64_t AMX_INT8_MIN_ROWS = 8, KC = 64;  // KC: activation columns per tile product
+
+bool cpu_amx_int8() { return cpuid_bit(7, 0, 3, 25); }  // CPUID.(7,0):EDX[25] AMX-INT8
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,amx-tile,amx-int8")
+namespace amx8 {
+
+using i8act::QActs;
+
+template <int64_t KIND>
+inline void expand(const uint8_t* tile, int64_t chunk, __m512i* b) {  // B rows of one chunk (KC columns)
+  const int64_t j0 = chunk * KC / 2;  // pair column
+  if (KIND == I4) {
+    for (int64_t o = 0; o < 8; ++o) i8act512::octet_i4(tile, j0 + 4 * o, b[2 * o], b[2 * o + 1]);
+  } else {
+    for (int64_t r = 0; r < 16; ++r) b[r] = i8act512::quad_i8(tile, j0 + 2 * r);
+  }
+}
+
+inline void tile_product(int mc) {
+  switch (mc) {
+    case 0: _tile_dpbsud(0, 4, 5); break;
+    case 1: _tile_dpbsud(1, 4, 5); break;
+    case 2: _tile_dpbsud(2, 4, 5); break;
+    default: _tile_dpbsud(3, 4, 5); break;
+  }
+}
+
+inline void tile_out(int mc, int32_t (*c)[16]) {
+  switch (mc) {
+    case 0: _tile_stored(0, c, 64); break;
+    case 1: _tile_stored(1, c, 64); break;
+    case 2: _tile_stored(2, c, 64); break;
+    default: _tile_stored(3, c, 64); break;
+  }
+}
+
+template <int64_t KIND>
+void run(const Weight& w, const QActs& a, int64_t t_begin, int64_t t_end, float* y, int64_t ldy) {
+  amx::TileConfig cfg;
+  for (int t = 0; t < 6; ++t) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = 16;
+  }
+  _tile_loadconfig(&cfg);
+  constexpr int AHEAD = 2;
+  const int64_t Kp = a.Kp, G = w.ngroups, M = a.M, mchunks = (M + 15) / 16, chunks = Kp / KC;
+  const int64_t group_chunks = G == 1 ? chunks : w.group / KC, tile_bytes = (Kp / 2) * w.pair_bytes();
+  const uint8_t* data = reinterpret_cast<const uint8_t*>(w.data.data_ptr());
+  // int4: row m's split words (even, odd columns of each 8) hold its 64 columns of a chunk as 64 bytes, row stride Kp
+  const uint8_t* acts = KIND == I4 ? reinterpret_cast<const uint8_t*>(a.split.data())
+                                   : reinterpret_cast<const uint8_t*>(a.q.data());
+  const float* sc = w.scales.data_ptr<float>();
+  const ZeroTable zc(w);
+  alignas(64) __m512i ring[AHEAD + 1][16];
+  alignas(64) int32_t c[16][16];
+  alignas(64) float tot[MAX_M][16];  // per row: the fp32 sum over groups so far
+  for (int64_t t = t_begin; t < t_end; ++t) {
+    const uint8_t* tile = data + t * tile_bytes;
+    for (int64_t k = 0; k < std::min<int64_t>(AHEAD, chunks); ++k) expand<KIND>(tile, k, ring[k % (AHEAD + 1)]);
+    for (int64_t k = 0; k < chunks; ++k) {
+      if (k + AHEAD < chunks) expand<KIND>(tile, k + AHEAD, ring[(k + AHEAD) % (AHEAD + 1)]);
+      if (k % group_chunks == 0) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+      }
+      _tile_loadd(5, ring[k % (AHEAD + 1)], 64);
+      for (int64_t mc = 0; mc < mchunks; ++mc) {
+        _tile_loadd(4, acts + mc * 16 * Kp + k * KC, Kp);
+        tile_product(static_cast<int>(mc));
+      }
+      if ((k + 1) % group_chunks != 0 && k + 1 != chunks) continue;
+      const int64_t g = k / group_chunks;  // the group ends here: the VNNI kernel's epilogue, row by row
+      const int64_t at = (t * G + g) * NR;
+      const __m512 s = _mm512_loadu_ps(sc + at);
+      const __m512i shift = _mm512_set1_epi32(KIND == I8 ? 128 : 0);
+      const __m512i z = _mm512_add_epi32(_mm512_cvtps_epi32(load16(zc, at)), shift);
+      for (int64_t mc = 0; mc < mchunks; ++mc) {
+        tile_out(static_cast<int>(mc), c);
+        for (int64_t m = mc * 16; m < std::min(M, mc * 16 + 16); ++m) {
+          const __m512i acc = _mm512_load_si512(c[m - mc * 16]);
+          const __m512i qs = _mm512_set1_epi32(a.qsum[m * G + g]);
+          const __m512 part = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc, _mm512_mullo_epi32(z, qs))), s);
+          _mm512_store_ps(tot[m], g == 0 ? part : _mm512_add_ps(_mm512_load_ps(tot[m]), part));
+        }
+      }
+    }
+    for (int64_t m = 0; m < M; ++m)
+      avx512::store_tile(_mm512_mul_ps(_mm512_load_ps(tot[m]), _mm512_set1_ps(a.scale[m])), w.N, t, y + m * ldy);
+  }
+  _tile_release();
+}
+
+}  // namespace amx8
+#pragma GCC pop_options
+
 namespace i8act {
 
 template <int TB, int MB>
@@ -1326,13 +1437,31 @@ void run(const Weight& w, const QActs& a, int fam, int64_t t_begin, int64_t t_en
   }
 }
 
+// Whether a call of M rows takes the AMX-INT8 tiles (the same bits as VNNI; any AMX row policy but off): whole
+// chunks of KC columns that no group boundary cuts.
+bool amx_int8_rows(const Weight& w, int fam, int64_t M) {
+  const int64_t Kp = (w.K + KB - 1) / KB * KB;
+  return fam == VNNI && M >= AMX_INT8_MIN_ROWS && isa() >= ISA_AMX && g_amx_mode != AMX_OFF && cpu_amx_int8() &&
+         Kp % KC == 0 && (w.ngroups == 1 || w.group % KC == 0);
+}
+
 // y [M, N] fp32 = the int8-activation layer on x [M, K] (+ bias), split over the cores by tiles.
 void linear_into(const Weight& w, const float* x, int64_t M, int64_t ldx, float* y, int64_t ldy) {
   thread_local QActs scratch;
   QActs& a = scratch;  // a local reference: the workers' lambda must read this thread's copy, not their own
   const int fam = family(w);
-  prepare(w, x, M, ldx, a, fam);
-  at::parallel_for(0, w.tiles(), 1, [&](int64_t b, int64_t e) { run(w, a, fam, b, e, y, ldy); });
+  const bool tiles = amx_int8_rows(w, fam, M);
+  prepare(w, x, M, ldx, a, fam, tiles ? (M + 15) / 16 * 16 : M);
+  if (tiles) {
+    at::parallel_for(0, w.tiles(), 1, [&](int64_t b, int64_t e) {
+      if (w.kind == I4)
+        amx8::run<I4>(w, a, b, e, y, ldy);
+      else
+        amx8::run<I8>(w, a, b, e, y, ldy);
+    });
+  } else {
+    at::parallel_for(0, w.tiles(), 1, [&](int64_t b, int64_t e) { run(w, a, fam, b, e, y, ldy); });
+  }
   if (w.bias.defined() && w.bias.numel()) {
     const float* bp = w.bias.data_ptr<float>();
     for (int64_t m = 0; m < M; ++m)
@@ -1340,9 +1469,10 @@ void linear_into(const Weight& w, const float* x, int64_t M, int64_t ldx, float*
   }
 }
 
-std::string kernel_name(const Weight& w) {
+std::string kernel_name(const Weight& w, int64_t M) {  // the kernel a call of M rows runs
   static const char* names[] = {"avx2-maddwd", "avx512-maddwd", "avx512-vnni", "avx2-maddubs"};
-  return names[family(w)];
+  const int fam = family(w);
+  return amx_int8_rows(w, fam, M) ? "amx-int8" : names[fam];
 }
 
 }  // namespace i8act
@@ -3459,6 +3589,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_amx", &qspec::set_amx, "AMX row policy: dense (default) | exact | off | approximate (see cpu_step.cpp)");
   m.def("amx_mode", &qspec::amx_mode, "the AMX row policy in use");
   m.attr("AMX_MIN_ROWS") = qspec::AMX_MIN_ROWS;
+  m.attr("AMX_INT8_MIN_ROWS") = qspec::AMX_INT8_MIN_ROWS;
   m.def("profile", &qspec::profile, "seconds per step phase since the last call; enable: keep counting");
   m.def("isa", &qspec::isa_name, "the kernel family in use");
   m.def("set_quant_streams", [](int64_t s) { TORCH_CHECK(s == 0 || s == 8, "streams: 0 or 8"); qspec::g_quant_streams = s; },
@@ -3468,5 +3599,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_dense_streams", [](int64_t s) { TORCH_CHECK(s >= 0 && s % 4 == 0, "streams: a multiple of 4"); qspec::g_dense_streams = s; },
         "weight streams a core reads side by side in dense calls (default 4; 0: one; A/B runs and tests)");
   m.def("set_vnni", [](bool on) { qspec::g_vnni = on; }, "allow AVX512-VNNI for int8-activation layers (tests)");
-  m.def("int8_kernel", &qspec::i8act::kernel_name, "the kernel an int8-activation layer runs here");
+  m.def("int8_kernel", &qspec::i8act::kernel_name, "the kernel an int8-activation layer runs here for M rows",
+        py::arg("weight"), py::arg("rows") = 1);
 }
