@@ -63,3 +63,19 @@ def kv_pieces(keys: int):
         yield
     finally:
         ext.set_kv_piece(before)
+
+
+@contextlib.contextmanager
+def kernel_family(name: str):
+    """Run the CPU step's kernels of one family: "avx2", "avx512", "avx512bf16" or "amx", the latter optionally
+    with its AMX row policy ("amx-exact"; plain "amx": the default, dense), then back to this CPU's best."""
+    from runtime.kernels import cpu_step
+
+    ext = cpu_step.extension()
+    isa, _, policy = name.partition("-")
+    ext.set_isa(isa)
+    try:
+        with cpu_step.amx_policy(policy or "dense"):
+            yield ext.isa()
+    finally:
+        ext.set_isa("amx")

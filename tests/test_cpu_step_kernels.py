@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from patching import kernel_family
 
 from runtime.kernels import cpu_step
 
@@ -19,13 +20,9 @@ SHAPES = [(48, 64), (37, 90), (16, 576), (100, 200)]  # (N, K): whole tiles, rag
 
 @pytest.fixture(params=FAMILIES)
 def family(request):
-    isa, _, policy = request.param.partition("-")
-    ext.set_isa(isa)
-    ext.set_amx(policy or "dense")
-    assert ext.isa() == isa
-    yield request.param
-    ext.set_amx("dense")
-    ext.set_isa("amx")  # back to the best this CPU has
+    with kernel_family(request.param) as isa:
+        assert isa == request.param.partition("-")[0]
+        yield request.param
 
 
 def rows(m: int, k: int, seed: int = 0) -> torch.Tensor:

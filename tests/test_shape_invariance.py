@@ -14,7 +14,7 @@ import copy
 
 import pytest
 import torch
-from patching import kv_pieces
+from patching import kernel_family, kv_pieces
 
 from runtime.kernels import cpu_step
 from runtime.kv_cache import KVCache
@@ -33,12 +33,8 @@ K = 4  # drafts per step: chains of K + 1 rows
 
 @pytest.fixture(params=FAMILIES)
 def family(request):
-    isa, _, policy = request.param.partition("-")
-    ext.set_isa(isa)
-    ext.set_amx(policy or "dense")
-    yield request.param
-    ext.set_amx("dense")
-    ext.set_isa("amx")  # back to the best this CPU has
+    with kernel_family(request.param):
+        yield request.param
 
 
 def build(fmt: str, cfg, seed: int = 0, std: float = 0.1, head_dtype: torch.dtype | None = None):
@@ -288,12 +284,9 @@ def test_amx_policies_choose_their_kernels():
     }
     x = torch.randn(ext.AMX_MIN_ROWS, 256, generator=torch.Generator().manual_seed(1))
     out = {}
-    try:
-        for mode in ("off", "dense", "exact", "approximate"):
-            ext.set_amx(mode)
+    for mode in ("off", "dense", "exact", "approximate"):
+        with cpu_step.amx_policy(mode):
             out[mode] = {kind: (ext.linear(h, x[:1])[0], ext.linear(h, x)[0]) for kind, h in handles.items()}
-    finally:
-        ext.set_amx("dense")
 
     def on_tiles(mode, kind):  # (1-row call, AMX_MIN_ROWS-row call): whether the row's bits left the vector kernels'
         return tuple(not torch.equal(a, b) for a, b in zip(out[mode][kind], out["off"][kind]))

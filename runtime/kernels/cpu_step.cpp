@@ -1315,7 +1315,7 @@ inline void tile_out(int mc, int32_t (*c)[16]) {
 
 template <int64_t KIND>
 void run(const Weight& w, const QActs& a, int64_t t_begin, int64_t t_end, float* y, int64_t ldy) {
-  amx::TileConfig cfg;
+  amx::TileConfig cfg;  // (amx::Tiles configures 5 tiles; this kernel uses 6)
   for (int t = 0; t < 6; ++t) {
     cfg.colsb[t] = 64;
     cfg.rows[t] = 16;
@@ -3528,20 +3528,18 @@ int64_t set_kv_piece(int64_t keys) {  // -> the previous setting
   return std::exchange(g_kv_piece, keys);
 }
 
+const char* const AMX_MODE_NAMES[] = {"off", "exact", "approximate", "dense"};  // by AmxMode
+
 void set_amx(const std::string& mode) {
-  static const char* names[] = {"off", "exact", "approximate", "dense"};
   for (int i = 0; i < 4; ++i)
-    if (mode == names[i]) {
+    if (mode == AMX_MODE_NAMES[i]) {
       g_amx_mode = i;
       return;
     }
   TORCH_CHECK(false, "AMX row policy: dense | exact | off | approximate, got ", mode);
 }
 
-std::string amx_mode() {
-  static const char* names[] = {"off", "exact", "approximate", "dense"};
-  return names[g_amx_mode];
-}
+std::string amx_mode() { return AMX_MODE_NAMES[g_amx_mode]; }
 
 // Seconds per phase since the last call (norm+residual, qkv, rope+kv write, attention, o, gate_up, act, down),
 // and whether to keep counting.
