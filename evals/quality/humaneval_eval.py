@@ -32,7 +32,7 @@ from runtime.paths import qspec_home, write_atomic
 from runtime.sampling import SamplingParams
 from speculate.base import Speculator, SpeculatorError
 from speculate.generate import speculative_generate
-from speculate.registry import build, check_method
+from speculate.registry import BuildContext, build, check_method
 
 # ---- completions and their cache ------------------------------------------------------------------------
 
@@ -134,8 +134,10 @@ def draft_method(text: str) -> str:
     return method
 
 
-def draft_speculator(model, text: str) -> Speculator:
-    return build(draft_method(text), model)
+def draft_speculator(model, text: str, target_path: Path | str | None = None) -> Speculator:
+    """The --draft speculator; target_path (the target's checkpoint) checks a separate draft's tokenizer and lets
+    vocab=N rank the target's tokenizer."""
+    return build(draft_method(text), model, BuildContext(target_path=target_path))
 
 
 def iter_completions(model, tokenizer, problems: list[Problem], settings: GenSettings) -> Iterator[tuple]:

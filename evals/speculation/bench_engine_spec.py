@@ -85,7 +85,7 @@ def parse_args(argv):
     ap = ArgumentParser(prog="python -m evals.speculation.bench_engine_spec", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="qwen2.5-coder-1.5b")
     ap.add_argument("--dtype", choices=("fp32", "bf16"), default="bf16")
-    ap.add_argument("--draft", default="int4+qwen2.5-coder-0.5b,k=8,conf=0.4", help="SPEC[,k=K][,conf=C]")
+    ap.add_argument("--draft", default="int4+qwen2.5-coder-0.5b,k=8,conf=0.4", help="SPEC[,k=K][,conf=C][,vocab=N]")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=1)
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     model, _, path = load_model(args.model, dtype=DTYPES[args.dtype])
     tokenizer = load_tokenizer(str(path))
-    speculator = draft_speculator(model, args.draft)
+    speculator = draft_speculator(model, args.draft, path)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)  # stops at EOS
     problems = select(load_problems(), limit=max(args.concurrency))
     prompts = [prompt_ids(tokenizer, p) for p in problems]

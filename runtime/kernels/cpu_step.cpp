@@ -183,49 +183,102 @@ struct Acts {
   std::vector<uint32_t> xt;    // [Mp / 16, Kp / 32, 16, 16]: x^T in AMX B layout (k pair, row m) (AMX dense)
 };
 
+// ---- conversions of whole activation blocks: vectorized, split over the cores --------------------------------------
+
+// body(begin, end) over rows [0, rows) of `per_row` values each: on the calling thread for small blocks (a decode
+// step's rows), split over the cores from 64 K values (a verification's or a prefill chunk's: these loops ran on
+// one core while the other waited, ~a quarter of a 40-row step of the 1.5B). A row's values never depend on the split.
+template <typename F>
+void over_rows(int64_t rows, int64_t per_row, const F& body) {
+  if (rows * per_row < (int64_t{1} << 16) || at::in_parallel_region()) return body(0, rows);
+  at::parallel_for(0, rows, 1, body);
+}
+
+// 8 fp32 -> 8 bf16 bit patterns, rounded to nearest even (the same bits as bf16_bits, or with TORCH_NAN as torch's
+// cast, which makes every NaN 0x7fc0).
+template <bool TORCH_NAN>
+inline __m128i bf16_bits8(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  const __m256i quiet = TORCH_NAN ? _mm256_set1_epi32(0x7fc0)
+                                  : _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+  const __m256i bits = _mm256_blendv_epi8(r, quiet, nan);
+  return _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1));
+}
+inline __m256 bf16_values8(__m128i bits) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+
+// One row of x rounded to bf16: bits to xb, their values to xv (fp32); n values.
+inline void round_row_bf16(const float* x, int64_t n, uint16_t* xb, float* xv) {
+  int64_t k = 0;
+  for (; k + 8 <= n; k += 8) {
+    const __m128i bits = bf16_bits8<false>(_mm256_loadu_ps(x + k));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(xb + k), bits);
+    _mm256_storeu_ps(xv + k, bf16_values8(bits));
+  }
+  for (; k < n; ++k) {
+    xb[k] = bf16_bits(x[k]);
+    xv[k] = bf16_value(xb[k]);
+  }
+}
+
 void prepare(const Weight& w, const float* x, int64_t M, int64_t ldx, Acts& a, int level) {
   a.M = M;
   a.Mp = (M + 15) / 16 * 16;
   a.K = w.K;
   a.Kp = (w.K + KB - 1) / KB * KB;  // vector loops over whole chunks: padded columns are zero in x (and in codes)
-  a.x.assign(M * a.Kp, 0.0f);
+  const int64_t K = w.K, Kp = a.Kp;
+  a.x.resize(M * Kp);
+  if (w.bf16_act) a.xb.resize(a.Mp * Kp);
   const int64_t* perm = w.perm.defined() ? w.perm.data_ptr<int64_t>() : nullptr;
-  for (int64_t m = 0; m < M; ++m) {
-    float* dst = a.x.data() + m * a.Kp;
-    const float* src = x + m * ldx;
-    if (perm)
-      for (int64_t k = 0; k < w.K; ++k) dst[k] = src[perm[k]];
-    else
-      std::memcpy(dst, src, w.K * sizeof(float));
-  }
-  if (w.bf16_act) {
-    a.xb.assign(a.Mp * a.Kp, 0);
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t k = 0; k < w.K; ++k) {
-        const uint16_t b = bf16_bits(a.x[m * a.Kp + k]);
-        a.xb[m * a.Kp + k] = b;
-        a.x[m * a.Kp + k] = bf16_value(b);
+  over_rows(M, K, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      float* dst = a.x.data() + m * Kp;
+      const float* src = x + m * ldx;
+      if (perm)
+        for (int64_t k = 0; k < K; ++k) dst[k] = src[perm[k]];
+      else
+        std::memcpy(dst, src, K * sizeof(float));
+      std::fill(dst + K, dst + Kp, 0.0f);
+      if (w.bf16_act) {
+        uint16_t* xb = a.xb.data() + m * Kp;
+        round_row_bf16(dst, K, xb, dst);
+        std::fill(xb + K, xb + Kp, uint16_t{0});
       }
-  }
+    }
+  });
+  if (w.bf16_act) std::fill(a.xb.begin() + M * Kp, a.xb.end(), uint16_t{0});  // rows M..Mp: zero
   if (w.quantized()) {
-    a.gsum.assign(M * w.ngroups, 0.0f);
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t g = 0; g < w.ngroups; ++g) {
-        float s = 0;
-        const int64_t end = std::min(w.K, (g + 1) * w.group);
-        for (int64_t k = g * w.group; k < end; ++k) s += a.x[m * a.Kp + k];
-        a.gsum[m * w.ngroups + g] = s;
-      }
+    a.gsum.resize(M * w.ngroups);
+    over_rows(M, K, [&](int64_t m0, int64_t m1) {
+      for (int64_t m = m0; m < m1; ++m)
+        for (int64_t g = 0; g < w.ngroups; ++g) {
+          float s = 0;
+          const int64_t end = std::min(K, (g + 1) * w.group);
+          for (int64_t k = g * w.group; k < end; ++k) s += a.x[m * Kp + k];
+          a.gsum[m * w.ngroups + g] = s;
+        }
+    });
   }
-  if (amx_dense(w, level, M)) {
-    const int64_t kblocks = a.Kp / KB, pairs = a.Kp / 2;
-    a.xt.assign(a.Mp * pairs, 0);
-    const uint32_t* src = reinterpret_cast<const uint32_t*>(a.xb.data());
-    for (int64_t m = 0; m < a.M; ++m)  // rows M..Mp stay zero
-      for (int64_t j = 0; j < pairs; ++j) {  // pair j of row m -> chunk m / 16, block j / 16, row j % 16, col m % 16
-        const int64_t block = (m / 16) * kblocks + j / 16;
-        a.xt[(block * 16 + j % 16) * 16 + m % 16] = src[m * pairs + j];
+  if (amx_dense(w, level, M)) {  // xt[chunk c, block b, pair row r, m % 16] = pair b * 16 + r of row c * 16 + m % 16
+    const int64_t kblocks = Kp / KB, pairs = Kp / 2;
+    a.xt.resize(a.Mp * pairs);
+    const int32_t* src = reinterpret_cast<const int32_t*>(a.xb.data());
+    const __m256i lo = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(pairs));
+    const __m256i hi = _mm256_add_epi32(lo, _mm256_set1_epi32(8 * pairs));
+    over_rows(a.Mp / 16 * kblocks, 16 * KB, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) {  // (chunk, block) pairs: a gather of 8 rows' pair per half of each tile row
+        const int32_t* base = src + (i / kblocks) * 16 * pairs + (i % kblocks) * 16;
+        uint32_t* out = a.xt.data() + i * 256;
+        for (int64_t r = 0; r < 16; ++r) {
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * 16), _mm256_i32gather_epi32(base + r, lo, 4));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * 16 + 8), _mm256_i32gather_epi32(base + r, hi, 4));
+        }
       }
+    });
   }
 }
 
@@ -687,12 +740,12 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {0};
 };
 
-// Tiles 0, 1: C accumulators; 2, 3, 4: operands. Every tile 16 rows x 64 bytes. Loaded at the start of each
+// Every tile 16 rows x 64 bytes; dense uses all 8 (its 2 x 2 blocks), quant 0..4. Loaded at the start of each
 // thread's chunk (another library may have configured the tiles since) and released at its end.
 struct Tiles {
   Tiles() {
     TileConfig cfg;
-    for (int t = 0; t < 5; ++t) {
+    for (int t = 0; t < 8; ++t) {
       cfg.colsb[t] = 64;
       cfg.rows[t] = 16;
     }
@@ -701,24 +754,60 @@ struct Tiles {
   ~Tiles() { _tile_release(); }
 };
 
-// Dense bf16: C [16 weight rows n, 16 activation rows m] += W [16 n, 32 k] (tile 2/3, loaded from [N, K] in place)
-// . x^T [16 k pairs, 16 m] (tile 4, prepared), two weight-row blocks per pass.
+// Dense bf16: C [16 weight rows n, 16 activation rows m] += W [16 n, 32 k] (loaded from [N, K] in place) . x^T [16 k
+// pairs, 16 m] (prepared). Two weight blocks by two chunks of 16 activation rows per pass (accumulators 0..3,
+// operands 4..7): each tile load feeds two matmuls, where one chunk a pass re-read every weight block from L2 for
+// each chunk (a 40-row verification of the 1.5B: gate_up 2.3x its 16-row cost). An odd last chunk (or block) takes
+// a pass of its own. Each output's sum is the same sequence of matmuls over k blocks in every blocking.
 void dense(const Weight& w, const Acts& a, int64_t nb0, int64_t nb1, float* y, int64_t ldy) {
   Tiles tiles;
   const int64_t K = w.K, kblocks = a.Kp / KB, mchunks = a.Mp / 16;
   const uint16_t* wb = reinterpret_cast<const uint16_t*>(w.data.data_ptr<at::BFloat16>());
   const uint32_t* xt = a.xt.data();
-  alignas(64) float c[2][16][16];
+  alignas(64) float c[16][16];
+  auto scatter = [&](int64_t nb, int64_t mc) {  // c [16 n, 16 m] -> y rows of chunk mc
+    const int64_t rows = std::min<int64_t>(16, a.M - mc * 16);
+    for (int64_t m = 0; m < rows; ++m)
+      for (int64_t i = 0; i < NR; ++i) y[(mc * 16 + m) * ldy + nb * NR + i] = c[i][m];
+  };
   for (int64_t nb = nb0; nb < nb1; nb += 2) {
     const bool two = nb + 1 < nb1;
     const uint16_t* w0 = wb + nb * NR * K;
     const uint16_t* w1 = w0 + NR * K;
-    for (int64_t mc = 0; mc < mchunks; ++mc) {
+    auto prefetch_next = [&](int64_t kb) {  // the next pair of weight blocks, one line per row, while these compute
+      for (int64_t r = 0; r < 2 * NR; ++r) _mm_prefetch(reinterpret_cast<const char*>(w0 + (2 * NR + r) * K + kb * KB), _MM_HINT_T0);
+    };
+    int64_t mc = 0;
+    for (; two && mc + 2 <= mchunks; mc += 2) {
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t kb = 0; kb < kblocks; ++kb) {
+        if (mc == 0 && nb + 2 < nb1) prefetch_next(kb);
+        _tile_loadd(4, w0 + kb * KB, K * 2);
+        _tile_loadd(5, w1 + kb * KB, K * 2);
+        _tile_loadd(6, xt + (mc * kblocks + kb) * 256, 64);
+        _tile_loadd(7, xt + ((mc + 1) * kblocks + kb) * 256, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 5, 6);
+        _tile_dpbf16ps(2, 4, 7);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+      _tile_stored(0, c, 64);
+      scatter(nb, mc);
+      _tile_stored(1, c, 64);
+      scatter(nb + 1, mc);
+      _tile_stored(2, c, 64);
+      scatter(nb, mc + 1);
+      _tile_stored(3, c, 64);
+      scatter(nb + 1, mc + 1);
+    }
+    for (; mc < mchunks; ++mc) {
       _tile_zero(0);
       _tile_zero(1);
       for (int64_t kb = 0; kb < kblocks; ++kb) {
-        if (mc == 0 && nb + 2 < nb1)  // the next pair of weight blocks, one line per row, while these compute
-          for (int64_t r = 0; r < 2 * NR; ++r) _mm_prefetch(reinterpret_cast<const char*>(w0 + (2 * NR + r) * K + kb * KB), _MM_HINT_T0);
+        if (mc == 0 && nb + 2 < nb1) prefetch_next(kb);
         _tile_loadd(4, xt + (mc * kblocks + kb) * 256, 64);
         _tile_loadd(2, w0 + kb * KB, K * 2);
         _tile_dpbf16ps(0, 2, 4);
@@ -727,12 +816,12 @@ void dense(const Weight& w, const Acts& a, int64_t nb0, int64_t nb1, float* y, i
           _tile_dpbf16ps(1, 3, 4);
         }
       }
-      _tile_stored(0, c[0], 64);
-      if (two) _tile_stored(1, c[1], 64);
-      const int64_t rows = std::min<int64_t>(16, a.M - mc * 16);
-      for (int b = 0; b < (two ? 2 : 1); ++b)
-        for (int64_t m = 0; m < rows; ++m)
-          for (int64_t i = 0; i < NR; ++i) y[(mc * 16 + m) * ldy + (nb + b) * NR + i] = c[b][i][m];
+      _tile_stored(0, c, 64);
+      scatter(nb, mc);
+      if (two) {
+        _tile_stored(1, c, 64);
+        scatter(nb + 1, mc);
+      }
     }
   }
 }
@@ -2951,13 +3040,32 @@ void attention_layer_quant(const QuantKV<T>& kv, int64_t l, const std::vector<in
 }
 
 // y (rows of the compute type) = x @ W^T through the kernels, rounded to T as the Python layers round.
+// y [M, N] (T) = x [M, K] (T) @ W^T: fp32 rows run the kernels in place; bf16 ones widen to fp32 and come back
+// rounded as torch casts (vectorized, split over the cores: the same bits as the scalar casts).
 template <typename T>
 void linear_rows(const Weight& w, const T* x, int64_t M, T* y, Acts& a, std::vector<float>& xf, std::vector<float>& yf) {
-  xf.resize(M * w.K);
-  for (int64_t i = 0; i < M * w.K; ++i) xf[i] = f32(x[i]);
-  yf.resize(M * w.N);
-  linear_into(w, xf.data(), M, w.K, yf.data(), w.N, a);
-  for (int64_t i = 0; i < M * w.N; ++i) y[i] = rnd<T>(yf[i]);
+  if constexpr (std::is_same_v<T, float>) {
+    linear_into(w, x, M, w.K, y, w.N, a);
+  } else {
+    const int64_t K = w.K, N = w.N;
+    xf.resize(M * K);
+    const uint16_t* xs = reinterpret_cast<const uint16_t*>(x);
+    over_rows(M, K, [&](int64_t m0, int64_t m1) {
+      int64_t i = m0 * K;
+      for (; i + 8 <= m1 * K; i += 8)
+        _mm256_storeu_ps(xf.data() + i, bf16_values8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xs + i))));
+      for (; i < m1 * K; ++i) xf[i] = f32(x[i]);
+    });
+    yf.resize(M * N);
+    linear_into(w, xf.data(), M, K, yf.data(), N, a);
+    uint16_t* ys = reinterpret_cast<uint16_t*>(y);
+    over_rows(M, N, [&](int64_t m0, int64_t m1) {
+      int64_t i = m0 * N;
+      for (; i + 8 <= m1 * N; i += 8)
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(ys + i), bf16_bits8<true>(_mm256_loadu_ps(yf.data() + i)));
+      for (; i < m1 * N; ++i) y[i] = rnd<T>(yf[i]);
+    });
+  }
 }
 
 // Seconds per phase of the step (enabled by profile(true)): where a step's time goes, for benchmarks.
@@ -3003,7 +3111,9 @@ void step_impl(const StepModel& m, at::Tensor& x, int64_t Tn, const at::Tensor& 
     const T* n1 = m.norms[2 * l].data_ptr<T>();
     const T* n2 = m.norms[2 * l + 1].data_ptr<T>();
     const Weight* w = &m.linears[4 * l];
-    for (int64_t r = 0; r < R; ++r) rms_norm(xp + live[r] * H, n1, normed.data() + r * H, H, eps);
+    over_rows(R, H, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) rms_norm(xp + live[r] * H, n1, normed.data() + r * H, H, eps);
+    });
     clock.lap(P_NORM);
     for (int64_t r0 = 0; r0 < R; r0 += MAX_M)
       linear_rows(w[0], normed.data() + r0 * H, std::min(MAX_M, R - r0), qkv.data() + r0 * qkv_size, acts, xf, yf);
@@ -3060,21 +3170,28 @@ void step_impl(const StepModel& m, at::Tensor& x, int64_t Tn, const at::Tensor& 
     for (int64_t r0 = 0; r0 < R; r0 += MAX_M)
       linear_rows(w[1], attn.data() + r0 * q_size, std::min(MAX_M, R - r0), proj.data() + r0 * H, acts, xf, yf);
     clock.lap(P_O);
-    for (int64_t r = 0; r < R; ++r)
-      for (int64_t i = 0; i < H; ++i) xp[live[r] * H + i] += f32(proj[r * H + i]);
-    for (int64_t r = 0; r < R; ++r) rms_norm(xp + live[r] * H, n2, normed.data() + r * H, H, eps);
+    over_rows(R, H, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        for (int64_t i = 0; i < H; ++i) xp[live[r] * H + i] += f32(proj[r * H + i]);
+        rms_norm(xp + live[r] * H, n2, normed.data() + r * H, H, eps);
+      }
+    });
     clock.lap(P_NORM);
     for (int64_t r0 = 0; r0 < R; r0 += MAX_M)
       linear_rows(w[2], normed.data() + r0 * H, std::min(MAX_M, R - r0), gate_up.data() + r0 * 2 * inter, acts, xf,
                   yf);
     clock.lap(P_GATE_UP);
-    for (int64_t r = 0; r < R; ++r) silu_mul(gate_up.data() + r * 2 * inter, act.data() + r * inter, inter);
+    over_rows(R, 4 * inter, [&](int64_t r0, int64_t r1) {  // (its exponentials: 4x a copy's work per value)
+      for (int64_t r = r0; r < r1; ++r) silu_mul(gate_up.data() + r * 2 * inter, act.data() + r * inter, inter);
+    });
     clock.lap(P_ACT);
     for (int64_t r0 = 0; r0 < R; r0 += MAX_M)
       linear_rows(w[3], act.data() + r0 * inter, std::min(MAX_M, R - r0), proj.data() + r0 * H, acts, xf, yf);
     clock.lap(P_DOWN);
-    for (int64_t r = 0; r < R; ++r)
-      for (int64_t i = 0; i < H; ++i) xp[live[r] * H + i] += f32(proj[r * H + i]);
+    over_rows(R, H, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r)
+        for (int64_t i = 0; i < H; ++i) xp[live[r] * H + i] += f32(proj[r * H + i]);
+    });
     clock.lap(P_NORM);
   }
 }
