@@ -1,5 +1,6 @@
 """The quantized prefill path (runtime.kernels.cpu_step.prefill_linear): a quantized layer given many rows
-dequantizes its weight block by block in C++ and multiplies with torch's GEMM.
+dequantizes its weight block by block in C++ and multiplies with torch's GEMM (on AMX, bf16 activations: panels of
+it on the tiles).
 
 - The dequantization equals the layer's own Python dequantization ((codes - zeros) * scales in fp32, act-order
   columns in input order, e4m3 codes times their scales), rounded to bf16 or kept fp32, bit for bit, in every
@@ -27,8 +28,10 @@ from runtime.kernels import cpu_step
 
 ext = cpu_step.extension()
 pytestmark = pytest.mark.skipif(ext is None, reason="the CPU step cannot be built here")
-FAMILIES = [f for f in ("avx2", "avx512bf16") if ext is not None and cpu_step.isa_supported(f)]
+# amx: bf16 prefills of quantized layers multiply dequantized panels on the tiles (amx_prefill in cpu_step.cpp)
+FAMILIES = [f for f in ("avx2", "avx512bf16", "amx") if ext is not None and cpu_step.isa_supported(f)]
 ROWS = 2 * cpu_step.PREFILL_MIN_ROWS + 3  # past the threshold, and not a multiple of anything
+LONG_ROWS = 515  # past AMX's panels (amx_prefill::MAX_ROWS): the whole weight dequantized, one GEMM
 
 
 @pytest.fixture(params=FAMILIES)
@@ -113,11 +116,12 @@ def test_long_forward_within_the_bf16_bound(family, monkeypatch, name, compute, 
     real = cpu_step.prefill_linear
     monkeypatch.setattr(cpu_step, "prefill_linear", lambda w, x: calls.append(x.shape) or real(w, x))
     layer = make(name, compute)
-    x = torch.randn(ROWS, layer.in_features, generator=torch.Generator().manual_seed(3)).to(compute)
-    y = layer(x)
-    assert calls and y.dtype == compute and y.shape == (ROWS, layer.out_features)
-    rel = 2.0**-8 if compute == torch.bfloat16 else 2.0**-15  # fp32: weights exact, sums in fp32 (K <= 256)
-    within_bf16_weight_bound(y, x, reference_weight(layer), layer.bias, rel)
+    for rows in (ROWS, LONG_ROWS):
+        x = torch.randn(rows, layer.in_features, generator=torch.Generator().manual_seed(3)).to(compute)
+        y = layer(x)
+        assert calls and y.dtype == compute and y.shape == (rows, layer.out_features)
+        rel = 2.0**-8 if compute == torch.bfloat16 else 2.0**-15  # fp32: weights exact, sums in fp32 (K <= 256)
+        within_bf16_weight_bound(y, x, reference_weight(layer), layer.bias, rel)
 
 
 @pytest.mark.parametrize("bias", [False, True])

@@ -305,7 +305,9 @@ def prefill_linear(weight: KernelWeight, x: Tensor) -> Tensor:
     """y = x @ W^T (+ bias) for x [M, K] with many rows: each core dequantizes PREFILL_BLOCK_ROWS output rows at a
     time into its own scratch (cpu_step.cpp, ``prefill_linear``) and multiplies them by torch's GEMM, in the
     layer's activation dtype (bf16 or fp32; the output too; bf16 GEMMs in fp32 where ``widens_bf16_prefill``,
-    the weight then exact). APPROXIMATE in the last bits, as a dense bf16
+    the weight then exact). On AMX with bf16 activations (unless the AMX policy is off): up to 512 rows each core
+    dequantizes panels of its tiles into L2 and multiplies them on the tiles (``amx_prefill``), beyond that the
+    whole weight is dequantized and multiplied by one GEMM. APPROXIMATE in the last bits, as a dense bf16
     layer's prefill (F.linear): the weight is rounded to that dtype and the GEMM's summation order depends on the
     shape."""
     dtype = torch.bfloat16 if weight.bf16_activations else torch.float32
