@@ -187,7 +187,7 @@ struct Acts {
 
 // body(begin, end) over rows [0, rows) of `per_row` values each: on the calling thread for small blocks (a decode
 // step's rows), split over the cores from 64 K values (a verification's or a prefill chunk's: these loops ran on
-// one core while the other waited, ~a quarter of a 40-row step of the 1.5B). A row's values never depend on the split.
+// one core while the other waited: a 40-row step of the 1.5B 272 -> 253 ms). A row's values never depend on the split.
 template <typename F>
 void over_rows(int64_t rows, int64_t per_row, const F& body) {
   if (rows * per_row < (int64_t{1} << 16) || at::in_parallel_region()) return body(0, rows);
