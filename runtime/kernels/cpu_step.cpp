@@ -3449,6 +3449,15 @@ inline void pair_codes(const uint8_t* tile, int64_t j, __m512& c0, __m512& c1) {
   c1 = e4m3_lanes(_mm512_srli_epi32(v, 8));
 }
 
+// Columns 2j and 2j + 1 of the tile's 16 rows dequantized in fp32: (code - z) * s (the prefill's weights).
+template <int64_t KIND>
+inline void dequant_pair(const uint8_t* tile, int64_t j, __m512 s, __m512 z, __m512& w0, __m512& w1) {
+  __m512 c0, c1;
+  pair_codes<KIND>(tile, j, c0, c1);
+  w0 = _mm512_mul_ps(_mm512_sub_ps(c0, z), s);
+  w1 = _mm512_mul_ps(_mm512_sub_ps(c1, z), s);
+}
+
 template <int64_t KIND, bool BF16_OUT>
 void tiles(const Weight& w, int64_t t0, int64_t t1, int64_t tile_base, void* out, int64_t ld) {
   const float* sc = w.scales.data_ptr<float>();
@@ -3457,9 +3466,8 @@ void tiles(const Weight& w, int64_t t0, int64_t t1, int64_t tile_base, void* out
     const int64_t col = (t - tile_base) * NR;
     const __m512 s = _mm512_loadu_ps(sc + at), z = load16(zc, at);
     for (int64_t j = kb / 2; j < (ke + 1) / 2; ++j) {
-      __m512 c0, c1;
-      pair_codes<KIND>(tile, j, c0, c1);
-      const __m512 w0 = _mm512_mul_ps(_mm512_sub_ps(c0, z), s), w1 = _mm512_mul_ps(_mm512_sub_ps(c1, z), s);
+      __m512 w0, w1;
+      dequant_pair<KIND>(tile, j, s, z, w0, w1);
       const bool second = 2 * j + 1 < w.K;  // an odd K's last pair holds one real column
       if constexpr (BF16_OUT) {
         uint16_t* o = static_cast<uint16_t*>(out) + 2 * j * ld + col;
@@ -3534,9 +3542,8 @@ void dequant_panel(const Weight& w, int64_t t0, int64_t t1, int64_t kblocks, uin
   each_tile_group(w, t0, t1, [&](int64_t t, const uint8_t* tile, int64_t at, int64_t kb, int64_t ke) {
     const __m512 s = _mm512_loadu_ps(sc + at), z = load16(zc, at);
     for (int64_t j = kb / 2; j < (ke + 1) / 2; ++j) {
-      __m512 c0, c1;
-      dequant512::pair_codes<KIND>(tile, j, c0, c1);
-      const __m512 w0 = _mm512_mul_ps(_mm512_sub_ps(c0, z), s), w1 = _mm512_mul_ps(_mm512_sub_ps(c1, z), s);
+      __m512 w0, w1;
+      dequant512::dequant_pair<KIND>(tile, j, s, z, w0, w1);
       const __m512 lo = _mm512_permutex2var_ps(w0, lo_idx, w1), hi = _mm512_permutex2var_ps(w0, hi_idx, w1);
       _mm512_storeu_si512(row(t, j), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
     }
