@@ -68,14 +68,14 @@ def kv_pieces(keys: int):
 @contextlib.contextmanager
 def kernel_family(name: str):
     """Run the CPU step's kernels of one family: "avx2", "avx512", "avx512bf16" or "amx", the latter optionally
-    with its AMX row policy ("amx-exact"; plain "amx": the default, dense), then back to this CPU's best."""
+    with its AMX row policy ("amx-dense"; plain "amx": the default, exact), then back to this CPU's best."""
     from runtime.kernels import cpu_step
 
     ext = cpu_step.extension()
     isa, _, policy = name.partition("-")
     ext.set_isa(isa)
     try:
-        with cpu_step.amx_policy(policy or "dense"):
+        with cpu_step.amx_policy(policy or "exact"):
             yield ext.isa()
     finally:
         ext.set_isa("amx")

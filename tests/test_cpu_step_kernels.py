@@ -14,7 +14,7 @@ from runtime.kernels import cpu_step
 ext = cpu_step.extension()
 pytestmark = pytest.mark.skipif(ext is None, reason="the CPU step cannot be built here")
 FAMILIES = [f for f in ("avx2", "avx512", "avx512bf16", "amx") if ext is not None and cpu_step.isa_supported(f)]
-FAMILIES += ["amx-exact", "amx-approximate"] if "amx" in FAMILIES else []  # amx: its default row policy (dense)
+FAMILIES += ["amx-dense", "amx-approximate"] if "amx" in FAMILIES else []  # amx: its default row policy (exact)
 SHAPES = [(48, 64), (37, 90), (16, 576), (100, 200)]  # (N, K): whole tiles, ragged rows and columns
 
 

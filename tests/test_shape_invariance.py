@@ -25,7 +25,7 @@ from tests.tiny_models import TINY_CONFIGS, tiny_model_config
 ext = cpu_step.extension()
 pytestmark = pytest.mark.skipif(ext is None, reason="the C++ decode step could not be built here")
 FAMILIES = [f for f in ("avx2", "avx512", "avx512bf16", "amx") if ext is not None and cpu_step.isa_supported(f)]
-FAMILIES += ["amx-exact"] if "amx" in FAMILIES else []  # amx: the default policy (dense layers); -exact: all layers
+FAMILIES += ["amx-dense"] if "amx" in FAMILIES else []  # amx: the default policy (every layer); -dense: dense ones
 # int4-fp32: int4 codes, fp32 activations; w8a8 / w4a8: int8 / int4 codes, int8 activations (per token, dynamic)
 FORMATS = ["fp32", "bf16", "int8", "int4", "fp8", "int4-fp32", "w8a8", "w4a8"]
 K = 4  # drafts per step: chains of K + 1 rows
@@ -253,17 +253,17 @@ def test_step_rope_rows_are_model_rope(dtype):
 
 
 def test_amx_row_policy():
-    """AMX's default policy is row-invariant ("dense": dense bf16 layers at every row count); "exact" takes quantized
-    layers too, "approximate" (from AMX_MIN_ROWS rows only) and "off" are asked for by name."""
-    assert ext.amx_mode() == "dense"
+    """AMX's default policy is row-invariant ("exact": every layer it fits, quantized ones too, at every row count);
+    "dense" (dense bf16 layers only), "approximate" (from AMX_MIN_ROWS rows only) and "off" are asked for by name."""
+    assert ext.amx_mode() == "exact"
     try:
-        for mode in ("exact", "approximate", "off", "dense"):
+        for mode in ("dense", "approximate", "off", "exact"):
             ext.set_amx(mode)
             assert ext.amx_mode() == mode
         with pytest.raises(RuntimeError, match="AMX row policy"):
             ext.set_amx("fast")
     finally:
-        ext.set_amx("dense")
+        ext.set_amx("exact")
 
 
 @pytest.mark.skipif(ext is None or not cpu_step.isa_supported("amx"), reason="no AMX on this CPU")

@@ -24,7 +24,7 @@ into that head as well: llama.cpp Q4_K_M's shape, whose output layer takes Q8_K 
 when it is not installed). Quantized rows use round-to-nearest codes (speed does not depend on how codes are
 chosen) with bf16 activations. A qspec row may name its KV cache format: ``qspec:bf16:kv=int8`` (``auto``,
 ``int8``, ``fp8_e4m3``, ``int4``; runtime.kv_policy), the same model as the row without it, and on a CPU with AMX
-its AMX row policy: ``qspec:bf16:amx=off`` (``dense``, ``exact``, ``off``, ``approximate``; runtime.kernels.cpu_step),
+its AMX row policy: ``qspec:bf16:amx=off`` (``exact``, ``dense``, ``off``, ``approximate``; runtime.kernels.cpu_step),
 set around each of its calls.
 """
 

@@ -129,12 +129,12 @@ struct ZeroTable {
 // blocks), so a layer whose kernel depended on the row count would give a row other bits in a 1-row decode step
 // than in a (k+1)-row verification: speculative greedy decoding would then drift from plain greedy decoding at
 // near-ties. The row policy (set_amx, QSPEC_CPU_AMX) therefore never mixes the two by default:
-//   dense        (default) AMX for every dense bf16 layer it fits at ANY row count, the vector kernels for quantized
-//                ones: row-invariant (one kernel per layer for all M; tested on an AMX Xeon). On a model larger than
-//                the caches a 1-row step costs what the vector kernels' does (both wait on memory) and a 9-row
-//                verification ~1.1x of it instead of ~1.7x (notes/issue-37.md, AMX session)
-//   exact        AMX for every bf16-activation layer it fits at any row count, quantized ones too (codes expanded
-//                to bf16 tiles): row-invariant; a 1-row step of an int4 model ~1.5x slower than the vector kernels'
+//   exact        (default) AMX for every bf16-activation layer it fits at ANY row count, quantized ones too (their
+//                codes expanded to bf16 tiles just ahead of the tile loads): row-invariant (one kernel per layer for
+//                all M; tested on an AMX Xeon). A 1-row step costs what the vector kernels' does (within ~3 % on
+//                the 1.5B, int4 / int8 / FP8; the 135M's int8 / FP8 ~8 % slower, in cache) and an 8-row
+//                verification ~1.15-1.25x of it instead of 2.3-3x (notes/issue-39.md, thirty-second session)
+//   dense        AMX for dense bf16 layers only, the vector kernels for quantized ones: row-invariant
 //   off          no AMX: every family's vector kernels, row-invariant (the policy on CPUs without AMX)
 //   approximate  AMX from AMX_MIN_ROWS rows, vdpbf16ps below (the fastest mix: vdpbf16ps reads memory faster
 //                than the tile path when one row is all the work); a row's result is the same bits for any call
@@ -145,7 +145,7 @@ struct ZeroTable {
 // k-blocks (or one group per row).
 constexpr int64_t AMX_MIN_ROWS = 3;
 enum AmxMode : int { AMX_OFF = 0, AMX_EXACT = 1, AMX_APPROXIMATE = 2, AMX_DENSE = 3 };
-int g_amx_mode = AMX_DENSE;
+int g_amx_mode = AMX_EXACT;
 inline bool amx_rows(int level, int64_t M) {
   if (level < ISA_AMX || g_amx_mode == AMX_OFF) return false;
   return g_amx_mode != AMX_APPROXIMATE || M >= AMX_MIN_ROWS;
@@ -740,14 +740,17 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {0};
 };
 
-// Every tile 16 rows x 64 bytes; dense uses all 8 (its 2 x 2 blocks), quant 0..4. Loaded at the start of each
-// thread's chunk (another library may have configured the tiles since) and released at its end.
+// Every tile 64 bytes wide; dense uses all 8 (its 2 x 2 blocks), quant 0..4. Tiles below `act_rows` hold activation
+// rows (quant's accumulators 0, 1 and its activations 2) and get that many rows: a decode step's 1-row call then
+// loads one activation row, not 16, and the tile matmul runs 1 row (each row's sums are the same bits: a row's
+// products never meet another row's). Loaded at the start of each thread's chunk (another library may have
+// configured the tiles since) and released at its end.
 struct Tiles {
-  Tiles() {
+  explicit Tiles(int act_tiles = 0, int act_rows = 16) {
     TileConfig cfg;
     for (int t = 0; t < 8; ++t) {
       cfg.colsb[t] = 64;
-      cfg.rows[t] = 16;
+      cfg.rows[t] = t < act_tiles ? act_rows : 16;
     }
     _tile_loadconfig(&cfg);
   }
@@ -826,40 +829,75 @@ void dense(const Weight& w, const Acts& a, int64_t nb0, int64_t nb1, float* y, i
   }
 }
 
-// Quantized: C [16 m, 16 n] += x [16 m, 32 k] (tile 2, from the bf16 activations) . codes [16 k pairs, 16 n]
-// (tiles 3/4: 16 pair columns expanded to bf16 words), per group, then s * (C - (offset + z) * sum x) per group.
-// Expansion runs AHEAD blocks in front of the tile loads (a ring of buffers): a tile load of freshly stored data
-// waits for the stores to reach the cache, so the stores for block k + AHEAD overlap the matmuls of block k.
+// Quantized: C [16 m, 16 n] += x [16 m, 32 k] (tile 4, from the bf16 activations) . codes [16 k pairs, 16 n]
+// (tiles 5..7 in turn: 16 pair columns expanded to bf16 words), per group, then s * (C - (offset + z) * sum x) per
+// group; up to PASS tiles per pass (accumulators 0..3), each pass's tiles from PASS segments of the core's range read
+// side by side, so each is a stream running through contiguous tiles (as run_quant's spans) rather than a pair of
+// adjacent tiles whose stream ends after one tile. Expansion runs AHEAD blocks in front of the tile loads (a ring of
+// buffers): a tile load of freshly stored data waits for the stores to reach the cache, so the stores for block
+// k + AHEAD overlap the matmuls of block k. A tile's sums are the same in any pass or order.
 template <int64_t KIND>
 void quant(const Weight& w, const Acts& a, int64_t t0, int64_t t1, float* y, int64_t ldy) {
-  Tiles tiles;
-  constexpr int AHEAD = 3;
+  constexpr int AHEAD = 3, PASS = 4;
+  const int chunk_rows = static_cast<int>(std::min<int64_t>(16, a.M));  // a call of <16 rows: one chunk of M rows
+  Tiles tiles(5, chunk_rows);
   const int64_t Kp = a.Kp, G = w.ngroups, mchunks = a.Mp / 16, blocks = Kp / KB;
   const int64_t group_blocks = G == 1 ? blocks : w.group / KB;
-  const int64_t tile_bytes = (Kp / 2) * w.pair_bytes();
+  const int64_t tile_bytes = (Kp / 2) * w.pair_bytes(), block_bytes = 16 * w.pair_bytes();
   const uint8_t* data = reinterpret_cast<const uint8_t*>(w.data.data_ptr());
   const uint16_t* xb = a.xb.data();
   const float* gs = a.gsum.data();
   const float* sc = w.scales.data_ptr<float>();
   const ZeroTable zc(w);
   const __m512 offset = _mm512_set1_ps(KIND == I4 ? 128.0f : 0.0f);
-  alignas(64) __m512i ring[AHEAD + 1][2][16];
-  alignas(64) float c[2][16][16];
-  __m512 tot[2][16];
-  for (int64_t t = t0; t < t1; t += 2) {
-    const int nt = t + 1 < t1 ? 2 : 1;
+  alignas(64) __m512i ring[AHEAD + 1][PASS][16];
+  alignas(64) float c[PASS][16][16];
+  __m512 tot[PASS][16];
+  const int64_t seg = (t1 - t0) / PASS, rest = t0 + PASS * seg;  // rest .. t1: fewer than PASS tiles, one pass
+  for (int64_t pass = 0; pass < seg + (rest < t1 ? 1 : 0); ++pass) {
+    int64_t idx[PASS];  // this pass's tiles
+    int nt = 0;
+    if (pass < seg)
+      for (int u = 0; u < PASS; ++u) idx[nt++] = t0 + pass + u * seg;
+    else
+      for (int64_t t = rest; t < t1; ++t) idx[nt++] = t;
     auto expand = [&](int64_t kb) {
       for (int u = 0; u < nt; ++u) {
-        const uint8_t* tile = data + (t + u) * tile_bytes;
-        const char* ahead = reinterpret_cast<const char*>(tile + (kb + 8) * 16 * w.pair_bytes());
-        for (int64_t line = 0; line < 4 * w.pair_bytes() / NR; ++line)  // 8 blocks ahead: in flight meanwhile
+        const uint8_t* tile = data + idx[u] * tile_bytes;
+        const char* ahead = reinterpret_cast<const char*>(tile + (kb + 8) * block_bytes);
+        for (int64_t line = 0; line < block_bytes / 64; ++line)  // 8 blocks ahead: in flight meanwhile
           _mm_prefetch(ahead + 64 * line, _MM_HINT_T0);
-        for (int r = 0; r < 16; ++r) ring[kb % (AHEAD + 1)][u][r] = avx512bf16::pair_bf16<KIND>(tile, kb * 16 + r);
+        __m512i* b = ring[kb % (AHEAD + 1)][u];
+        if (KIND == I4) {  // four pair columns per 64-byte load (the same words)
+          for (int r = 0; r < 16; r += 4) {
+            __m512i words[4];
+            avx512bf16::quad_bf16_i4(tile + (kb * 16 + r) * NR, words);
+            for (int q = 0; q < 4; ++q) b[r + q] = words[q];
+          }
+        } else {
+          for (int r = 0; r < 16; ++r) b[r] = avx512bf16::pair_bf16<KIND>(tile, kb * 16 + r);
+        }
+      }
+    };
+    auto product = [&](int u, const __m512i* b) {  // accumulator u += activations . b (tile numbers are immediates)
+      switch (u) {
+        case 0: _tile_loadd(5, b, 64); _tile_dpbf16ps(0, 4, 5); break;
+        case 1: _tile_loadd(6, b, 64); _tile_dpbf16ps(1, 4, 6); break;
+        case 2: _tile_loadd(7, b, 64); _tile_dpbf16ps(2, 4, 7); break;
+        default: _tile_loadd(5, b, 64); _tile_dpbf16ps(3, 4, 5); break;
+      }
+    };
+    auto store = [&](int u) {
+      switch (u) {
+        case 0: _tile_stored(0, c[0], 64); break;
+        case 1: _tile_stored(1, c[1], 64); break;
+        case 2: _tile_stored(2, c[2], 64); break;
+        default: _tile_stored(3, c[3], 64); break;
       }
     };
     for (int64_t mc = 0; mc < mchunks; ++mc) {
       const int64_t rows = std::min<int64_t>(16, a.M - mc * 16);
-      for (int u = 0; u < 2; ++u)
+      for (int u = 0; u < nt; ++u)
         for (int m = 0; m < 16; ++m) tot[u][m] = _mm512_setzero_ps();
       for (int64_t kb = 0; kb < std::min<int64_t>(AHEAD, blocks); ++kb) expand(kb);
       for (int64_t kb = 0; kb < blocks; ++kb) {
@@ -867,20 +905,16 @@ void quant(const Weight& w, const Acts& a, int64_t t0, int64_t t1, float* y, int
         if (kb % group_blocks == 0) {
           _tile_zero(0);
           _tile_zero(1);
+          _tile_zero(2);
+          _tile_zero(3);
         }
-        _tile_loadd(2, xb + (mc * 16) * Kp + kb * KB, Kp * 2);
-        _tile_loadd(3, ring[kb % (AHEAD + 1)][0], 64);
-        _tile_dpbf16ps(0, 2, 3);
-        if (nt == 2) {
-          _tile_loadd(4, ring[kb % (AHEAD + 1)][1], 64);
-          _tile_dpbf16ps(1, 2, 4);
-        }
+        _tile_loadd(4, xb + (mc * 16) * Kp + kb * KB, Kp * 2);
+        for (int u = 0; u < nt; ++u) product(u, ring[kb % (AHEAD + 1)][u]);
         if ((kb + 1) % group_blocks != 0 && kb + 1 != blocks) continue;
         const int64_t g = kb / group_blocks;  // the group ends here: apply its scale and zero point
-        _tile_stored(0, c[0], 64);
-        if (nt == 2) _tile_stored(1, c[1], 64);
         for (int u = 0; u < nt; ++u) {
-          const int64_t at = ((t + u) * G + g) * NR;
+          store(u);
+          const int64_t at = (idx[u] * G + g) * NR;
           const __m512 s = _mm512_loadu_ps(sc + at), z = _mm512_add_ps(load16(zc, at), offset);
           for (int64_t m = 0; m < rows; ++m) {
             const __m512 corr = _mm512_mul_ps(z, _mm512_set1_ps(gs[(mc * 16 + m) * G + g]));
@@ -889,7 +923,7 @@ void quant(const Weight& w, const Acts& a, int64_t t0, int64_t t1, float* y, int
         }
       }
       for (int u = 0; u < nt; ++u)
-        for (int64_t m = 0; m < rows; ++m) avx512::store_tile(tot[u][m], w.N, t + u, y + (mc * 16 + m) * ldy);
+        for (int64_t m = 0; m < rows; ++m) avx512::store_tile(tot[u][m], w.N, idx[u], y + (mc * 16 + m) * ldy);
     }
   }
 }
@@ -1723,8 +1757,7 @@ void linear_into(const Weight& w, const float* x, int64_t M, int64_t ldx, float*
   const int level = isa();
   prepare(w, x, M, ldx, a, level);
   if (amx_quant(w, level, M)) {
-    at::parallel_for(0, (w.tiles() + 1) / 2, 1, [&](int64_t b, int64_t e) {
-      const int64_t t0 = 2 * b, t1 = std::min(2 * e, w.tiles());
+    at::parallel_for(0, w.tiles(), 1, [&](int64_t t0, int64_t t1) {
       switch (w.kind) {
         case I8: return amx::quant<I8>(w, a, t0, t1, y, ldy);
         case FP8: return amx::quant<FP8>(w, a, t0, t1, y, ldy);
@@ -3818,7 +3851,7 @@ void set_amx(const std::string& mode) {
       g_amx_mode = i;
       return;
     }
-  TORCH_CHECK(false, "AMX row policy: dense | exact | off | approximate, got ", mode);
+  TORCH_CHECK(false, "AMX row policy: exact | dense | off | approximate, got ", mode);
 }
 
 std::string amx_mode() { return AMX_MODE_NAMES[g_amx_mode]; }
@@ -3866,7 +3899,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("native_bf16_gemm", &qspec::native_bf16_gemm, "whether bf16 GEMMs run on native bf16 dot products");
   m.def("set_isa", &qspec::set_isa, "cap the kernel family: avx2 | avx512 | avx512bf16 (tests)");
   m.def("set_kv_piece", &qspec::set_kv_piece, "keys per piece of the quantized attention's long-context split (-> the previous)");
-  m.def("set_amx", &qspec::set_amx, "AMX row policy: dense (default) | exact | off | approximate (see cpu_step.cpp)");
+  m.def("set_amx", &qspec::set_amx, "AMX row policy: exact (default) | dense | off | approximate (see cpu_step.cpp)");
   m.def("amx_mode", &qspec::amx_mode, "the AMX row policy in use");
   m.attr("AMX_MIN_ROWS") = qspec::AMX_MIN_ROWS;
   m.attr("AMX_INT8_MIN_ROWS") = qspec::AMX_INT8_MIN_ROWS;

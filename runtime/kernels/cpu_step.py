@@ -33,10 +33,10 @@ and seals) is made once per step by the pool (``KVPool.begin_step_write``), the 
 
 Shape invariance: a position's outputs are the same bits whatever the step's row count, batch or tree shape
 (cpu_step.cpp's header), so greedy speculative decoding equals plain greedy decoding token for token.
-``QSPEC_CPU_AMX`` is AMX's row policy where the CPU has AMX: ``dense`` (default: AMX tiles for dense bf16 layers at
-every row count, the vector kernels for quantized ones: row-invariant; a verification of 9 rows of a model larger
-than the caches costs ~1.1x a 1-row step instead of ~1.7x), ``exact`` (AMX for quantized bf16-activation layers too:
-row-invariant, a 1-row int4 step ~1.5x slower), ``off`` (the vector kernels only) or ``approximate`` (AMX from
+``QSPEC_CPU_AMX`` is AMX's row policy where the CPU has AMX: ``exact`` (default: AMX tiles for every bf16-activation
+layer at every row count, dense and quantized: row-invariant; on the 1.5B a 1-row step costs what the vector
+kernels' does and an 8-row verification ~1.2x of it instead of 2.3-3x), ``dense`` (tiles for dense bf16 layers
+only, the vector kernels for quantized ones), ``off`` (the vector kernels only) or ``approximate`` (AMX from
 AMX_MIN_ROWS rows only: a row's last bits then depend on the row count, so speculative greedy output can differ from
 plain).
 
@@ -137,7 +137,7 @@ def extension():
             cap = os.environ.get("QSPEC_CPU_ISA")
             if cap:
                 module.set_isa(cap)
-            module.set_amx(os.environ.get("QSPEC_CPU_AMX", "dense"))
+            module.set_amx(os.environ.get("QSPEC_CPU_AMX", "exact"))
             _STATE["module"] = module
         except Exception as err:  # no compiler, no ninja, a read-only cache: the Python path still works
             warnings.warn(f"qspec: CPU step unavailable, using the Python layers ({err})", stacklevel=2)
@@ -353,7 +353,7 @@ def dequantize(weight: KernelWeight, dtype: torch.dtype = torch.bfloat16) -> Ten
     return out
 
 
-AMX_POLICIES = ("dense", "exact", "off", "approximate")
+AMX_POLICIES = ("exact", "dense", "off", "approximate")
 
 
 @contextmanager
