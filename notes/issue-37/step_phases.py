@@ -11,9 +11,9 @@ import time
 
 import torch
 
+from quantize.fast_copy import load_named_copy
 from runtime.kernels import cpu_step
 from runtime.kv_cache import KVCache
-from quantize.fast_copy import load_named_copy
 from runtime.model import AttentionMetadata
 
 PHASES = ["norm", "qkv", "rope_kv", "attn", "o", "gate_up", "act", "down"]
