@@ -746,8 +746,8 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {0};
 };
 
-// Every tile 64 bytes wide; dense uses all 8 (its 2 x 2 blocks), quant 0..4. Tiles below `act_rows` hold activation
-// rows (quant's accumulators 0, 1 and its activations 2) and get that many rows: a decode step's 1-row call then
+// Every tile 64 bytes wide; dense and quant use all 8. The first `act_tiles` tiles hold activation rows (quant's
+// accumulators 0..3 and its activations 4) and get `act_rows` rows: a decode step's 1-row call then
 // loads one activation row, not 16, and the tile matmul runs 1 row (each row's sums are the same bits: a row's
 // products never meet another row's). Loaded at the start of each thread's chunk (another library may have
 // configured the tiles since) and released at its end.
