@@ -16,6 +16,7 @@ from quantize.fast_copy import load_named_copy
 from runtime.kernels import cpu_step
 from runtime.kv_cache import KVCache
 from runtime.model import AttentionMetadata
+from runtime.provenance import provenance
 
 CONTEXT = 256
 STEPS = 5  # steps per timing
@@ -48,6 +49,7 @@ with torch.inference_mode():
                         times[(p, T)].append((time.perf_counter() - start) / STEPS)
 med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
 print(f"{name} {copy}, context {CONTEXT}, {rounds} rounds x {STEPS} steps, isa {cpu_step.extension().isa()}")
+print(provenance(seed=0, command="PYTHONPATH=. python " + " ".join(sys.argv)))
 for p in policies:
     curve = " ".join(f"c({T})={med[(p, T)]:.1f} ms ({med[(p, T)] / med[(p, Ts[0])]:.2f})" for T in Ts)
     print(f"{p:>12}: {curve}; c({Ts[0]}) x {policies[0]}'s: {med[(p, Ts[0])] / med[(policies[0], Ts[0])]:.3f}")
