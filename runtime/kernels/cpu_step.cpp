@@ -133,7 +133,7 @@ struct ZeroTable {
 //                codes expanded to bf16 tiles just ahead of the tile loads): row-invariant (one kernel per layer for
 //                all M; tested on an AMX Xeon). A 1-row step costs what the vector kernels' does (within ~3 % on
 //                the 1.5B, int4 / int8 / FP8; the 135M's int8 / FP8 ~8 % slower, in cache) and an 8-row
-//                verification ~1.15-1.25x of it instead of 2.3-3x (notes/issue-39.md, thirty-second session)
+//                verification ~1.2-1.3x of it instead of 2.3-3x (notes/issue-39.md, thirty-second session)
 //   dense        AMX for dense bf16 layers only, the vector kernels for quantized ones: row-invariant
 //   off          no AMX: every family's vector kernels, row-invariant (the policy on CPUs without AMX)
 //   approximate  AMX from AMX_MIN_ROWS rows, vdpbf16ps below (the fastest mix: vdpbf16ps reads memory faster
