@@ -181,6 +181,30 @@ def test_prefill_rms_norm_matches_functional():
     torch.testing.assert_close(got, torch.nn.functional.rms_norm(x, (96,), weight, 1e-5), atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_step_silu_is_one_function_in_every_family(dtype):
+    """The step's SiLU(gate) * up (the MLP's activation): the AVX2 and AVX-512 loops give the same bits (the same
+    operations lane by lane; widths with a scalar tail too), and each is the Python layers' F.silu(gate) * up up to
+    the exponential's last bits (torch's exp is another polynomial): within one rounding of the dtype."""
+    from patching import kernel_family
+
+    ext = cpu_step.extension()
+    if ext is None:
+        pytest.skip("the CPU step cannot be built here")
+    gen = torch.Generator().manual_seed(11)
+    for n in (1536, 45, 16):
+        gate_up = (torch.randn(3, 2 * n, generator=gen) * 4).to(dtype)
+        outs = []
+        for family in [f for f in ("avx2", "avx512") if cpu_step.isa_supported(f)]:
+            with kernel_family(family):
+                outs.append(ext.silu_mul_rows(gate_up))
+        assert all(torch.equal(o, outs[0]) for o in outs), n
+        gate, up = gate_up.chunk(2, dim=-1)
+        want = torch.nn.functional.silu(gate) * up
+        ulp = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-22
+        torch.testing.assert_close(outs[0].float(), want.float(), atol=1e-6, rtol=2 * ulp)
+
+
 @torch.inference_mode()
 def test_ragged_rows_match_the_python_layers(tiny_llama, monkeypatch):
     """Prompts of different lengths: every decode step has rows at different positions (one call, per-row

@@ -857,8 +857,14 @@ void quant(const Weight& w, const Acts& a, int64_t t0, int64_t t1, float* y, int
   const ZeroTable zc(w);
   const __m512 offset = _mm512_set1_ps(KIND == I4 ? 128.0f : 0.0f);
   alignas(64) __m512i ring[AHEAD + 1][PASS][16];
-  alignas(64) float c[PASS][16][16];
-  __m512 tot[PASS][16];
+  // each group's sums C [rows, 16] of each tile of the pass, kept until the pass's last block; the scales and
+  // zeros are applied afterwards, row by row over the groups with the row's total in a register (per group they
+  // were a load and store of every row's total: 8 rows made that half of the step's added cost)
+  thread_local std::vector<float> scratch;
+  scratch.resize((PASS * chunk_rows + 2) * G * 16 + 16);
+  float* const cg = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t{63});
+  float* const scale = cg + PASS * G * chunk_rows * 16;  // [G, 16]: one tile's scales, then its zeros (+ offset)
+  float* const zero = scale + G * 16;
   const int64_t seg = (t1 - t0) / PASS, rest = t0 + PASS * seg;  // rest .. t1: fewer than PASS tiles, one pass
   for (int64_t pass = 0; pass < seg + (rest < t1 ? 1 : 0); ++pass) {
     int64_t idx[PASS];  // this pass's tiles
@@ -867,6 +873,13 @@ void quant(const Weight& w, const Acts& a, int64_t t0, int64_t t1, float* y, int
       for (int u = 0; u < PASS; ++u) idx[nt++] = t0 + pass + u * seg;
     else
       for (int64_t t = rest; t < t1; ++t) idx[nt++] = t;
+    for (int u = 0; u < nt; ++u) {  // the tiles' scales and zeros, read after the last block: in flight meanwhile
+      const int64_t at = idx[u] * G * NR;
+      const char* sp = reinterpret_cast<const char*>(sc + at);
+      const char* zp = zc.i ? reinterpret_cast<const char*>(zc.i + at) : reinterpret_cast<const char*>(zc.f + at);
+      for (int64_t off = 0; off < G * NR * 4; off += 64) _mm_prefetch(sp + off, _MM_HINT_T0);
+      for (int64_t off = 0; off < G * NR * (zc.i ? 1 : 4); off += 64) _mm_prefetch(zp + off, _MM_HINT_T0);
+    }
     auto expand = [&](int64_t kb) {
       for (int u = 0; u < nt; ++u) {
         const uint8_t* tile = data + idx[u] * tile_bytes;
@@ -893,18 +906,17 @@ void quant(const Weight& w, const Acts& a, int64_t t0, int64_t t1, float* y, int
         default: _tile_loadd(5, b, 64); _tile_dpbf16ps(3, 4, 5); break;
       }
     };
-    auto store = [&](int u) {
+    auto store = [&](int u, int64_t g) {  // accumulator u -> the sums of tile u, group g
+      float* c = cg + (u * G + g) * chunk_rows * 16;
       switch (u) {
-        case 0: _tile_stored(0, c[0], 64); break;
-        case 1: _tile_stored(1, c[1], 64); break;
-        case 2: _tile_stored(2, c[2], 64); break;
-        default: _tile_stored(3, c[3], 64); break;
+        case 0: _tile_stored(0, c, 64); break;
+        case 1: _tile_stored(1, c, 64); break;
+        case 2: _tile_stored(2, c, 64); break;
+        default: _tile_stored(3, c, 64); break;
       }
     };
     for (int64_t mc = 0; mc < mchunks; ++mc) {
       const int64_t rows = std::min<int64_t>(16, a.M - mc * 16);
-      for (int u = 0; u < nt; ++u)
-        for (int m = 0; m < 16; ++m) tot[u][m] = _mm512_setzero_ps();
       for (int64_t kb = 0; kb < std::min<int64_t>(AHEAD, blocks); ++kb) expand(kb);
       for (int64_t kb = 0; kb < blocks; ++kb) {
         if (kb + AHEAD < blocks) expand(kb + AHEAD);
@@ -917,19 +929,26 @@ void quant(const Weight& w, const Acts& a, int64_t t0, int64_t t1, float* y, int
         _tile_loadd(4, xb + (mc * 16) * Kp + kb * KB, Kp * 2);
         for (int u = 0; u < nt; ++u) product(u, ring[kb % (AHEAD + 1)][u]);
         if ((kb + 1) % group_blocks != 0 && kb + 1 != blocks) continue;
-        const int64_t g = kb / group_blocks;  // the group ends here: apply its scale and zero point
-        for (int u = 0; u < nt; ++u) {
-          store(u);
+        for (int u = 0; u < nt; ++u) store(u, kb / group_blocks);  // the group ends here
+      }
+      for (int u = 0; u < nt; ++u) {  // each row: sum over groups g of s * (C - (offset + z) * sum x), in g order
+        for (int64_t g = 0; g < G; ++g) {
           const int64_t at = (idx[u] * G + g) * NR;
-          const __m512 s = _mm512_loadu_ps(sc + at), z = _mm512_add_ps(load16(zc, at), offset);
-          for (int64_t m = 0; m < rows; ++m) {
-            const __m512 corr = _mm512_mul_ps(z, _mm512_set1_ps(gs[(mc * 16 + m) * G + g]));
-            tot[u][m] = _mm512_fmadd_ps(s, _mm512_sub_ps(_mm512_load_ps(c[u][m]), corr), tot[u][m]);
+          _mm512_store_ps(scale + g * 16, _mm512_loadu_ps(sc + at));
+          _mm512_store_ps(zero + g * 16, _mm512_add_ps(load16(zc, at), offset));
+        }
+        const float* c = cg + u * G * chunk_rows * 16;
+        for (int64_t m = 0; m < rows; ++m) {
+          const float* gsm = gs + (mc * 16 + m) * G;
+          __m512 tot = _mm512_setzero_ps();
+          for (int64_t g = 0; g < G; ++g) {
+            const __m512 corr = _mm512_mul_ps(_mm512_load_ps(zero + g * 16), _mm512_set1_ps(gsm[g]));
+            const __m512 sums = _mm512_load_ps(c + (g * chunk_rows + m) * 16);
+            tot = _mm512_fmadd_ps(_mm512_load_ps(scale + g * 16), _mm512_sub_ps(sums, corr), tot);
           }
+          avx512::store_tile(tot, w.N, idx[u], y + (mc * 16 + m) * ldy);
         }
       }
-      for (int u = 0; u < nt; ++u)
-        for (int64_t m = 0; m < rows; ++m) avx512::store_tile(tot[u][m], w.N, idx[u], y + (mc * 16 + m) * ldy);
     }
   }
 }
@@ -1812,10 +1831,7 @@ inline float sum_of_squares(const float* x, int64_t n) {
 // RMSNorm of the fp32 residual: fp32 x * rsqrt(mean(x^2) + eps) * w (F.rms_norm), or for bf16 layers the
 // normalised value cast to bf16, then times the bf16 weight (RMSNorm.forward's mixed branch).
 template <typename T>
-void rms_norm(const float* x, const T* w, T* out, int64_t n, float eps) {
-  const float inv = 1.0f / std::sqrt(sum_of_squares(x, n) / static_cast<float>(n) + eps);
-  for (int64_t i = 0; i < n; ++i) out[i] = rnd<T>(f32(rnd<T>(x[i] * inv)) * f32(w[i]));
-}
+void rms_norm(const float* x, const T* w, T* out, int64_t n, float eps);
 
 // apply_rope for one head: x * cos + flip_halves(x) * (-sin, +sin), each product and the sum rounded to T.
 template <typename T, typename Out>
@@ -1927,18 +1943,28 @@ inline __m256 round8(__m256 v) {  // v rounded to T, as fp32
 template <>
 inline __m256 round8<float>(__m256 v) { return v; }
 
+template <typename T>
+void rms_norm(const float* x, const T* w, T* out, int64_t n, float eps) {
+  const float inv = 1.0f / std::sqrt(sum_of_squares(x, n) / static_cast<float>(n) + eps);
+  const __m256 vinv = _mm256_set1_ps(inv);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)  // the scalar loop's roundings, 8 lanes at a time
+    store8(out + i, _mm256_mul_ps(round8<T>(_mm256_mul_ps(_mm256_loadu_ps(x + i), vinv)), lanes8(w + i)));
+  for (; i < n; ++i) out[i] = rnd<T>(f32(rnd<T>(x[i] * inv)) * f32(w[i]));
+}
+
 // SiLU(gate) * up for one row of gate_up [gate (n), up (n)], each step rounded to T as the Python ops round.
 template <typename T>
-void silu_mul(const T* gate_up, T* out, int64_t n) {
+void silu_mul(const T* gate, const T* up, T* out, int64_t n) {
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    const __m256 g = lanes8(gate_up + i);
+    const __m256 g = lanes8(gate + i);
     const __m256 s = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
-    store8(out + i, _mm256_mul_ps(round8<T>(s), lanes8(gate_up + n + i)));
+    store8(out + i, _mm256_mul_ps(round8<T>(s), lanes8(up + i)));
   }
   for (; i < n; ++i) {
-    const float gi = f32(gate_up[i]);
-    out[i] = rnd<T>(f32(rnd<T>(gi / (1.0f + std::exp(-gi)))) * f32(gate_up[n + i]));
+    const float gi = f32(gate[i]);
+    out[i] = rnd<T>(f32(rnd<T>(gi / (1.0f + std::exp(-gi)))) * f32(up[i]));
   }
 }
 
@@ -2567,6 +2593,30 @@ void attend(const KVView<T>& kv, int64_t l, int64_t b, int64_t h, int nq, const 
   with_chunks(kv.D, [&](auto c) {
     attend_chunks<decltype(c)::value>(kv, l, b, h, nq, tok, start, count, local, Tn, q, scale, range, out, part, s);
   });
+}
+
+// silu_mul on 16 lanes: the same operations lane by lane (exp16 is exp8's), so the same bits; the last n % 16
+// values take silu_mul itself (its 8-lane blocks start at multiples of 8 there too).
+inline __m512 round16(__m512 v) {  // to bf16 and back, round to nearest even (as store8)
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb);
+  return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16(at::BFloat16* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(round16(v)), 16)));
+}
+template <typename T>
+void silu_mul(const T* gate, const T* up, T* out, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 g = lanes16(gate + i);
+    __m512 sg = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+    if constexpr (!std::is_same_v<T, float>) sg = round16(sg);
+    store16(out + i, _mm512_mul_ps(sg, lanes16(up + i)));
+  }
+  if (i < n) qspec::silu_mul(gate + i, up + i, out + i, n - i);
 }
 
 }  // namespace attn512
@@ -3220,8 +3270,14 @@ void step_impl(const StepModel& m, at::Tensor& x, int64_t Tn, const at::Tensor& 
       linear_rows(w[2], normed.data() + r0 * H, std::min(MAX_M, R - r0), gate_up.data() + r0 * 2 * inter, acts, xf,
                   yf);
     clock.lap(P_GATE_UP);
-    over_rows(R, 4 * inter, [&](int64_t r0, int64_t r1) {  // (its exponentials: 4x a copy's work per value)
-      for (int64_t r = r0; r < r1; ++r) silu_mul(gate_up.data() + r * 2 * inter, act.data() + r * inter, inter);
+    over_rows(R, 16 * inter, [&](int64_t r0, int64_t r1) {  // (its exponentials: 16x a copy's work per value)
+      for (int64_t r = r0; r < r1; ++r) {
+        const T* gate = gate_up.data() + r * 2 * inter;
+        if (isa() >= ISA_AVX512)
+          attn512::silu_mul(gate, gate + inter, act.data() + r * inter, inter);
+        else
+          silu_mul(gate, gate + inter, act.data() + r * inter, inter);
+      }
     });
     clock.lap(P_ACT);
     for (int64_t r0 = 0; r0 < R; r0 += MAX_M)
@@ -3364,6 +3420,32 @@ at::Tensor step_quant(const StepModel& m, at::Tensor x, int64_t tokens, at::Tens
   else
     TORCH_CHECK(false, "the CPU step's compute type must be fp32 or bf16");
   return x;
+}
+
+// The step's SiLU(gate) * up of rows gate_up [N, 2 n] (fp32 / bf16) -> [N, n], through this CPU's family (tests).
+at::Tensor silu_mul_rows(at::Tensor gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "gate_up: [N, 2 n]");
+  gate_up = gate_up.contiguous();
+  const int64_t N = gate_up.size(0), n = gate_up.size(1) / 2;
+  at::Tensor out = at::empty({N, n}, gate_up.options());
+  auto run = [&](auto zero) {
+    using T = decltype(zero);
+    for (int64_t r = 0; r < N; ++r) {
+      const T* src = gate_up.data_ptr<T>() + r * 2 * n;
+      T* dst = out.data_ptr<T>() + r * n;
+      if (isa() >= ISA_AVX512)
+        attn512::silu_mul(src, src + n, dst, n);
+      else
+        silu_mul(src, src + n, dst, n);
+    }
+  };
+  if (gate_up.scalar_type() == at::kFloat)
+    run(0.0f);
+  else if (gate_up.scalar_type() == at::kBFloat16)
+    run(at::BFloat16(0.0f));
+  else
+    TORCH_CHECK(false, "gate_up: fp32 or bf16");
+  return out;
 }
 
 // kv_quant's writers one row at a time, for tests: rows x [N, D] (fp32 / bf16) -> codes [N, D] (int4: unpacked, one
@@ -3899,6 +3981,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("tables"), py::arg("cos"), py::arg("sin"), py::arg("format"), py::arg("lookahead"), py::arg("pool"));
   m.def("quantize_kv_rows", &qspec::quantize_kv_rows, "the step's KV writer on rows [N, D] (tests)");
   m.def("rms_norm_rows", &qspec::rms_norm_rows, "RMSNorm of fp32 rows (CPU)");
+  m.def("silu_mul_rows", &qspec::silu_mul_rows, "the step's SiLU(gate) * up of rows [N, 2 n] (tests)");
   m.def("dequantize_t", &qspec::dequantize_t, "a quantized weight dequantized, transposed: [K, N] (prefill)");
   m.def("prefill_linear", &qspec::prefill_linear, "x @ W^T for many rows: block dequantize + torch's GEMM",
         py::arg("weight"), py::arg("x"), py::arg("block_rows"));
