@@ -857,14 +857,8 @@ void quant(const Weight& w, const Acts& a, int64_t t0, int64_t t1, float* y, int
   const ZeroTable zc(w);
   const __m512 offset = _mm512_set1_ps(KIND == I4 ? 128.0f : 0.0f);
   alignas(64) __m512i ring[AHEAD + 1][PASS][16];
-  // each group's sums C [rows, 16] of each tile of the pass, kept until the pass's last block; the scales and
-  // zeros are applied afterwards, row by row over the groups with the row's total in a register (per group they
-  // were a load and store of every row's total: 8 rows made that half of the step's added cost)
-  thread_local std::vector<float> scratch;
-  scratch.resize((PASS * chunk_rows + 2) * G * 16 + 16);
-  float* const cg = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t{63});
-  float* const scale = cg + PASS * G * chunk_rows * 16;  // [G, 16]: one tile's scales, then its zeros (+ offset)
-  float* const zero = scale + G * 16;
+  alignas(64) float c[PASS][16][16];
+  __m512 tot[PASS][16];
   const int64_t seg = (t1 - t0) / PASS, rest = t0 + PASS * seg;  // rest .. t1: fewer than PASS tiles, one pass
   for (int64_t pass = 0; pass < seg + (rest < t1 ? 1 : 0); ++pass) {
     int64_t idx[PASS];  // this pass's tiles
@@ -873,13 +867,6 @@ void quant(const Weight& w, const Acts& a, int64_t t0, int64_t t1, float* y, int
       for (int u = 0; u < PASS; ++u) idx[nt++] = t0 + pass + u * seg;
     else
       for (int64_t t = rest; t < t1; ++t) idx[nt++] = t;
-    for (int u = 0; u < nt; ++u) {  // the tiles' scales and zeros, read after the last block: in flight meanwhile
-      const int64_t at = idx[u] * G * NR;
-      const char* sp = reinterpret_cast<const char*>(sc + at);
-      const char* zp = zc.i ? reinterpret_cast<const char*>(zc.i + at) : reinterpret_cast<const char*>(zc.f + at);
-      for (int64_t off = 0; off < G * NR * 4; off += 64) _mm_prefetch(sp + off, _MM_HINT_T0);
-      for (int64_t off = 0; off < G * NR * (zc.i ? 1 : 4); off += 64) _mm_prefetch(zp + off, _MM_HINT_T0);
-    }
     auto expand = [&](int64_t kb) {
       for (int u = 0; u < nt; ++u) {
         const uint8_t* tile = data + idx[u] * tile_bytes;
@@ -906,17 +893,18 @@ void quant(const Weight& w, const Acts& a, int64_t t0, int64_t t1, float* y, int
         default: _tile_loadd(5, b, 64); _tile_dpbf16ps(3, 4, 5); break;
       }
     };
-    auto store = [&](int u, int64_t g) {  // accumulator u -> the sums of tile u, group g
-      float* c = cg + (u * G + g) * chunk_rows * 16;
+    auto store = [&](int u) {
       switch (u) {
-        case 0: _tile_stored(0, c, 64); break;
-        case 1: _tile_stored(1, c, 64); break;
-        case 2: _tile_stored(2, c, 64); break;
-        default: _tile_stored(3, c, 64); break;
+        case 0: _tile_stored(0, c[0], 64); break;
+        case 1: _tile_stored(1, c[1], 64); break;
+        case 2: _tile_stored(2, c[2], 64); break;
+        default: _tile_stored(3, c[3], 64); break;
       }
     };
     for (int64_t mc = 0; mc < mchunks; ++mc) {
       const int64_t rows = std::min<int64_t>(16, a.M - mc * 16);
+      for (int u = 0; u < nt; ++u)
+        for (int m = 0; m < 16; ++m) tot[u][m] = _mm512_setzero_ps();
       for (int64_t kb = 0; kb < std::min<int64_t>(AHEAD, blocks); ++kb) expand(kb);
       for (int64_t kb = 0; kb < blocks; ++kb) {
         if (kb + AHEAD < blocks) expand(kb + AHEAD);
@@ -929,26 +917,19 @@ void quant(const Weight& w, const Acts& a, int64_t t0, int64_t t1, float* y, int
         _tile_loadd(4, xb + (mc * 16) * Kp + kb * KB, Kp * 2);
         for (int u = 0; u < nt; ++u) product(u, ring[kb % (AHEAD + 1)][u]);
         if ((kb + 1) % group_blocks != 0 && kb + 1 != blocks) continue;
-        for (int u = 0; u < nt; ++u) store(u, kb / group_blocks);  // the group ends here
-      }
-      for (int u = 0; u < nt; ++u) {  // each row: sum over groups g of s * (C - (offset + z) * sum x), in g order
-        for (int64_t g = 0; g < G; ++g) {
+        const int64_t g = kb / group_blocks;  // the group ends here: apply its scale and zero point
+        for (int u = 0; u < nt; ++u) {
+          store(u);
           const int64_t at = (idx[u] * G + g) * NR;
-          _mm512_store_ps(scale + g * 16, _mm512_loadu_ps(sc + at));
-          _mm512_store_ps(zero + g * 16, _mm512_add_ps(load16(zc, at), offset));
-        }
-        const float* c = cg + u * G * chunk_rows * 16;
-        for (int64_t m = 0; m < rows; ++m) {
-          const float* gsm = gs + (mc * 16 + m) * G;
-          __m512 tot = _mm512_setzero_ps();
-          for (int64_t g = 0; g < G; ++g) {
-            const __m512 corr = _mm512_mul_ps(_mm512_load_ps(zero + g * 16), _mm512_set1_ps(gsm[g]));
-            const __m512 sums = _mm512_load_ps(c + (g * chunk_rows + m) * 16);
-            tot = _mm512_fmadd_ps(_mm512_load_ps(scale + g * 16), _mm512_sub_ps(sums, corr), tot);
+          const __m512 s = _mm512_loadu_ps(sc + at), z = _mm512_add_ps(load16(zc, at), offset);
+          for (int64_t m = 0; m < rows; ++m) {
+            const __m512 corr = _mm512_mul_ps(z, _mm512_set1_ps(gs[(mc * 16 + m) * G + g]));
+            tot[u][m] = _mm512_fmadd_ps(s, _mm512_sub_ps(_mm512_load_ps(c[u][m]), corr), tot[u][m]);
           }
-          avx512::store_tile(tot, w.N, idx[u], y + (mc * 16 + m) * ldy);
         }
       }
+      for (int u = 0; u < nt; ++u)
+        for (int64_t m = 0; m < rows; ++m) avx512::store_tile(tot[u][m], w.N, idx[u], y + (mc * 16 + m) * ldy);
     }
   }
 }
@@ -3270,7 +3251,7 @@ void step_impl(const StepModel& m, at::Tensor& x, int64_t Tn, const at::Tensor& 
       linear_rows(w[2], normed.data() + r0 * H, std::min(MAX_M, R - r0), gate_up.data() + r0 * 2 * inter, acts, xf,
                   yf);
     clock.lap(P_GATE_UP);
-    over_rows(R, 16 * inter, [&](int64_t r0, int64_t r1) {  // (its exponentials: 16x a copy's work per value)
+    over_rows(R, 6 * inter, [&](int64_t r0, int64_t r1) {  // (its exponentials: ~6x a copy's work per value)
       for (int64_t r = r0; r < r1; ++r) {
         const T* gate = gate_up.data() + r * 2 * inter;
         if (isa() >= ISA_AVX512)
