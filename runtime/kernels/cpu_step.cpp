@@ -3138,6 +3138,26 @@ void linear_rows(const Weight& w, const T* x, int64_t M, T* y, Acts& a, std::vec
   }
 }
 
+// run(T{}) for the compute type T of `type` (fp32 or bf16), else an error saying `what`.
+template <typename F>
+void with_compute_type(at::ScalarType type, const char* what, F&& run) {
+  if (type == at::kFloat)
+    run(0.0f);
+  else if (type == at::kBFloat16)
+    run(at::BFloat16(0.0f));
+  else
+    TORCH_CHECK(false, what);
+}
+
+// SiLU(gate) * up of one row of n values with this CPU's widest loop (every family's gives the same bits).
+template <typename T>
+void silu_mul_row(const T* gate, const T* up, T* out, int64_t n) {
+  if (isa() >= ISA_AVX512)
+    attn512::silu_mul(gate, up, out, n);
+  else
+    silu_mul(gate, up, out, n);
+}
+
 // Seconds per phase of the step (enabled by profile(true)): where a step's time goes, for benchmarks.
 enum Phase { P_NORM = 0, P_QKV, P_ROPE_KV, P_ATTN, P_O, P_GATE_UP, P_ACT, P_DOWN, P_COUNT };
 bool g_profile = false;
@@ -3254,10 +3274,7 @@ void step_impl(const StepModel& m, at::Tensor& x, int64_t Tn, const at::Tensor& 
     over_rows(R, 6 * inter, [&](int64_t r0, int64_t r1) {  // (its exponentials: ~6x a copy's work per value)
       for (int64_t r = r0; r < r1; ++r) {
         const T* gate = gate_up.data() + r * 2 * inter;
-        if (isa() >= ISA_AVX512)
-          attn512::silu_mul(gate, gate + inter, act.data() + r * inter, inter);
-        else
-          silu_mul(gate, gate + inter, act.data() + r * inter, inter);
+        silu_mul_row(gate, gate + inter, act.data() + r * inter, inter);
       }
     });
     clock.lap(P_ACT);
@@ -3319,12 +3336,7 @@ at::Tensor step(const StepModel& m, at::Tensor x, int64_t tokens, at::Tensor sta
     TORCH_CHECK(k_cache.size(0) >= m.layers(), "the KV cache has too few layers");
     step_impl<T, KVView<T>>(m, x, tokens, starts, counts, local_mask, kv, cos, sin);
   };
-  if (k_cache.scalar_type() == at::kFloat)
-    run(0.0f);
-  else if (k_cache.scalar_type() == at::kBFloat16)
-    run(at::BFloat16(0.0f));
-  else
-    TORCH_CHECK(false, "the CPU step's compute type must be fp32 or bf16");
+  with_compute_type(k_cache.scalar_type(), "the CPU step's compute type must be fp32 or bf16", run);
   return x;
 }
 
@@ -3394,12 +3406,7 @@ at::Tensor step_quant(const StepModel& m, at::Tensor x, int64_t tokens, at::Tens
     }
     step_impl<T, QuantKV<T>>(m, x, tokens, starts, counts, local_mask, kv, cos, sin);
   };
-  if (cos.scalar_type() == at::kFloat)
-    run(0.0f);
-  else if (cos.scalar_type() == at::kBFloat16)
-    run(at::BFloat16(0.0f));
-  else
-    TORCH_CHECK(false, "the CPU step's compute type must be fp32 or bf16");
+  with_compute_type(cos.scalar_type(), "the CPU step's compute type must be fp32 or bf16", run);
   return x;
 }
 
@@ -3413,19 +3420,10 @@ at::Tensor silu_mul_rows(at::Tensor gate_up) {
     using T = decltype(zero);
     for (int64_t r = 0; r < N; ++r) {
       const T* src = gate_up.data_ptr<T>() + r * 2 * n;
-      T* dst = out.data_ptr<T>() + r * n;
-      if (isa() >= ISA_AVX512)
-        attn512::silu_mul(src, src + n, dst, n);
-      else
-        silu_mul(src, src + n, dst, n);
+      silu_mul_row(src, src + n, out.data_ptr<T>() + r * n, n);
     }
   };
-  if (gate_up.scalar_type() == at::kFloat)
-    run(0.0f);
-  else if (gate_up.scalar_type() == at::kBFloat16)
-    run(at::BFloat16(0.0f));
-  else
-    TORCH_CHECK(false, "gate_up: fp32 or bf16");
+  with_compute_type(gate_up.scalar_type(), "gate_up: fp32 or bf16", run);
   return out;
 }
 
@@ -3449,12 +3447,7 @@ std::vector<at::Tensor> quantize_kv_rows(at::Tensor x, int64_t format) {
         quantize_scaled_row(row, D, format == KV_FP8, c, s);
     }
   };
-  if (x.scalar_type() == at::kFloat)
-    run(0.0f);
-  else if (x.scalar_type() == at::kBFloat16)
-    run(at::BFloat16(0.0f));
-  else
-    TORCH_CHECK(false, "rows: fp32 or bf16");
+  with_compute_type(x.scalar_type(), "rows: fp32 or bf16", run);
   return {codes, scale, low};
 }
 
