@@ -1809,11 +1809,6 @@ inline float sum_of_squares(const float* x, int64_t n) {
   return total;
 }
 
-// RMSNorm of the fp32 residual: fp32 x * rsqrt(mean(x^2) + eps) * w (F.rms_norm), or for bf16 layers the
-// normalised value cast to bf16, then times the bf16 weight (RMSNorm.forward's mixed branch).
-template <typename T>
-void rms_norm(const float* x, const T* w, T* out, int64_t n, float eps);
-
 // apply_rope for one head: x * cos + flip_halves(x) * (-sin, +sin), each product and the sum rounded to T.
 template <typename T, typename Out>
 void rope(const T* x, const T* cos, const T* sin, Out* out, int64_t d) {
@@ -1924,6 +1919,8 @@ inline __m256 round8(__m256 v) {  // v rounded to T, as fp32
 template <>
 inline __m256 round8<float>(__m256 v) { return v; }
 
+// RMSNorm of the fp32 residual: fp32 x * rsqrt(mean(x^2) + eps) * w (F.rms_norm), or for bf16 layers the
+// normalised value cast to bf16, then times the bf16 weight (RMSNorm.forward's mixed branch).
 template <typename T>
 void rms_norm(const float* x, const T* w, T* out, int64_t n, float eps) {
   const float inv = 1.0f / std::sqrt(sum_of_squares(x, n) / static_cast<float>(n) + eps);
@@ -1934,7 +1931,7 @@ void rms_norm(const float* x, const T* w, T* out, int64_t n, float eps) {
   for (; i < n; ++i) out[i] = rnd<T>(f32(rnd<T>(x[i] * inv)) * f32(w[i]));
 }
 
-// SiLU(gate) * up for one row of gate_up [gate (n), up (n)], each step rounded to T as the Python ops round.
+// SiLU(gate) * up of n values (a row of gate_up: gate, then up), each step rounded to T as the Python ops round.
 template <typename T>
 void silu_mul(const T* gate, const T* up, T* out, int64_t n) {
   int64_t i = 0;
