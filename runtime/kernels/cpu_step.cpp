@@ -842,9 +842,9 @@ void dense(const Weight& w, const Acts& a, int64_t nb0, int64_t nb1, float* y, i
 // adjacent tiles whose stream ends after one tile. Expansion runs AHEAD blocks in front of the tile loads (a ring of
 // buffers): a tile load of freshly stored data waits for the stores to reach the cache, so the stores for block
 // k + AHEAD overlap the matmuls of block k. A tile's sums are the same in any pass or order.
-template <int64_t KIND>
-void quant(const Weight& w, const Acts& a, int64_t t0, int64_t t1, float* y, int64_t ldy) {
-  constexpr int AHEAD = 3, PASS = 4;
+template <int64_t KIND, int PASS, int MAXR>
+void quant_rows(const Weight& w, const Acts& a, int64_t t0, int64_t t1, float* y, int64_t ldy) {
+  constexpr int AHEAD = 3;
   const int chunk_rows = static_cast<int>(std::min<int64_t>(16, a.M));  // a call of <16 rows: one chunk of M rows
   Tiles tiles(5, chunk_rows);
   const int64_t Kp = a.Kp, G = w.ngroups, mchunks = a.Mp / 16, blocks = Kp / KB;
@@ -858,7 +858,7 @@ void quant(const Weight& w, const Acts& a, int64_t t0, int64_t t1, float* y, int
   const __m512 offset = _mm512_set1_ps(KIND == I4 ? 128.0f : 0.0f);
   alignas(64) __m512i ring[AHEAD + 1][PASS][16];
   alignas(64) float c[PASS][16][16];
-  __m512 tot[PASS][16];
+  __m512 tot[PASS][MAXR];  // the row totals: in registers up to 16 of them (quant's choices), else spilled
   const int64_t seg = (t1 - t0) / PASS, rest = t0 + PASS * seg;  // rest .. t1: fewer than PASS tiles, one pass
   for (int64_t pass = 0; pass < seg + (rest < t1 ? 1 : 0); ++pass) {
     int64_t idx[PASS];  // this pass's tiles
@@ -903,8 +903,8 @@ void quant(const Weight& w, const Acts& a, int64_t t0, int64_t t1, float* y, int
     };
     for (int64_t mc = 0; mc < mchunks; ++mc) {
       const int64_t rows = std::min<int64_t>(16, a.M - mc * 16);
-      for (int u = 0; u < nt; ++u)
-        for (int m = 0; m < 16; ++m) tot[u][m] = _mm512_setzero_ps();
+      _Pragma("GCC unroll 4") for (int u = 0; u < PASS; ++u)
+        _Pragma("GCC unroll 16") for (int m = 0; m < MAXR; ++m) tot[u][m] = _mm512_setzero_ps();
       for (int64_t kb = 0; kb < std::min<int64_t>(AHEAD, blocks); ++kb) expand(kb);
       for (int64_t kb = 0; kb < blocks; ++kb) {
         if (kb + AHEAD < blocks) expand(kb + AHEAD);
@@ -918,20 +918,39 @@ void quant(const Weight& w, const Acts& a, int64_t t0, int64_t t1, float* y, int
         for (int u = 0; u < nt; ++u) product(u, ring[kb % (AHEAD + 1)][u]);
         if ((kb + 1) % group_blocks != 0 && kb + 1 != blocks) continue;
         const int64_t g = kb / group_blocks;  // the group ends here: apply its scale and zero point
-        for (int u = 0; u < nt; ++u) {
+        _Pragma("GCC unroll 4") for (int u = 0; u < PASS; ++u) {
+          if (u >= nt) break;
           store(u);
           const int64_t at = (idx[u] * G + g) * NR;
           const __m512 s = _mm512_loadu_ps(sc + at), z = _mm512_add_ps(load16(zc, at), offset);
-          for (int64_t m = 0; m < rows; ++m) {
+          _Pragma("GCC unroll 16") for (int m = 0; m < MAXR; ++m) {
+            if (m >= rows) break;
             const __m512 corr = _mm512_mul_ps(z, _mm512_set1_ps(gs[(mc * 16 + m) * G + g]));
             tot[u][m] = _mm512_fmadd_ps(s, _mm512_sub_ps(_mm512_load_ps(c[u][m]), corr), tot[u][m]);
           }
         }
       }
-      for (int u = 0; u < nt; ++u)
-        for (int64_t m = 0; m < rows; ++m) avx512::store_tile(tot[u][m], w.N, idx[u], y + (mc * 16 + m) * ldy);
+      _Pragma("GCC unroll 4") for (int u = 0; u < PASS; ++u) {
+        if (u >= nt) break;
+        _Pragma("GCC unroll 16") for (int m = 0; m < MAXR; ++m) {
+          if (m >= rows) break;
+          avx512::store_tile(tot[u][m], w.N, idx[u], y + (mc * 16 + m) * ldy);
+        }
+      }
     }
   }
+}
+
+// The pass shape by rows: the row totals stay in registers for one row (4 tiles a pass) and for 2..8 rows (2 tiles a
+// pass, 16 totals); a chunk of 16 rows keeps 4 tiles and spills them. Loading and storing each total per group was
+// most of an 8-row call's extra cost (the loop is bound by its stores: the codes' expansion, the tile stores and the
+// totals): 135M int4 c(8) -8 %, the 1.5B's c(1) -8 % and c(8) -6 % (notes/issue-39.md, thirty-fourth session). A
+// tile's sums are the same in any pass, so every M gets the same bits.
+template <int64_t KIND>
+void quant(const Weight& w, const Acts& a, int64_t t0, int64_t t1, float* y, int64_t ldy) {
+  if (a.M == 1) return quant_rows<KIND, 4, 1>(w, a, t0, t1, y, ldy);
+  if (a.M <= 8) return quant_rows<KIND, 2, 8>(w, a, t0, t1, y, ldy);
+  quant_rows<KIND, 4, 16>(w, a, t0, t1, y, ldy);
 }
 
 }  // namespace amx
