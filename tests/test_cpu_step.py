@@ -277,9 +277,13 @@ def test_paged_engine_matches_the_python_layers(tiny_llama, monkeypatch, specula
 
 @torch.inference_mode()
 @pytest.mark.parametrize("kind", ["int4", "int8", "fp8"])
-def test_quantized_layers_run_in_the_step(kind, monkeypatch):
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_quantized_layers_run_in_the_step(kind, arch, monkeypatch):
     """Quantized linears in the kernels' own layout (QuantLinear / FPLinear "cpu" path) run inside the step and
-    give the logits of the same layers run one by one (Python layers, same kernels)."""
+    give the logits of the same layers run one by one (Python layers, same kernels); qwen2: with q/k/v biases (the
+    step's AMX layers add them before rounding their bf16 outputs, the Python layers after the fp32 call)."""
+    from dataclasses import replace
+
     from formats_helpers import rtn_quantize
 
     from quantize.fplinear import FPLinear, quantize_fp8
@@ -287,17 +291,22 @@ def test_quantized_layers_run_in_the_step(kind, monkeypatch):
     from runtime.layout import decoder_linear_names
     from tests.tiny_models import TINY_CONFIGS
 
-    cfg = TINY_CONFIGS["llama"]
+    cfg = TINY_CONFIGS[arch]
     model = random_model(cfg, seed=2).set_dtype(torch.bfloat16)
     base = random_model(cfg, seed=2)
     for name in decoder_linear_names(cfg.num_layers):
-        w = base.get_submodule(name).weight.detach()
+        w, bias = base.get_submodule(name).weight.detach(), base.get_submodule(name).bias
+        if bias is not None:  # 10x random_model's: a bias dropped or added twice shows in the logits
+            bias = torch.randn(bias.shape, generator=torch.Generator().manual_seed(len(name)))
         if kind == "fp8":
-            layer = FPLinear(quantize_fp8(w, block=32 if "down" in name else 0), compute_dtype=torch.bfloat16)
+            fw = quantize_fp8(w, block=32 if "down" in name else 0, bias=bias)
+            layer = FPLinear(fw, compute_dtype=torch.bfloat16)
         else:
             qw = rtn_quantize(w, 4 if kind == "int4" else 8, 32 if kind == "int4" else -1, act_order="qkv" in name)
-            layer = QuantLinear(qw, compute_dtype=torch.bfloat16)
+            layer = QuantLinear(replace(qw, bias=bias), compute_dtype=torch.bfloat16)
         set_module(model, name, layer)
+    layers = [m for m in model.modules() if isinstance(m, (QuantLinear, FPLinear))]
+    assert (arch == "qwen2") == any(m.bias is not None for m in layers)
     tokens = torch.randint(0, cfg.vocab_size, (2, 10), generator=torch.Generator().manual_seed(6))
     taken = spy_on_cpu_step(monkeypatch)
     outs = {}
@@ -307,5 +316,5 @@ def test_quantized_layers_run_in_the_step(kind, monkeypatch):
         model(tokens[:, :8], AttentionMetadata.contiguous(2, 0, 8, "cpu"), cache)
         outs[fast] = model(tokens[:, 8:], AttentionMetadata.contiguous(2, 8, 2, "cpu"), cache)
     assert taken[:2] == [True, True]  # the prefill and the 2-token step both ran compiled
-    assert all(m.path == "cpu" for m in model.modules() if isinstance(m, (QuantLinear, FPLinear)))
+    assert all(m.path == "cpu" for m in layers)
     assert_bf16_logits_close(outs[True], outs[False])

@@ -763,6 +763,24 @@ struct Tiles {
   ~Tiles() { _tile_release(); }
 };
 
+// A tile row's 16 sums as bf16 bit patterns (yb: row stride as y's), rounded to nearest even with every NaN 0x7fc0:
+// bf16_bits8<true>'s bits (torch's cast), so a layer writing its bf16 outputs here gives what converting y would.
+inline void store_tile_bf16(const __m512 tot, int64_t N, int64_t tile, uint16_t* row) {
+  const int64_t n0 = tile * NR, cols = std::min<int64_t>(NR, N - n0);
+  const __mmask16 mask = cols >= 16 ? 0xffff : static_cast<__mmask16>((1u << cols) - 1);
+  const __m512i u = _mm512_castps_si512(tot);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i bits = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
+  bits = _mm512_mask_mov_epi32(bits, _mm512_cmp_ps_mask(tot, tot, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+  _mm256_mask_storeu_epi16(row + n0, mask, _mm512_cvtepi32_epi16(bits));
+}
+
+// A tile's 16 bias values (zero past N).
+inline __m512 bias16(const float* bias, int64_t N, int64_t tile) {
+  const int64_t n0 = tile * NR, cols = std::min<int64_t>(NR, N - n0);
+  return _mm512_maskz_loadu_ps(cols >= 16 ? 0xffff : static_cast<__mmask16>((1u << cols) - 1), bias + n0);
+}
+
 // Dense bf16: C [16 weight rows n, 16 activation rows m] += W [16 n, 32 k] (loaded from [N, K] in place) . x^T [16 k
 // pairs, 16 m] (prepared). Two weight blocks by two chunks of 16 activation rows per pass (accumulators 0..3,
 // operands 4..7): each tile load feeds two matmuls, where one chunk a pass re-read every weight block from L2 for
@@ -843,7 +861,8 @@ void dense(const Weight& w, const Acts& a, int64_t nb0, int64_t nb1, float* y, i
 // buffers): a tile load of freshly stored data waits for the stores to reach the cache, so the stores for block
 // k + AHEAD overlap the matmuls of block k. A tile's sums are the same in any pass or order.
 template <int64_t KIND, int PASS, int MAXR>
-void quant_rows(const Weight& w, const Acts& a, int64_t t0, int64_t t1, float* y, int64_t ldy) {
+void quant_rows(const Weight& w, const Acts& a, int64_t t0, int64_t t1, float* y, int64_t ldy, uint16_t* yb,
+                const float* bias) {
   constexpr int AHEAD = 3;
   const int chunk_rows = static_cast<int>(std::min<int64_t>(16, a.M));  // a call of <16 rows: one chunk of M rows
   Tiles tiles(5, chunk_rows);
@@ -934,7 +953,11 @@ void quant_rows(const Weight& w, const Acts& a, int64_t t0, int64_t t1, float* y
         if (u >= nt) break;
         _Pragma("GCC unroll 16") for (int m = 0; m < MAXR; ++m) {
           if (m >= rows) break;
-          avx512::store_tile(tot[u][m], w.N, idx[u], y + (mc * 16 + m) * ldy);
+          if (yb)  // y + bias, rounded (linear_into's order)
+            store_tile_bf16(bias ? _mm512_add_ps(tot[u][m], bias16(bias, w.N, idx[u])) : tot[u][m], w.N, idx[u],
+                            yb + (mc * 16 + m) * ldy);
+          else
+            avx512::store_tile(tot[u][m], w.N, idx[u], y + (mc * 16 + m) * ldy);
         }
       }
     }
@@ -947,10 +970,11 @@ void quant_rows(const Weight& w, const Acts& a, int64_t t0, int64_t t1, float* y
 // totals): 135M int4 c(8) -8 %, the 1.5B's c(1) -8 % and c(8) -6 % (notes/issue-39.md, thirty-fourth session). A
 // tile's sums are the same in any pass, so every M gets the same bits.
 template <int64_t KIND>
-void quant(const Weight& w, const Acts& a, int64_t t0, int64_t t1, float* y, int64_t ldy) {
-  if (a.M == 1) return quant_rows<KIND, 4, 1>(w, a, t0, t1, y, ldy);
-  if (a.M <= 8) return quant_rows<KIND, 2, 8>(w, a, t0, t1, y, ldy);
-  quant_rows<KIND, 4, 16>(w, a, t0, t1, y, ldy);
+void quant(const Weight& w, const Acts& a, int64_t t0, int64_t t1, float* y, int64_t ldy, uint16_t* yb,
+           const float* bias) {
+  if (a.M == 1) return quant_rows<KIND, 4, 1>(w, a, t0, t1, y, ldy, yb, bias);
+  if (a.M <= 8) return quant_rows<KIND, 2, 8>(w, a, t0, t1, y, ldy, yb, bias);
+  quant_rows<KIND, 4, 16>(w, a, t0, t1, y, ldy, yb, bias);
 }
 
 }  // namespace amx
@@ -1776,19 +1800,28 @@ void run_quant(const Weight& w, const Acts& a, int64_t t_begin, int64_t t_end, f
 }
 
 // y [M, N] fp32 (row stride ldy) = x [M, K] (row stride ldx) @ W^T (+ bias), M <= MAX_M, split over the cores.
-void linear_into(const Weight& w, const float* x, int64_t M, int64_t ldx, float* y, int64_t ldy, Acts& a) {
+// Given yb, a layer on AMX quantized tiles writes its outputs (bias added) there instead, as bf16 bit patterns (row
+// stride ldy; the rounding linear_rows would do, inside the split instead of after it on one core), and the call
+// returns true; every other layer writes y and returns false.
+bool linear_into(const Weight& w, const float* x, int64_t M, int64_t ldx, float* y, int64_t ldy, Acts& a,
+                 uint16_t* yb = nullptr) {
   TORCH_CHECK(M >= 1 && M <= MAX_M, "the CPU step's linear takes 1..64 rows, got ", M);
-  if (w.int8_act) return i8act::linear_into(w, x, M, ldx, y, ldy);
+  if (w.int8_act) {
+    i8act::linear_into(w, x, M, ldx, y, ldy);
+    return false;
+  }
   const int level = isa();
   prepare(w, x, M, ldx, a, level);
   if (amx_quant(w, level, M)) {
+    const float* bias = w.bias.defined() && w.bias.numel() ? w.bias.data_ptr<float>() : nullptr;
     at::parallel_for(0, w.tiles(), 1, [&](int64_t t0, int64_t t1) {
       switch (w.kind) {
-        case I8: return amx::quant<I8>(w, a, t0, t1, y, ldy);
-        case FP8: return amx::quant<FP8>(w, a, t0, t1, y, ldy);
-        default: return amx::quant<I4>(w, a, t0, t1, y, ldy);
+        case I8: return amx::quant<I8>(w, a, t0, t1, y, ldy, yb, bias);
+        case FP8: return amx::quant<FP8>(w, a, t0, t1, y, ldy, yb, bias);
+        default: return amx::quant<I4>(w, a, t0, t1, y, ldy, yb, bias);
       }
     });
+    if (yb) return true;
   } else if (amx_dense(w, level, M)) {
     at::parallel_for(0, w.N / NR / 2 + (w.N / NR) % 2, 1, [&](int64_t b, int64_t e) {
       amx::dense(w, a, 2 * b, std::min(2 * e, w.N / NR), y, ldy);
@@ -1806,6 +1839,7 @@ void linear_into(const Weight& w, const float* x, int64_t M, int64_t ldx, float*
     for (int64_t m = 0; m < M; ++m)
       for (int64_t n = 0; n < w.N; ++n) y[m * ldy + n] += bp[n];
   }
+  return false;
 }
 
 // ---- the whole step: every decoder layer, for T new tokens in each of B rows ------------------------------------
@@ -3136,20 +3170,22 @@ void linear_rows(const Weight& w, const T* x, int64_t M, T* y, Acts& a, std::vec
     const int64_t K = w.K, N = w.N;
     xf.resize(M * K);
     const uint16_t* xs = reinterpret_cast<const uint16_t*>(x);
+    float* xv = xf.data();  // (not xf.data() in the loop: the stores could alias the vector, so it was reloaded)
     over_rows(M, K, [&](int64_t m0, int64_t m1) {
       int64_t i = m0 * K;
       for (; i + 8 <= m1 * K; i += 8)
-        _mm256_storeu_ps(xf.data() + i, bf16_values8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xs + i))));
-      for (; i < m1 * K; ++i) xf[i] = f32(x[i]);
+        _mm256_storeu_ps(xv + i, bf16_values8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xs + i))));
+      for (; i < m1 * K; ++i) xv[i] = f32(x[i]);
     });
     yf.resize(M * N);
-    linear_into(w, xf.data(), M, K, yf.data(), N, a);
     uint16_t* ys = reinterpret_cast<uint16_t*>(y);
+    if (linear_into(w, xf.data(), M, K, yf.data(), N, a, ys)) return;  // rounded inside the layer's split
+    const float* yv = yf.data();
     over_rows(M, N, [&](int64_t m0, int64_t m1) {
       int64_t i = m0 * N;
       for (; i + 8 <= m1 * N; i += 8)
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(ys + i), bf16_bits8<true>(_mm256_loadu_ps(yf.data() + i)));
-      for (; i < m1 * N; ++i) y[i] = rnd<T>(yf[i]);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(ys + i), bf16_bits8<true>(_mm256_loadu_ps(yv + i)));
+      for (; i < m1 * N; ++i) y[i] = rnd<T>(yv[i]);
     });
   }
 }
