@@ -487,10 +487,28 @@ void dense_block(const Weight& w, const Acts& a, int64_t n0, int64_t rs, int64_t
     _Pragma("GCC unroll 16") for (int i = 0; i < MB; ++i) y[(m0 + i) * ldy + n0 + r * rs] = _mm512_reduce_add_ps(acc[r][i]);
 }
 
+// The lanes of tile `tile`'s 16 outputs that lie inside N.
+inline __mmask16 tile_mask(int64_t N, int64_t tile) {
+  const int64_t cols = std::min<int64_t>(NR, N - tile * NR);
+  return cols >= 16 ? 0xffff : static_cast<__mmask16>((1u << cols) - 1);
+}
+
 inline void store_tile(const __m512 tot, int64_t N, int64_t tile, float* row) {
-  const int64_t n0 = tile * NR, rows = std::min<int64_t>(NR, N - n0);
-  const __mmask16 mask = rows >= 16 ? 0xffff : static_cast<__mmask16>((1u << rows) - 1);
-  _mm512_mask_storeu_ps(row + n0, mask, tot);
+  _mm512_mask_storeu_ps(row + tile * NR, tile_mask(N, tile), tot);
+}
+
+// A tile row's 16 sums as bf16 bit patterns, rounded as bf16_bits8<true> rounds (torch's cast): a layer writing its
+// bf16 outputs here gives what converting its fp32 outputs would.
+inline void store_tile_bf16(const __m512 tot, int64_t N, int64_t tile, uint16_t* row) {
+  const __mmask16 mask = tile_mask(N, tile);
+  const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(tot), 1));
+  _mm_mask_storeu_epi16(row + tile * NR, mask & 0xff, bf16_bits8<true>(_mm512_castps512_ps256(tot)));
+  _mm_mask_storeu_epi16(row + tile * NR + 8, mask >> 8, bf16_bits8<true>(hi));
+}
+
+// A tile's 16 bias values (zero past N).
+inline __m512 bias16(const float* bias, int64_t N, int64_t tile) {
+  return _mm512_maskz_loadu_ps(tile_mask(N, tile), bias + tile * NR);
 }
 
 // Columns 2j and 2j + 1 of a tile's 16 rows widened to fp32.
@@ -763,24 +781,6 @@ struct Tiles {
   ~Tiles() { _tile_release(); }
 };
 
-// A tile row's 16 sums as bf16 bit patterns (yb: row stride as y's), rounded to nearest even with every NaN 0x7fc0:
-// bf16_bits8<true>'s bits (torch's cast), so a layer writing its bf16 outputs here gives what converting y would.
-inline void store_tile_bf16(const __m512 tot, int64_t N, int64_t tile, uint16_t* row) {
-  const int64_t n0 = tile * NR, cols = std::min<int64_t>(NR, N - n0);
-  const __mmask16 mask = cols >= 16 ? 0xffff : static_cast<__mmask16>((1u << cols) - 1);
-  const __m512i u = _mm512_castps_si512(tot);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  __m512i bits = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
-  bits = _mm512_mask_mov_epi32(bits, _mm512_cmp_ps_mask(tot, tot, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
-  _mm256_mask_storeu_epi16(row + n0, mask, _mm512_cvtepi32_epi16(bits));
-}
-
-// A tile's 16 bias values (zero past N).
-inline __m512 bias16(const float* bias, int64_t N, int64_t tile) {
-  const int64_t n0 = tile * NR, cols = std::min<int64_t>(NR, N - n0);
-  return _mm512_maskz_loadu_ps(cols >= 16 ? 0xffff : static_cast<__mmask16>((1u << cols) - 1), bias + n0);
-}
-
 // Dense bf16: C [16 weight rows n, 16 activation rows m] += W [16 n, 32 k] (loaded from [N, K] in place) . x^T [16 k
 // pairs, 16 m] (prepared). Two weight blocks by two chunks of 16 activation rows per pass (accumulators 0..3,
 // operands 4..7): each tile load feeds two matmuls, where one chunk a pass re-read every weight block from L2 for
@@ -953,11 +953,11 @@ void quant_rows(const Weight& w, const Acts& a, int64_t t0, int64_t t1, float* y
         if (u >= nt) break;
         _Pragma("GCC unroll 16") for (int m = 0; m < MAXR; ++m) {
           if (m >= rows) break;
-          if (yb)  // y + bias, rounded (linear_into's order)
-            store_tile_bf16(bias ? _mm512_add_ps(tot[u][m], bias16(bias, w.N, idx[u])) : tot[u][m], w.N, idx[u],
-                            yb + (mc * 16 + m) * ldy);
+          const __m512 out = bias ? _mm512_add_ps(tot[u][m], avx512::bias16(bias, w.N, idx[u])) : tot[u][m];
+          if (yb)
+            avx512::store_tile_bf16(out, w.N, idx[u], yb + (mc * 16 + m) * ldy);
           else
-            avx512::store_tile(tot[u][m], w.N, idx[u], y + (mc * 16 + m) * ldy);
+            avx512::store_tile(out, w.N, idx[u], y + (mc * 16 + m) * ldy);
         }
       }
     }
@@ -1800,9 +1800,9 @@ void run_quant(const Weight& w, const Acts& a, int64_t t_begin, int64_t t_end, f
 }
 
 // y [M, N] fp32 (row stride ldy) = x [M, K] (row stride ldx) @ W^T (+ bias), M <= MAX_M, split over the cores.
-// Given yb, a layer on AMX quantized tiles writes its outputs (bias added) there instead, as bf16 bit patterns (row
-// stride ldy; the rounding linear_rows would do, inside the split instead of after it on one core), and the call
-// returns true; every other layer writes y and returns false.
+// Given yb, a layer on AMX quantized tiles writes its outputs there instead, as bf16 bit patterns (row stride ldy;
+// the rounding linear_rows would do, inside the split instead of after it on one core), and the call returns true;
+// every other layer writes y and returns false. (The AMX kernel adds the bias in its store, the others after.)
 bool linear_into(const Weight& w, const float* x, int64_t M, int64_t ldx, float* y, int64_t ldy, Acts& a,
                  uint16_t* yb = nullptr) {
   TORCH_CHECK(M >= 1 && M <= MAX_M, "the CPU step's linear takes 1..64 rows, got ", M);
@@ -1821,8 +1821,9 @@ bool linear_into(const Weight& w, const float* x, int64_t M, int64_t ldx, float*
         default: return amx::quant<I4>(w, a, t0, t1, y, ldy, yb, bias);
       }
     });
-    if (yb) return true;
-  } else if (amx_dense(w, level, M)) {
+    return yb != nullptr;
+  }
+  if (amx_dense(w, level, M)) {
     at::parallel_for(0, w.N / NR / 2 + (w.N / NR) % 2, 1, [&](int64_t b, int64_t e) {
       amx::dense(w, a, 2 * b, std::min(2 * e, w.N / NR), y, ldy);
     });
