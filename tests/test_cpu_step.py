@@ -221,6 +221,72 @@ def test_ragged_rows_match_the_python_layers(tiny_llama, monkeypatch):
         tiny_llama.fast_decode = True
 
 
+BF16_FAMILIES = [f for f in ("avx512", "avx512bf16", "amx") if cpu_step.available() and cpu_step.isa_supported(f)]
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("family", BF16_FAMILIES)
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+def test_bf16_attention_matches_the_python_layers(family, head_dim, monkeypatch):
+    """bf16 caches at the head sizes the AMX attention takes (whole tiles of 32 channels; queries and probabilities
+    rounded to bf16, as a bf16 SDPA holds them) and the AVX-512 families' fp32 attention: decode steps, a chain
+    verification and a candidate tree over a 37-token prefix (key blocks of 16 and 32 end inside the new tokens),
+    against the Python layers' bf16 SDPA over the same cache, within bf16 noise."""
+    from patching import kernel_family
+
+    from runtime.speculation import CandidateTree
+    from speculate.generate import tree_metadata
+
+    cfg = tiny_model_config(head_dim=head_dim, num_heads=4, num_kv_heads=2, hidden_size=128)
+    model = random_model(cfg, seed=6).set_dtype(torch.bfloat16)
+    gen = torch.Generator().manual_seed(2)
+    prefix = torch.randint(0, cfg.vocab_size, (1, 37), generator=gen)
+    decode = torch.randint(0, cfg.vocab_size, (1, 3), generator=gen)
+    chain = torch.randint(0, cfg.vocab_size, (1, 5), generator=gen)
+    tree = CandidateTree.from_choices([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])
+    nodes = torch.randint(0, cfg.vocab_size, (1, len(tree)), generator=gen)
+    outs = {}
+    taken = spy_on_cpu_step(monkeypatch)
+    with kernel_family(family):
+        for fast in (True, False):
+            cache = KVCache(cfg, 1, 64, torch.bfloat16)
+            model.fast_decode = False  # the same prefix KV for both
+            model(prefix, AttentionMetadata.contiguous(1, 0, 37, "cpu"), cache)
+            model.fast_decode = fast
+            steps = [AttentionMetadata.contiguous(1, 37 + j, 1, "cpu") for j in range(3)]
+            got = [model(decode[:, j : j + 1], meta, cache) for j, meta in enumerate(steps)]
+            got.append(model(chain, AttentionMetadata.contiguous(1, 40, 5, "cpu"), cache))
+            got.append(model(nodes, tree_metadata(tree, torch.tensor([45])), cache))
+            outs[fast] = torch.cat([g[0].float() for g in got])
+    model.fast_decode = True
+    assert taken == [False, True, True, True, True, True] + [False] * 6
+    assert_bf16_logits_close(outs[True], outs[False])
+
+
+@torch.inference_mode()
+def test_bf16_attention_reads_pages_as_it_reads_a_contiguous_cache(monkeypatch):
+    """The AMX attention loads 16 keys at one stride in place and stages the blocks that cross a page or end the
+    context: paged pools of 4-token pages (every block staged) and of 16- and 32-token pages give the same greedy
+    tokens over prompts of several lengths, with and without speculative chains."""
+    from runtime.engine import EngineConfig, LLMEngine
+    from speculate.ngram import NgramSpeculator
+
+    cfg = tiny_model_config(head_dim=64, num_heads=4, num_kv_heads=2, hidden_size=128)
+    model = random_model(cfg, seed=6).set_dtype(torch.bfloat16)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(2, cfg.vocab_size, (n,), generator=gen).tolist() for n in (5, 21, 40)]
+    prompts[2][20:] = prompts[2][:20]  # a repeat: the n-gram drafts get accepted
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    taken = spy_on_cpu_step(monkeypatch)
+    for speculator in (None, NgramSpeculator(k=3)):
+        outputs = []
+        for block_size in (4, 16, 32):
+            engine = LLMEngine(model, config=EngineConfig(num_blocks=48, block_size=block_size), speculator=speculator)
+            outputs.append([o.output_ids for o in engine.generate(prompts, params)])
+        assert outputs[0] == outputs[1] == outputs[2]
+    assert any(taken)
+
+
 @torch.inference_mode()
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_tree_verification_matches_the_python_layers(tiny_config, dtype, monkeypatch):

@@ -1863,9 +1863,48 @@ inline float sum_of_squares(const float* x, int64_t n) {
   return total;
 }
 
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq")
+namespace vec512 {
+
+inline __m512 round16(__m512 v) {  // to bf16 and back, round to nearest even (as store8)
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb);
+  return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+inline __m512 bf16_lanes(const at::BFloat16* p) {
+  const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+inline void store_rounded(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store_rounded(at::BFloat16* p, __m512 v) {  // v already bf16-exact: its high halves
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16)));
+}
+
+// rope (below) for a bf16 head whose half is a multiple of 16: its operations lane by lane, so the same bits (a
+// verification's queries were ~10 % of its attention on one core, rounded one value at a time).
+template <typename Out>
+void rope(const at::BFloat16* x, const at::BFloat16* cos, const at::BFloat16* sin, Out* out, int64_t d) {
+  const int64_t half = d / 2;
+  for (int64_t i = 0; i < half; i += 16) {
+    const __m512 x1 = bf16_lanes(x + i), x2 = bf16_lanes(x + half + i), s = bf16_lanes(sin + i);
+    const __m512 neg = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(s), _mm512_set1_epi32(INT32_MIN)));
+    store_rounded(out + i, round16(_mm512_add_ps(round16(_mm512_mul_ps(x1, bf16_lanes(cos + i))),
+                                                 round16(_mm512_mul_ps(x2, neg)))));
+    store_rounded(out + half + i, round16(_mm512_add_ps(round16(_mm512_mul_ps(x2, bf16_lanes(cos + half + i))),
+                                                        round16(_mm512_mul_ps(x1, s)))));
+  }
+}
+
+}  // namespace vec512
+#pragma GCC pop_options
+
 // apply_rope for one head: x * cos + flip_halves(x) * (-sin, +sin), each product and the sum rounded to T.
 template <typename T, typename Out>
 void rope(const T* x, const T* cos, const T* sin, Out* out, int64_t d) {
+  if constexpr (std::is_same_v<T, at::BFloat16>)
+    if (d % 32 == 0 && isa() >= ISA_AVX512) return vec512::rope(x, cos, sin, out, d);
   const int64_t half = d / 2;
   for (int64_t i = 0; i < d; ++i) {
     const T a = rnd<T>(f32(x[i]) * f32(cos[i]));
@@ -2200,10 +2239,11 @@ inline bool attention_threaded(int64_t B, const int64_t* st, const int64_t* cn, 
 }
 
 constexpr int ATTN_QB = 8;  // queries (token, head) of one row and kv head that share each key and value row read
+constexpr int ATTN_QB_TILES = 16;  // ... in the AMX attention: one tile's columns
 struct AttnScratch {
   std::vector<float> scores, packed, acc, q;
   std::vector<int64_t> where, rows;
-  std::vector<Piece> pieces[ATTN_QB];
+  std::vector<Piece> pieces[ATTN_QB_TILES];
   alignas(32) float key[KEYS4 * 256], fresh_key[KEYS4 * 256], value[VALUE_ROWS * 256];
   alignas(64) float keys16[16 * 256], keys16f[16 * 256];  // attn512q: a block of 16 key rows (f: int4's fresh copies)
   alignas(64) int16_t q16[ATTN_QB * 256];  // int8 keys: the queries rounded to int16 (round_query) ...
@@ -2278,17 +2318,19 @@ void merge_pieces(const float* part, int64_t pieces, int64_t D, T* out) {
   }
 }
 
-// One layer's attention as work items: up to ATTN_QB queries (token, head) of one row and kv head, so each key and
-// value row read serves all of them, each over a key range of its row (pieces of g_kv_piece keys before the row's
-// first new index, then the rest: 3 kv heads on 2 cores were 2 items against 1 at long contexts); split over the
-// cores unless it is tiny. attend(scratch, b, h, nq, tok, mask, range, outs, parts) runs one item on its roped
+// One layer's attention as work items: up to qb queries (token, head) of one row and kv head, so each key and
+// value row read serves all of them (a row's queries per kv head split evenly: 24 in at most 16 are two items of 12,
+// so 3 kv heads give 6 items, 3 a core), each over a key range of its row (pieces of g_kv_piece keys before the
+// row's first new index, then the rest: 3 kv heads on 2 cores were 2 items against 1 at long contexts); split over
+// the cores unless it is tiny. attend(scratch, b, h, nq, tok, mask, range, outs, parts) runs one item on its roped
 // queries (scratch.q); the queries that see more than one piece are merged after every item has run.
 template <typename T, typename Attend>
 void attention_items(const std::vector<int64_t>& live, int64_t B, int64_t Hkv, int64_t group, int64_t D, int64_t Tn,
                      const int64_t* st, const int64_t* cn, const bool* lm, int64_t local_stride, const T* qkv,
-                     int64_t qkv_size, const T* cos_p, const T* sin_p, T* attn, int64_t q_size, Attend&& attend) {
+                     int64_t qkv_size, const T* cos_p, const T* sin_p, T* attn, int64_t q_size, Attend&& attend,
+                     int64_t qb = ATTN_QB) {
   const int64_t H = Hkv * group, piece = g_kv_piece;
-  std::vector<int64_t> item_row, item_first, row_first(B + 1, 0);  // row_first: the row's first index in `live`
+  std::vector<int64_t> item_row, item_first, item_count, row_first(B + 1, 0);  // row_first: the row's first index
   std::vector<KeyRange> item_keys;
   int64_t most = 1;  // pieces of the longest row
   for (int64_t b = 0; b < B; ++b) {
@@ -2296,25 +2338,28 @@ void attention_items(const std::vector<int64_t>& live, int64_t B, int64_t Hkv, i
     if (cn[b]) most = std::max(most, (st[b] + cn[b] - 1) / piece + 1);
   }
   for (int64_t b = 0; b < B; ++b)
-    for (int64_t h = 0; h < Hkv; ++h)
-      for (int64_t f = 0; f < cn[b] * group; f += ATTN_QB) {
+    for (int64_t h = 0; h < Hkv && cn[b] > 0; ++h) {
+      const int64_t queries = cn[b] * group, items = (queries + qb - 1) / qb, per = (queries + items - 1) / items;
+      for (int64_t f = 0; f < queries; f += per) {
         const int64_t cached = st[b] / piece;  // whole pieces before the first new index: one item each
         for (int64_t k = 0; k <= cached; ++k) {
           item_row.push_back(b * Hkv + h);
           item_first.push_back(f);
+          item_count.push_back(std::min(per, queries - f));
           item_keys.push_back({k * piece, k < cached ? (k + 1) * piece : st[b] + cn[b], piece});
         }
       }
+    }
   std::vector<float> partial(most > 1 ? live.size() * H * most * (D + 2) : 0);  // [live, H, most, D + 2]
   auto attend_items = [&](int64_t begin, int64_t end) {
     AttnScratch s;
-    s.q.resize(ATTN_QB * D);
+    s.q.resize(qb * D);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = item_row[i] / Hkv, h = item_row[i] % Hkv;
-      const int nq = static_cast<int>(std::min<int64_t>(ATTN_QB, cn[b] * group - item_first[i]));
-      int64_t tok[ATTN_QB];
-      T* outs[ATTN_QB];
-      float* parts[ATTN_QB];
+      const int nq = static_cast<int>(item_count[i]);
+      int64_t tok[ATTN_QB_TILES];
+      T* outs[ATTN_QB_TILES];
+      float* parts[ATTN_QB_TILES];
       for (int u = 0; u < nq; ++u) {  // query f of this (row, kv head): token f / group, head h * group + f % group
         const int64_t f = item_first[i] + u, t = f / group, head = h * group + f % group, r = row_first[b] + t;
         const int64_t row = live[r];
@@ -2349,10 +2394,7 @@ void attention_items(const std::vector<int64_t>& live, int64_t B, int64_t Hkv, i
 namespace attn512 {
 
 inline __m512 lanes16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 lanes16(const at::BFloat16* p) {
-  const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
-}
+inline __m512 lanes16(const at::BFloat16* p) { return vec512::bf16_lanes(p); }
 
 inline __m512 exp16(__m512 x) {  // exp8's Cephes expf on 16 lanes
   x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f)), _mm512_set1_ps(-88.3762626647949f));
@@ -2629,16 +2671,9 @@ void attend(const KVView<T>& kv, int64_t l, int64_t b, int64_t h, int nq, const 
 
 // silu_mul on 16 lanes: the same operations lane by lane (exp16 is exp8's), so the same bits; the last n % 16
 // values take silu_mul itself (its 8-lane blocks start at multiples of 8 there too).
-inline __m512 round16(__m512 v) {  // to bf16 and back, round to nearest even (as store8)
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  const __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb);
-  return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
-}
+using vec512::round16;
 inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-inline void store16(at::BFloat16* p, __m512 v) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(round16(v)), 16)));
-}
+inline void store16(at::BFloat16* p, __m512 v) { vec512::store_rounded(p, round16(v)); }
 template <typename T>
 void silu_mul(const T* gate, const T* up, T* out, int64_t n) {
   int64_t i = 0;
@@ -2652,6 +2687,258 @@ void silu_mul(const T* gate, const T* up, T* out, int64_t n) {
 }
 
 }  // namespace attn512
+#pragma GCC pop_options
+
+// ---- attention with AMX tiles (bf16 caches) --------------------------------------------------------------------
+// Scores: C [16 keys, 16 queries] = K [16 keys, 32 channels] (tile-loaded from the cache in place) . Q^T [16 channel
+// pairs, 16 queries] (the item's queries rounded to bf16, as the Python layers' bf16 attention holds them), chunk
+// after chunk of 32 channels, times the scale. Values: O [16 queries, 16 channels] += P [16 queries, 32 keys] (each
+// probability rounded to bf16, as a bf16 SDPA rounds them) . V [16 key pairs, 16 channels] (two value rows
+// interleaved), key block after key block. A query is a column of the score tile and a row of the value tiles: its
+// sums never meet another query's, so its bits are the same alone (a decode step) and among a verification's, which
+// the vector attention bought with a horizontal sum per query and 16 keys (~30 shuffles) and a broadcast and C FMAs
+// per query and value row: an 8-query item cost ~3x a decode step's 3-query item, most of an 8-row step's extra time
+// after the linears. A query that sees more than one piece of keys (a context past g_kv_piece) takes the vector
+// attention (attn512::attend, alone: co-queries never change its result), so long contexts keep their kernel.
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16")
+namespace attn_amx {
+
+inline bool fits(int64_t D) { return D % 32 == 0 && D <= 128; }  // Q^T resident in 4 tiles at most
+
+// r[i] lane j -> r[j] lane i (a 16 x 16 fp32 transpose: unpacks within quarters, then quarters moved).
+inline void transpose16(__m512 (&r)[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 8; ++i) {  // t[2i] quarter L: r[2i], r[2i+1] lanes 4L, 4L + 1 interleaved; t[2i+1]: 4L+2, 4L+3
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // r[4i + j] quarter L: lane 4L + j of rows 4i .. 4i + 3
+    const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 2]);
+    const __m512d c = _mm512_castps_pd(t[4 * i + 1]), d = _mm512_castps_pd(t[4 * i + 3]);
+    r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+    r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+    r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, d));
+    r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, d));
+  }
+  for (int j = 0; j < 4; ++j) {  // lane 4L + j: quarter L of r[j], r[4 + j], r[8 + j], r[12 + j]
+    const __m512 a = _mm512_shuffle_f32x4(r[j], r[4 + j], 0x88), b = _mm512_shuffle_f32x4(r[j], r[4 + j], 0xdd);
+    const __m512 c = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0x88), d = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0xdd);
+    t[j] = _mm512_shuffle_f32x4(a, c, 0x88);
+    t[8 + j] = _mm512_shuffle_f32x4(a, c, 0xdd);
+    t[4 + j] = _mm512_shuffle_f32x4(b, d, 0x88);
+    t[12 + j] = _mm512_shuffle_f32x4(b, d, 0xdd);
+  }
+  for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
+
+// The value tiles' channel order: unpacklo/hi_epi16 of two value rows' 32 channels give tile 2z the channels 32z +
+// {0-3, 8-11, 16-19, 24-27} and tile 2z + 1 the channels 32z + {4-7, 12-15, 20-23, 28-31}; these put them back.
+inline void unpermute(const float* lo, const float* hi, float* out) {
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  const __m512 a = _mm512_load_ps(lo), b = _mm512_load_ps(hi);
+  _mm512_storeu_ps(out, _mm512_permutex2var_ps(a, first, b));
+  _mm512_storeu_ps(out + 16, _mm512_permutex2var_ps(a, second, b));
+}
+
+// One block of 16 keys' scores: accumulator ACC = keys (tile KEY, chunk after chunk of 32 channels) . Q^T (the
+// resident tiles 2 .. 1 + chunks). Even and odd blocks take other tiles, so a block's matmuls queue while the one
+// before is stored and spread.
+// (GCC's tile intrinsics paste their tile numbers into the assembly: a macro, not a template, makes the two)
+#define QSPEC_SCORE_BLOCK(NAME, ACC, KEY)                                     \
+  inline void NAME(const uint16_t* keys, int64_t stride_bytes, int64_t chunks) { \
+    _tile_zero(ACC);                                                          \
+    _tile_loadd(KEY, keys, stride_bytes);                                     \
+    _tile_dpbf16ps(ACC, KEY, 2);                                              \
+    if (chunks < 2) return;                                                   \
+    _tile_loadd(KEY, keys + 32, stride_bytes);                                \
+    _tile_dpbf16ps(ACC, KEY, 3);                                              \
+    if (chunks < 3) return;                                                   \
+    _tile_loadd(KEY, keys + 64, stride_bytes);                                \
+    _tile_dpbf16ps(ACC, KEY, 4);                                              \
+    if (chunks < 4) return;                                                   \
+    _tile_loadd(KEY, keys + 96, stride_bytes);                                \
+    _tile_dpbf16ps(ACC, KEY, 5);                                              \
+  }
+QSPEC_SCORE_BLOCK(score_block_even, 0, 1)
+QSPEC_SCORE_BLOCK(score_block_odd, 7, 6)
+#undef QSPEC_SCORE_BLOCK
+
+inline void value_product(int t, const void* v) {  // accumulator t += P (tile 4) . V pairs (tiles 5 and 7 in turn)
+  switch (t) {
+    case 0: _tile_loadd(5, v, 64); _tile_dpbf16ps(0, 4, 5); break;
+    case 1: _tile_loadd(7, v, 64); _tile_dpbf16ps(1, 4, 7); break;
+    case 2: _tile_loadd(5, v, 64); _tile_dpbf16ps(2, 4, 5); break;
+    default: _tile_loadd(7, v, 64); _tile_dpbf16ps(3, 4, 7); break;
+  }
+}
+inline void value_store(int t, float (*c)[16]) {
+  switch (t) {
+    case 0: _tile_stored(0, c, 64); break;
+    case 1: _tile_stored(1, c, 64); break;
+    case 2: _tile_stored(2, c, 64); break;
+    default: _tile_stored(3, c, 64); break;
+  }
+}
+
+inline void prefetch_rows(const uint16_t* base, const KVView<at::BFloat16>& kv, int64_t b, int64_t h, int64_t i0,
+                          int64_t i1) {
+  for (int64_t i = i0; i < i1; ++i) {
+    const char* row = reinterpret_cast<const char*>(base + kv.at(b, h, i));
+    for (int64_t line = 0; line < kv.D * 2; line += 64) _mm_prefetch(row + line, _MM_HINT_T0);
+  }
+}
+
+// attn512::attend's contract (attention_items' item: up to ATTN_QB_TILES queries of row b and kv head h over
+// `range`) for a bf16 cache.
+inline void attend(const KVView<at::BFloat16>& kv, int64_t l, int64_t b, int64_t h, int nq, const int64_t* tok,
+                   int64_t start, int64_t count, const bool* local, int64_t Tn, const float* q, float scale,
+                   const KeyRange& range, at::BFloat16* const* out, float* const* part, AttnScratch& s) {
+  const int64_t D = kv.D, chunks = D / 32, channel_tiles = D / 16;
+  bool whole[ATTN_QB_TILES];
+  int wholes = 0;
+  for (int u = 0; u < nq; ++u) wholes += whole[u] = one_piece(start, count, tok[u], local, Tn, range.piece);
+  auto vector_attention = [&](int u0, int m) {  // queries u0 .. u0 + m - 1 by attn512 (ATTN_QB at a time)
+    for (int u = u0; u < u0 + m; u += ATTN_QB)
+      attn512::attend(kv, l, b, h, std::min(ATTN_QB, u0 + m - u), tok + u, start, count, local, Tn, q + u * D, scale,
+                      range, out + u, part + u, s);
+  };
+  if (wholes == 0) return vector_attention(0, nq);
+  const int64_t from = range.from, n = range.to - from;
+  const uint16_t* kbase = reinterpret_cast<const uint16_t*>(kv.k + l * kv.layer_stride);
+  const uint16_t* vbase = reinterpret_cast<const uint16_t*>(kv.v + l * kv.layer_stride);
+  const int64_t row_stride = kv.tables ? kv.Hkv * D : D;  // between a head's consecutive keys (within a page)
+  auto visible = [&](int u, int64_t i) {
+    return i < start || (local ? local[tok[u] * Tn + (i - start)] : i - start <= tok[u]);
+  };
+  amx::Tiles tiles;
+  alignas(64) uint32_t qpairs[ATTN_QB_TILES][64];  // each query's channel pairs in bf16 (round to nearest even)
+  alignas(64) uint32_t qt[4][16][16];  // Q^T per chunk of 32 channels: [channel pair, query]
+  for (int u = 0; u < nq; ++u)
+    for (int64_t d = 0; d < D; d += 32) {
+      const __m512bh bits = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + u * D + d + 16), _mm512_loadu_ps(q + u * D + d));
+      _mm512_store_si512(qpairs[u] + d / 2, reinterpret_cast<const __m512i&>(bits));
+    }
+  const __mmask16 queries = static_cast<__mmask16>((1u << nq) - 1);
+  const __m512i query_rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                                _mm512_set1_epi32(64));
+  for (int64_t c = 0; c < chunks; ++c)
+    for (int r = 0; r < 16; ++r)  // absent queries' columns zero
+      _mm512_store_si512(qt[c][r], _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), queries, query_rows,
+                                                               qpairs[0] + 16 * c + r, 4));
+  _tile_loadd(2, qt[0], 64);
+  if (chunks > 1) _tile_loadd(3, qt[1], 64);
+  if (chunks > 2) _tile_loadd(4, qt[2], 64);
+  if (chunks > 3) _tile_loadd(5, qt[3], 64);
+  alignas(64) float ct[16][16];
+  alignas(64) uint16_t staged[2][16 * 128];
+  const __m512i column = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32(16));
+  const __m512 vscale = _mm512_set1_ps(scale);
+  s.scores.assign(nq * n, -INFINITY);
+  const int64_t blocks = (n + 15) / 16;
+  auto spread = [&](int64_t j) {  // block j's scores (ct: [key, query]) into the queries' rows
+    const int64_t i0 = from + 16 * j, kk = std::min<int64_t>(16, range.to - i0);
+    __m512 rows[16];
+    if (nq > 4) {  // a transpose (64 shuffles) beats more than 4 gathers
+      for (int i = 0; i < 16; ++i) rows[i] = _mm512_load_ps(ct[i]);
+      transpose16(rows);
+    }
+    for (int u = 0; u < nq; ++u)
+      if (whole[u])
+        attn512::store_scores(_mm512_mul_ps(nq > 4 ? rows[u] : _mm512_i32gather_ps(column, &ct[0][u], 4), vscale),
+                              s.scores.data() + u * n, i0, kk, from, start, [&](int64_t i) { return visible(u, i); });
+  };
+  for (int64_t j = 0; j < blocks; ++j) {
+    const int64_t i0 = from + 16 * j, kk = std::min<int64_t>(16, range.to - i0);
+    prefetch_rows(kbase, kv, b, h, std::min(range.to, i0 + 32), std::min(range.to, i0 + 48));
+    const uint16_t* keys = staged[j % 2];
+    int64_t stride = D;
+    if (kk == 16 && (!kv.tables || i0 / kv.bs == (i0 + 15) / kv.bs)) {  // 16 rows at one stride: read in place
+      keys = kbase + kv.at(b, h, i0);
+      stride = row_stride;
+    } else {
+      for (int64_t r = 0; r < 16; ++r)
+        if (r < kk)
+          std::memcpy(staged[j % 2] + r * D, kbase + kv.at(b, h, i0 + r), D * sizeof(uint16_t));
+        else
+          std::memset(staged[j % 2] + r * D, 0, D * sizeof(uint16_t));
+    }
+    if (j % 2 == 0)
+      score_block_even(keys, stride * 2, chunks);
+    else
+      score_block_odd(keys, stride * 2, chunks);
+    if (j == 0) continue;
+    if (j % 2 == 1)
+      _tile_stored(0, ct, 64);
+    else
+      _tile_stored(7, ct, 64);
+    spread(j - 1);
+  }
+  if ((blocks - 1) % 2 == 0)
+    _tile_stored(0, ct, 64);
+  else
+    _tile_stored(7, ct, 64);
+  spread(blocks - 1);
+  for (int u = 0; u < nq; ++u) {
+    if (!whole[u]) continue;
+    const int64_t prefix = local ? -1 : std::min(range.to, start + tok[u] + 1) - from;
+    softmax_visible(s.scores.data() + u * n, n, prefix, s.packed, s.where, attn512::softmax_packed16, range.piece,
+                    &s.pieces[u]);
+  }
+  alignas(64) uint16_t pt[2][16][32];  // P per block of 32 keys: [query, key]; rows of absent or other queries zero
+  alignas(64) uint16_t vt[2][4][16][32];  // V pairs per channel tile: [key pair, 2 * channel + key % 2]
+  alignas(64) float ot[4][16][16];
+  alignas(64) float sums[ATTN_QB_TILES][128];
+  std::memset(pt, 0, sizeof(pt));
+  const int64_t vblocks = (n + 31) / 32;
+  for (int64_t c0 = 0; c0 < channel_tiles; c0 += 4) {  // up to 4 tiles (64 channels) of sums at a time
+    const int nt = static_cast<int>(std::min<int64_t>(4, channel_tiles - c0));
+    auto build = [&](int64_t j) {  // block j's P rows and value pairs into buffer j % 2
+      const int64_t i0 = 32 * j, kk = std::min<int64_t>(32, n - i0);
+      prefetch_rows(vbase, kv, b, h, from + std::min(n, i0 + 64), from + std::min(n, i0 + 96));
+      const __mmask16 lo = kk >= 16 ? 0xffff : static_cast<__mmask16>((1u << kk) - 1);
+      const __mmask16 hi = kk >= 32 ? 0xffff : kk <= 16 ? 0 : static_cast<__mmask16>((1u << (kk - 16)) - 1);
+      for (int u = 0; u < nq; ++u) {
+        if (!whole[u]) continue;
+        const float* p = s.scores.data() + u * n + i0;
+        const __m512bh bits = _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(hi, p + 16), _mm512_maskz_loadu_ps(lo, p));
+        _mm512_store_si512(pt[j % 2][u], reinterpret_cast<const __m512i&>(bits));
+      }
+      for (int r = 0; r < 16; ++r) {  // key pair (i0 + 2r, i0 + 2r + 1): absent keys are zero rows
+        const uint16_t* va = 2 * r < kk ? vbase + kv.at(b, h, from + i0 + 2 * r) + 16 * c0 : nullptr;
+        const uint16_t* vb = 2 * r + 1 < kk ? vbase + kv.at(b, h, from + i0 + 2 * r + 1) + 16 * c0 : nullptr;
+        for (int z = 0; z < nt / 2; ++z) {
+          const __m512i x = va ? _mm512_loadu_si512(va + 32 * z) : _mm512_setzero_si512();
+          const __m512i y = vb ? _mm512_loadu_si512(vb + 32 * z) : _mm512_setzero_si512();
+          _mm512_store_si512(vt[j % 2][2 * z][r], _mm512_unpacklo_epi16(x, y));
+          _mm512_store_si512(vt[j % 2][2 * z + 1][r], _mm512_unpackhi_epi16(x, y));
+        }
+      }
+    };
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    build(0);
+    for (int64_t j = 0; j < vblocks; ++j) {
+      if (j + 1 < vblocks) build(j + 1);  // stored while block j's tiles load and multiply
+      _tile_loadd(4, pt[j % 2], 64);
+      for (int t = 0; t < nt; ++t) value_product(t, vt[j % 2][t]);
+    }
+    for (int t = 0; t < nt; ++t) value_store(t, ot[t]);
+    for (int u = 0; u < nq; ++u)
+      if (whole[u])
+        for (int z = 0; z < nt / 2; ++z) unpermute(ot[2 * z][u], ot[2 * z + 1][u], sums[u] + 16 * c0 + 32 * z);
+  }
+  for (int u = 0; u < nq; ++u)
+    if (whole[u]) store_piece(sums[u], D, true, out[u], part[u], range, 0, nullptr);
+  for (int u = 0; u < nq; ++u)  // the queries of more than one piece: the vector attention, each alone
+    if (!whole[u]) vector_attention(u, 1);
+}
+
+}  // namespace attn_amx
 #pragma GCC pop_options
 
 // ---- quantized KV caches (runtime/kv_quant.py's KVPool): written and read in place ------------------------------
@@ -3249,6 +3536,9 @@ void step_impl(const StepModel& m, at::Tensor& x, int64_t Tn, const at::Tensor& 
   std::vector<float> xf, yf;
   Acts acts;
   float* xp = x.data_ptr<float>();
+  // bf16 caches take the AMX attention wherever the row policy allows AMX (every row count alike)
+  const bool amx_attention =
+      std::is_same_v<T, at::BFloat16> && isa() >= ISA_AMX && g_amx_mode != AMX_OFF && attn_amx::fits(D);
   PhaseClock clock;
   for (int64_t l = 0; l < m.layers(); ++l) {
     const T* n1 = m.norms[2 * l].data_ptr<T>();
@@ -3284,9 +3574,16 @@ void step_impl(const StepModel& m, at::Tensor& x, int64_t Tn, const at::Tensor& 
                       attn.data(), q_size,
                       [&](AttnScratch& s, int64_t b, int64_t h, int nq, const int64_t* tok, const bool* mask,
                           const KeyRange& range, T* const* outs, float* const* parts) {
+                        if constexpr (std::is_same_v<T, at::BFloat16>)
+                          if (amx_attention) {
+                            attn_amx::attend(kv, l, b, h, nq, tok, st[b], cn[b], mask, Tn, s.q.data(), scale, range,
+                                             outs, parts, s);
+                            return;
+                          }
                         attn512::attend(kv, l, b, h, nq, tok, st[b], cn[b], mask, Tn, s.q.data(), scale, range, outs,
                                         parts, s);
-                      });
+                      },
+                      amx_attention ? ATTN_QB_TILES : ATTN_QB);
     } else {
     // work items: (token, kv head) with its query heads together, or (token, query head) when there are too few
     // tokens to keep both cores busy (decode steps)
