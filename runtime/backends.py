@@ -44,6 +44,22 @@ def dense_handle(layer: Linear):
     return cached[1]
 
 
+def _kernel_rows(layer: Linear, x: Tensor) -> int | None:
+    """The rows of x [..., K] when the kernels can run layer on it (CPU, the weight's dtype, inference), else None."""
+    w, rows = layer.weight, x.numel() // max(x.shape[-1], 1)
+    if not (
+        x.is_cpu
+        and x.dtype == w.dtype
+        and w.dtype in (torch.float32, torch.bfloat16)
+        and rows >= 1
+        and not torch.is_grad_enabled()
+        and not torch.compiler.is_compiling()
+        and cpu_step.available()
+    ):
+        return None
+    return rows
+
+
 class CpuStepBackend(Backend):
     """The compiled CPU step's kernels wherever they apply, the plain layers elsewhere."""
 
@@ -61,23 +77,22 @@ class CpuStepBackend(Backend):
         # up to MAX_ROWS rows (decode steps, verifications, head chunks): the kernels read the weight in place at
         # the memory bandwidth; outputs rounded to the weight's dtype, as F.linear's. Longer bf16 inputs (prompts)
         # through fp32 GEMMs where torch's bf16 GEMM has no native dot products
-        rows = x.numel() // max(x.shape[-1], 1)
-        w = layer.weight
-        if not (
-            x.is_cpu
-            and x.dtype == w.dtype
-            and w.dtype in (torch.float32, torch.bfloat16)
-            and rows >= 1
-            and not torch.is_grad_enabled()
-            and not torch.compiler.is_compiling()
-            and cpu_step.available()
-        ):
+        rows = _kernel_rows(layer, x)
+        if rows is None:
             return None
+        w = layer.weight
         if rows <= cpu_step.MAX_ROWS:
             return cpu_step.linear(dense_handle(layer), x).to(w.dtype)
         if w.dtype == torch.bfloat16 and cpu_step.widens_bf16_prefill():
             return cpu_step.block_gemm(dense_handle(layer), x)
         return None
+
+    def linear_widened(self, layer: Linear, x: Tensor) -> Tensor | None:
+        # the head's logits: rounded to the weight's dtype and kept fp32 in the kernels' own pass
+        rows = _kernel_rows(layer, x)
+        if rows is None or rows > cpu_step.MAX_ROWS:
+            return None
+        return cpu_step.linear(dense_handle(layer), x, bf16_values=layer.weight.dtype == torch.bfloat16)
 
     def rms_norm(self, norm: RMSNorm, x: Tensor) -> Tensor | None:
         # one compiled pass per row instead of ~10 ops, at ANY row count: a row's result must not depend on how many

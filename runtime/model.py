@@ -110,6 +110,10 @@ class Backend:
         """layer(x) [..., out_features] in the weight's dtype, as F.linear gives it."""
         return None
 
+    def linear_widened(self, layer: Linear, x: Tensor) -> Tensor | None:
+        """layer(x).float() [..., out_features]: the weight-dtype outputs widened to fp32 in the same pass."""
+        return None
+
     def rms_norm(self, norm: RMSNorm, x: Tensor) -> Tensor | None:
         """norm(x) [..., dim]."""
         return None
@@ -393,15 +397,23 @@ class Transformer(nn.Module):
         rows = h.numel() // max(h.shape[-1], 1)
         chunk = _backend.head_chunk_rows(h)
         if chunk is None or rows <= chunk:
-            return self.lm_head(h).float()
+            return self._head_fp32(h)
         flat = h.reshape(rows, h.shape[-1])
         out = None
         for i in range(0, rows, chunk):
-            part = self.lm_head(flat[i : i + chunk])
+            part = self._head_fp32(flat[i : i + chunk])
             if out is None:
                 out = torch.empty(rows, part.shape[-1], dtype=torch.float32)
             out[i : i + part.shape[0]] = part
         return out.view(*h.shape[:-1], -1)
+
+    def _head_fp32(self, h: Tensor) -> Tensor:
+        """lm_head(h).float(): widened as the backend computes it where it can (a plain Linear head)."""
+        if type(self.lm_head) is Linear:
+            wide = _backend.linear_widened(self.lm_head, h)
+            if wide is not None:
+                return wide
+        return self.lm_head(h).float()
 
     def set_dtype(self, dtype: torch.dtype, mixed: bool = True, head_dtype: torch.dtype | None = None) -> Transformer:
         """Cast to a compute dtype. With mixed=True and a 16-bit dtype the final norm stays fp32 and the residual

@@ -79,3 +79,27 @@ def test_plain_and_cpu_step_backends_agree(monkeypatch):
             step = [model(tokens[:, i : i + 1], AttentionMetadata.contiguous(2, i, 1, "cpu"), cache) for i in (70, 71)]
             logits[backend] = torch.cat([prefill, *step], dim=1)
     torch.testing.assert_close(logits[CPU_STEP], logits[PLAIN], atol=2e-5, rtol=1e-4)
+
+
+@needs_step
+@torch.inference_mode()
+@pytest.mark.parametrize("head_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows", [1, 8, cpu_step.MAX_ROWS + 3])
+def test_widened_head_logits_are_the_head_outputs_widened(head_dtype, rows, monkeypatch):
+    """The head's logits through the backend's one-pass hook (rounded to the head's dtype inside the kernels'
+    call, kept fp32) are lm_head(h).float() bit for bit (a NaN stays a NaN: torch's own casts disagree on its
+    bits), at a decode step's, a verification's and a chunked call's row counts; the hook ran."""
+    model = random_model(TINY_CONFIGS["llama"], seed=1).set_dtype(torch.bfloat16, head_dtype=head_dtype)
+    h = torch.randn(rows, model.config.hidden_size, generator=torch.Generator().manual_seed(2)).to(head_dtype)
+    h[-1, 0] = float("nan") if rows > 1 else h[-1, 0]  # the last row's logits: all NaN
+    widened = []
+    hook = CpuStepBackend.linear_widened
+    monkeypatch.setattr(CpuStepBackend, "linear_widened", lambda *a: widened.append(1) or hook(*a))
+    with use_backend(CPU_STEP):
+        got = model.logits(h)
+        want = torch.cat([model.lm_head(h[i : i + 1]).float() for i in range(rows)])
+    assert widened
+    assert got.dtype == torch.float32
+    finite = rows - 1 if rows > 1 else rows
+    assert got[finite:].isnan().all() and want[finite:].isnan().all()
+    assert torch.equal(got[:finite].view(torch.int32), want[:finite].view(torch.int32))

@@ -4246,6 +4246,21 @@ at::Tensor linear(const Weight& w, at::Tensor x) {
   return y;
 }
 
+// linear's outputs rounded to bf16 and kept as fp32, torch's .to(bfloat16).float() (NaN included): a bf16 head's
+// logits in one pass over [M, N], where the bf16 tensor and its widened copy were two more (an 8-row
+// verification's logits of the default model: 0.27 ms against 0.07 for a decode step's, on one core).
+at::Tensor linear_bf16_values(const Weight& w, at::Tensor x) {
+  at::Tensor y = linear(w, x);
+  float* p = y.data_ptr<float>();
+  const int64_t N = y.size(1);
+  over_rows(y.size(0), N, [&](int64_t m0, int64_t m1) {
+    int64_t i = m0 * N;
+    for (; i + 8 <= m1 * N; i += 8) _mm256_storeu_ps(p + i, bf16_values8(bf16_bits8<true>(_mm256_loadu_ps(p + i))));
+    for (; i < m1 * N; ++i) p[i] = static_cast<float>(at::BFloat16(p[i]));
+  });
+  return y;
+}
+
 void set_isa(const std::string& name) {
   g_isa_cap = name == "avx2" ? ISA_AVX2 : name == "avx512" ? ISA_AVX512 : name == "avx512bf16" ? ISA_AVX512BF16 : ISA_AMX;
 }
@@ -4294,6 +4309,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("N", &qspec::Weight::N)
       .def_readonly("K", &qspec::Weight::K);
   m.def("linear", &qspec::linear, "y = x @ W^T (+ bias) for 1..64 rows of x (fp32 out)");
+  m.def("linear_bf16_values", &qspec::linear_bf16_values, "linear's outputs rounded to bf16, as fp32");
   py::class_<qspec::StepModel>(m, "StepModel")
       .def(py::init(&qspec::make_step_model))
       .def_property_readonly("layers", &qspec::StepModel::layers);

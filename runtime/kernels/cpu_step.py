@@ -275,12 +275,14 @@ def unpack_fp8(data: Tensor, n: int, k: int) -> Tensor:
     return _untile_columns(_unpairs(data), n, k).contiguous().view(torch.float8_e4m3fn)
 
 
-def linear(weight, x: Tensor) -> Tensor:
-    """y = x @ W^T (+ bias) through the kernels for x [M, K] fp32 / bf16, any M (chunks of MAX_ROWS); fp32 out."""
+def linear(weight, x: Tensor, bf16_values: bool = False) -> Tensor:
+    """y = x @ W^T (+ bias) through the kernels for x [M, K] fp32 / bf16, any M (chunks of MAX_ROWS); fp32 out,
+    rounded to bf16 values with bf16_values (y.bfloat16().float() in the same pass)."""
     ext = extension()
+    run = ext.linear_bf16_values if bf16_values else ext.linear
     rows = x.reshape(-1, x.shape[-1]).float()
-    outs = [ext.linear(weight, rows[i : i + MAX_ROWS]) for i in range(0, rows.shape[0], MAX_ROWS)]
-    return torch.cat(outs).view(*x.shape[:-1], -1)
+    outs = [run(weight, rows[i : i + MAX_ROWS]) for i in range(0, rows.shape[0], MAX_ROWS)]
+    return (outs[0] if len(outs) == 1 else torch.cat(outs)).view(*x.shape[:-1], -1)
 
 
 # ---- prefill: many rows per call through a GEMM on the dequantized weight -----------------------------------------
