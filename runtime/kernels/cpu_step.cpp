@@ -288,6 +288,42 @@ void prepare(const Weight& w, const float* x, int64_t M, int64_t ldx, Acts& a, i
   }
 }
 
+// prepare's work for a layer on AMX quantized tiles whose rows arrive as bf16 bits (the step's activations): the
+// tiles' rows are those bits (prepare's rounding leaves a bf16 value as it is) and each group sum adds the same fp32
+// values in the same order, so the same bits, without the fp32 copies (a widened row, then prepare's padded copy,
+// then its rounding: serial passes over a verification's rows while the other core waited).
+void prepare_bf16(const Weight& w, const uint16_t* x, int64_t M, Acts& a) {
+  a.M = M;
+  a.Mp = (M + 15) / 16 * 16;
+  a.K = w.K;
+  a.Kp = (w.K + KB - 1) / KB * KB;
+  const int64_t K = w.K, Kp = a.Kp;
+  a.xb.resize(a.Mp * Kp);
+  const int64_t* perm = w.perm.defined() ? w.perm.data_ptr<int64_t>() : nullptr;
+  for (int64_t m = 0; m < M; ++m) {
+    uint16_t* dst = a.xb.data() + m * Kp;
+    const uint16_t* src = x + m * K;
+    if (perm)
+      for (int64_t k = 0; k < K; ++k) dst[k] = src[perm[k]];
+    else
+      std::memcpy(dst, src, K * sizeof(uint16_t));
+    std::fill(dst + K, dst + Kp, uint16_t{0});
+  }
+  std::fill(a.xb.begin() + M * Kp, a.xb.end(), uint16_t{0});
+  a.gsum.resize(M * w.ngroups);
+  for (int64_t mb = 0; mb < M; mb += 8) {  // prepare's chains: each row's sums in k order, 8 rows interleaved
+    const int64_t nm = std::min<int64_t>(8, M - mb);
+    const uint16_t* xr = a.xb.data() + mb * Kp;
+    for (int64_t g = 0; g < w.ngroups; ++g) {
+      float s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      const int64_t end = std::min(K, (g + 1) * w.group);
+      for (int64_t k = g * w.group; k < end; ++k)
+        for (int64_t i = 0; i < nm; ++i) s[i] += bf16_value(xr[i * Kp + k]);
+      for (int64_t i = 0; i < nm; ++i) a.gsum[(mb + i) * w.ngroups + g] = s[i];
+    }
+  }
+}
+
 // ---- AVX2 + FMA + F16C (the baseline this file is compiled for) -----------------------------------------
 
 namespace avx2 {
@@ -1803,6 +1839,7 @@ void run_quant(const Weight& w, const Acts& a, int64_t t_begin, int64_t t_end, f
 // Given yb, a layer on AMX quantized tiles writes its outputs there instead, as bf16 bit patterns (row stride ldy;
 // the rounding linear_rows would do, inside the split instead of after it on one core), and the call returns true;
 // every other layer writes y and returns false. (The AMX kernel adds the bias in its store, the others after.)
+bool run_prepared(const Weight& w, const Acts& a, float* y, int64_t ldy, uint16_t* yb, int level);
 bool linear_into(const Weight& w, const float* x, int64_t M, int64_t ldx, float* y, int64_t ldy, Acts& a,
                  uint16_t* yb = nullptr) {
   TORCH_CHECK(M >= 1 && M <= MAX_M, "the CPU step's linear takes 1..64 rows, got ", M);
@@ -1812,6 +1849,12 @@ bool linear_into(const Weight& w, const float* x, int64_t M, int64_t ldx, float*
   }
   const int level = isa();
   prepare(w, x, M, ldx, a, level);
+  return run_prepared(w, a, y, ldy, yb, level);
+}
+
+// linear_into's kernels on activations already prepared (a).
+bool run_prepared(const Weight& w, const Acts& a, float* y, int64_t ldy, uint16_t* yb, int level) {
+  const int64_t M = a.M;
   if (amx_quant(w, level, M)) {
     const float* bias = w.bias.defined() && w.bias.numel() ? w.bias.data_ptr<float>() : nullptr;
     at::parallel_for(0, w.tiles(), 1, [&](int64_t t0, int64_t t1) {
@@ -3456,8 +3499,15 @@ void linear_rows(const Weight& w, const T* x, int64_t M, T* y, Acts& a, std::vec
     linear_into(w, x, M, w.K, y, w.N, a);
   } else {
     const int64_t K = w.K, N = w.N;
-    xf.resize(M * K);
     const uint16_t* xs = reinterpret_cast<const uint16_t*>(x);
+    uint16_t* ys = reinterpret_cast<uint16_t*>(y);
+    if (!w.int8_act && amx_quant(w, isa(), M)) {  // the tiles take the bf16 rows as they are
+      prepare_bf16(w, xs, M, a);
+      yf.resize(M * N);
+      if (run_prepared(w, a, yf.data(), N, ys, isa())) return;
+      TORCH_CHECK(false, "the AMX quantized kernel writes bf16 outputs");
+    }
+    xf.resize(M * K);
     float* xv = xf.data();  // (not xf.data() in the loop: the stores could alias the vector, so it was reloaded)
     over_rows(M, K, [&](int64_t m0, int64_t m1) {
       int64_t i = m0 * K;
@@ -3466,7 +3516,6 @@ void linear_rows(const Weight& w, const T* x, int64_t M, T* y, Acts& a, std::vec
       for (; i < m1 * K; ++i) xv[i] = f32(x[i]);
     });
     yf.resize(M * N);
-    uint16_t* ys = reinterpret_cast<uint16_t*>(y);
     if (linear_into(w, xf.data(), M, K, yf.data(), N, a, ys)) return;  // rounded inside the layer's split
     const float* yv = yf.data();
     over_rows(M, N, [&](int64_t m0, int64_t m1) {
