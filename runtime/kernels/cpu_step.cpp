@@ -822,7 +822,7 @@ struct Tiles {
 // operands 4..7): each tile load feeds two matmuls, where one chunk a pass re-read every weight block from L2 for
 // each chunk (a 40-row verification of the 1.5B: gate_up 2.3x its 16-row cost). An odd last chunk (or block) takes
 // a pass of its own. Each output's sum is the same sequence of matmuls over k blocks in every blocking.
-void dense(const Weight& w, const Acts& a, int64_t nb0, int64_t nb1, float* y, int64_t ldy) {
+void dense(const Weight& w, const Acts& a, int64_t nb0, int64_t nb1, float* y, int64_t ldy, bool bf16_values = false) {
   Tiles tiles;
   const int64_t K = w.K, kblocks = a.Kp / KB, mchunks = a.Mp / 16;
   const uint16_t* wb = reinterpret_cast<const uint16_t*>(w.data.data_ptr<at::BFloat16>());
@@ -830,8 +830,13 @@ void dense(const Weight& w, const Acts& a, int64_t nb0, int64_t nb1, float* y, i
   alignas(64) float c[16][16];
   auto scatter = [&](int64_t nb, int64_t mc) {  // c [16 n, 16 m] -> y rows of chunk mc
     const int64_t rows = std::min<int64_t>(16, a.M - mc * 16);
-    for (int64_t m = 0; m < rows; ++m)
-      for (int64_t i = 0; i < NR; ++i) y[(mc * 16 + m) * ldy + nb * NR + i] = c[i][m];
+    for (int64_t m = 0; m < rows; ++m) {
+      float* row = y + (mc * 16 + m) * ldy + nb * NR;
+      for (int64_t i = 0; i < NR; ++i) row[i] = c[i][m];
+      if (bf16_values)  // rounded to bf16 where they were just written (torch's cast: linear_bf16_values)
+        for (int64_t i = 0; i < NR; i += 8)
+          _mm256_storeu_ps(row + i, bf16_values8(bf16_bits8<true>(_mm256_loadu_ps(row + i))));
+    }
   };
   for (int64_t nb = nb0; nb < nb1; nb += 2) {
     const bool two = nb + 1 < nb1;
@@ -4299,6 +4304,19 @@ at::Tensor linear(const Weight& w, at::Tensor x) {
 // logits in one pass over [M, N], where the bf16 tensor and its widened copy were two more (an 8-row
 // verification's logits of the default model: 0.27 ms against 0.07 for a decode step's, on one core).
 at::Tensor linear_bf16_values(const Weight& w, at::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == w.K, "x must be [M, ", w.K, "]");
+  const int64_t M = x.size(0);
+  const bool bias = w.bias.defined() && w.bias.numel();
+  if (M >= 1 && M <= MAX_M && !bias && amx_dense(w, isa(), M)) {  // rounded by the kernel as it writes
+    x = x.to(at::kFloat).contiguous();
+    at::Tensor y = at::empty({M, w.N}, x.options());
+    Acts a;
+    prepare(w, x.data_ptr<float>(), M, w.K, a, isa());
+    at::parallel_for(0, w.N / NR / 2 + (w.N / NR) % 2, 1, [&](int64_t b, int64_t e) {
+      amx::dense(w, a, 2 * b, std::min(2 * e, w.N / NR), y.data_ptr<float>(), w.N, true);
+    });
+    return y;
+  }
   at::Tensor y = linear(w, x);
   float* p = y.data_ptr<float>();
   const int64_t N = y.size(1);
