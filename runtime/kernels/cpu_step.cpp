@@ -225,6 +225,38 @@ inline void round_row_bf16(const float* x, int64_t n, uint16_t* xb, float* xv) {
   }
 }
 
+// One row's group sums (the quantized kernels' zero-point term): each group's values 8 lanes at a time in k order
+// (one chain of lane-wise adds), the lanes summed in a fixed tree, then the group's last len % 8 values in k order.
+// Every call of any row count sums a row alike (a chain of single adds in k order was latency-bound: ~0.1 ms of a
+// default-model decode step and ~0.2 ms of an 8-row verification's, on one core while the other waited). Row is
+// fp32 or bf16 bits (widened exactly).
+template <typename Row>
+inline void group_sums(const Weight& w, const Row* row, float* out) {
+  auto lanes8 = [&](int64_t k) {
+    if constexpr (std::is_same_v<Row, uint16_t>)
+      return bf16_values8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k)));
+    else
+      return _mm256_loadu_ps(row + k);
+  };
+  auto value = [&](int64_t k) {
+    if constexpr (std::is_same_v<Row, uint16_t>)
+      return bf16_value(row[k]);
+    else
+      return row[k];
+  };
+  for (int64_t g = 0; g < w.ngroups; ++g) {
+    const int64_t begin = g * w.group, end = std::min(w.K, (g + 1) * w.group);
+    __m256 acc = _mm256_setzero_ps();
+    int64_t k = begin;
+    for (; k + 8 <= end; k += 8) acc = _mm256_add_ps(acc, lanes8(k));
+    const __m128 half = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    const __m128 pair = _mm_add_ps(half, _mm_movehl_ps(half, half));
+    float sum = _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
+    for (; k < end; ++k) sum += value(k);
+    out[g] = sum;
+  }
+}
+
 void prepare(const Weight& w, const float* x, int64_t M, int64_t ldx, Acts& a, int level) {
   a.M = M;
   a.Mp = (M + 15) / 16 * 16;
@@ -253,20 +285,8 @@ void prepare(const Weight& w, const float* x, int64_t M, int64_t ldx, Acts& a, i
   if (w.bf16_act) std::fill(a.xb.begin() + M * Kp, a.xb.end(), uint16_t{0});  // rows M..Mp: zero
   if (w.quantized()) {
     a.gsum.resize(M * w.ngroups);
-    // each row's sums in k order (a chain of dependent adds); up to 8 rows' chains interleaved, so a verification's
-    // rows cost what one row's latency-bound chain does (8 rows of the 1.5B: ~1.8 ms a step alone)
     over_rows(M, K, [&](int64_t m0, int64_t m1) {
-      for (int64_t mb = m0; mb < m1; mb += 8) {
-        const int64_t nm = std::min<int64_t>(8, m1 - mb);
-        const float* xr = a.x.data() + mb * Kp;
-        for (int64_t g = 0; g < w.ngroups; ++g) {
-          float s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-          const int64_t end = std::min(K, (g + 1) * w.group);
-          for (int64_t k = g * w.group; k < end; ++k)
-            for (int64_t i = 0; i < nm; ++i) s[i] += xr[i * Kp + k];
-          for (int64_t i = 0; i < nm; ++i) a.gsum[(mb + i) * w.ngroups + g] = s[i];
-        }
-      }
+      for (int64_t m = m0; m < m1; ++m) group_sums(w, a.x.data() + m * Kp, a.gsum.data() + m * w.ngroups);
     });
   }
   if (amx_dense(w, level, M)) {  // xt[chunk c, block b, pair row r, m % 16] = pair b * 16 + r of row c * 16 + m % 16
@@ -289,9 +309,9 @@ void prepare(const Weight& w, const float* x, int64_t M, int64_t ldx, Acts& a, i
 }
 
 // prepare's work for a layer on AMX quantized tiles whose rows arrive as bf16 bits (the step's activations): the
-// tiles' rows are those bits (prepare's rounding leaves a bf16 value as it is) and each group sum adds the same fp32
-// values in the same order, so the same bits, without the fp32 copies (a widened row, then prepare's padded copy,
-// then its rounding: serial passes over a verification's rows while the other core waited).
+// tiles' rows are those bits (prepare's rounding leaves a bf16 value as it is) and group_sums adds the same fp32
+// values, so the same bits, without the fp32 copies (a widened row, then prepare's padded copy, then its rounding:
+// serial passes over a verification's rows while the other core waited).
 void prepare_bf16(const Weight& w, const uint16_t* x, int64_t M, Acts& a) {
   a.M = M;
   a.Mp = (M + 15) / 16 * 16;
@@ -311,17 +331,7 @@ void prepare_bf16(const Weight& w, const uint16_t* x, int64_t M, Acts& a) {
   }
   std::fill(a.xb.begin() + M * Kp, a.xb.end(), uint16_t{0});
   a.gsum.resize(M * w.ngroups);
-  for (int64_t mb = 0; mb < M; mb += 8) {  // prepare's chains: each row's sums in k order, 8 rows interleaved
-    const int64_t nm = std::min<int64_t>(8, M - mb);
-    const uint16_t* xr = a.xb.data() + mb * Kp;
-    for (int64_t g = 0; g < w.ngroups; ++g) {
-      float s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-      const int64_t end = std::min(K, (g + 1) * w.group);
-      for (int64_t k = g * w.group; k < end; ++k)
-        for (int64_t i = 0; i < nm; ++i) s[i] += bf16_value(xr[i * Kp + k]);
-      for (int64_t i = 0; i < nm; ++i) a.gsum[(mb + i) * w.ngroups + g] = s[i];
-    }
-  }
+  for (int64_t m = 0; m < M; ++m) group_sums(w, a.xb.data() + m * Kp, a.gsum.data() + m * w.ngroups);
 }
 
 // ---- AVX2 + FMA + F16C (the baseline this file is compiled for) -----------------------------------------
