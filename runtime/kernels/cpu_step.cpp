@@ -257,6 +257,17 @@ inline void group_sums(const Weight& w, const Row* row, float* out) {
   }
 }
 
+// One activation row as the kernels read it: its K values (in the act-order permutation's order where the layer has
+// one), then zeros up to Kp.
+template <typename V>
+inline void padded_row(const V* src, int64_t K, int64_t Kp, const int64_t* perm, V* dst) {
+  if (perm)
+    for (int64_t k = 0; k < K; ++k) dst[k] = src[perm[k]];
+  else
+    std::memcpy(dst, src, K * sizeof(V));
+  std::fill(dst + K, dst + Kp, V{0});
+}
+
 void prepare(const Weight& w, const float* x, int64_t M, int64_t ldx, Acts& a, int level) {
   a.M = M;
   a.Mp = (M + 15) / 16 * 16;
@@ -269,12 +280,7 @@ void prepare(const Weight& w, const float* x, int64_t M, int64_t ldx, Acts& a, i
   over_rows(M, K, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
       float* dst = a.x.data() + m * Kp;
-      const float* src = x + m * ldx;
-      if (perm)
-        for (int64_t k = 0; k < K; ++k) dst[k] = src[perm[k]];
-      else
-        std::memcpy(dst, src, K * sizeof(float));
-      std::fill(dst + K, dst + Kp, 0.0f);
+      padded_row(x + m * ldx, K, Kp, perm, dst);
       if (w.bf16_act) {
         uint16_t* xb = a.xb.data() + m * Kp;
         round_row_bf16(dst, K, xb, dst);
@@ -320,15 +326,7 @@ void prepare_bf16(const Weight& w, const uint16_t* x, int64_t M, Acts& a) {
   const int64_t K = w.K, Kp = a.Kp;
   a.xb.resize(a.Mp * Kp);
   const int64_t* perm = w.perm.defined() ? w.perm.data_ptr<int64_t>() : nullptr;
-  for (int64_t m = 0; m < M; ++m) {
-    uint16_t* dst = a.xb.data() + m * Kp;
-    const uint16_t* src = x + m * K;
-    if (perm)
-      for (int64_t k = 0; k < K; ++k) dst[k] = src[perm[k]];
-    else
-      std::memcpy(dst, src, K * sizeof(uint16_t));
-    std::fill(dst + K, dst + Kp, uint16_t{0});
-  }
+  for (int64_t m = 0; m < M; ++m) padded_row(x + m * K, K, Kp, perm, a.xb.data() + m * Kp);
   std::fill(a.xb.begin() + M * Kp, a.xb.end(), uint16_t{0});
   a.gsum.resize(M * w.ngroups);
   for (int64_t m = 0; m < M; ++m) group_sums(w, a.xb.data() + m * Kp, a.gsum.data() + m * w.ngroups);
