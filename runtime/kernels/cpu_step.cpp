@@ -268,11 +268,17 @@ inline void padded_row(const V* src, int64_t K, int64_t Kp, const int64_t* perm,
   std::fill(dst + K, dst + Kp, V{0});
 }
 
-void prepare(const Weight& w, const float* x, int64_t M, int64_t ldx, Acts& a, int level) {
+// The activation block's shape for M rows of w's input: Mp rows for the tiles, Kp columns (vector loops over whole
+// chunks: padded columns are zero in x and in the codes).
+inline void act_shape(const Weight& w, int64_t M, Acts& a) {
   a.M = M;
   a.Mp = (M + 15) / 16 * 16;
   a.K = w.K;
-  a.Kp = (w.K + KB - 1) / KB * KB;  // vector loops over whole chunks: padded columns are zero in x (and in codes)
+  a.Kp = (w.K + KB - 1) / KB * KB;
+}
+
+void prepare(const Weight& w, const float* x, int64_t M, int64_t ldx, Acts& a, int level) {
+  act_shape(w, M, a);
   const int64_t K = w.K, Kp = a.Kp;
   a.x.resize(M * Kp);
   if (w.bf16_act) a.xb.resize(a.Mp * Kp);
@@ -319,10 +325,7 @@ void prepare(const Weight& w, const float* x, int64_t M, int64_t ldx, Acts& a, i
 // values, so the same bits, without the fp32 copies (a widened row, then prepare's padded copy, then its rounding:
 // serial passes over a verification's rows while the other core waited).
 void prepare_bf16(const Weight& w, const uint16_t* x, int64_t M, Acts& a) {
-  a.M = M;
-  a.Mp = (M + 15) / 16 * 16;
-  a.K = w.K;
-  a.Kp = (w.K + KB - 1) / KB * KB;
+  act_shape(w, M, a);
   const int64_t K = w.K, Kp = a.Kp;
   a.xb.resize(a.Mp * Kp);
   const int64_t* perm = w.perm.defined() ? w.perm.data_ptr<int64_t>() : nullptr;
@@ -1853,6 +1856,14 @@ void run_quant(const Weight& w, const Acts& a, int64_t t_begin, int64_t t_end, f
 // the rounding linear_rows would do, inside the split instead of after it on one core), and the call returns true;
 // every other layer writes y and returns false. (The AMX kernel adds the bias in its store, the others after.)
 bool run_prepared(const Weight& w, const Acts& a, float* y, int64_t ldy, uint16_t* yb, int level);
+
+// amx::dense over all of w's column blocks, split over the cores in pairs of blocks.
+void run_amx_dense(const Weight& w, const Acts& a, float* y, int64_t ldy, bool bf16_values) {
+  at::parallel_for(0, w.N / NR / 2 + (w.N / NR) % 2, 1, [&](int64_t b, int64_t e) {
+    amx::dense(w, a, 2 * b, std::min(2 * e, w.N / NR), y, ldy, bf16_values);
+  });
+}
+
 bool linear_into(const Weight& w, const float* x, int64_t M, int64_t ldx, float* y, int64_t ldy, Acts& a,
                  uint16_t* yb = nullptr) {
   TORCH_CHECK(M >= 1 && M <= MAX_M, "the CPU step's linear takes 1..64 rows, got ", M);
@@ -1880,9 +1891,7 @@ bool run_prepared(const Weight& w, const Acts& a, float* y, int64_t ldy, uint16_
     return yb != nullptr;
   }
   if (amx_dense(w, level, M)) {
-    at::parallel_for(0, w.N / NR / 2 + (w.N / NR) % 2, 1, [&](int64_t b, int64_t e) {
-      amx::dense(w, a, 2 * b, std::min(2 * e, w.N / NR), y, ldy);
-    });
+    run_amx_dense(w, a, y, ldy, false);
   } else if (w.quantized()) {
     at::parallel_for(0, w.tiles(), 1, [&](int64_t b, int64_t e) { run_quant(w, a, b, e, y, ldy, level); });
   } else {
@@ -3516,9 +3525,8 @@ void linear_rows(const Weight& w, const T* x, int64_t M, T* y, Acts& a, std::vec
     uint16_t* ys = reinterpret_cast<uint16_t*>(y);
     if (!w.int8_act && amx_quant(w, isa(), M)) {  // the tiles take the bf16 rows as they are
       prepare_bf16(w, xs, M, a);
-      yf.resize(M * N);
-      if (run_prepared(w, a, yf.data(), N, ys, isa())) return;
-      TORCH_CHECK(false, "the AMX quantized kernel writes bf16 outputs");
+      run_prepared(w, a, nullptr, N, ys, isa());  // given ys, the AMX quantized kernel writes only there
+      return;
     }
     xf.resize(M * K);
     float* xv = xf.data();  // (not xf.data() in the loop: the stores could alias the vector, so it was reloaded)
@@ -4320,9 +4328,7 @@ at::Tensor linear_bf16_values(const Weight& w, at::Tensor x) {
     at::Tensor y = at::empty({M, w.N}, x.options());
     Acts a;
     prepare(w, x.data_ptr<float>(), M, w.K, a, isa());
-    at::parallel_for(0, w.N / NR / 2 + (w.N / NR) % 2, 1, [&](int64_t b, int64_t e) {
-      amx::dense(w, a, 2 * b, std::min(2 * e, w.N / NR), y.data_ptr<float>(), w.N, true);
-    });
+    run_amx_dense(w, a, y.data_ptr<float>(), w.N, true);
     return y;
   }
   at::Tensor y = linear(w, x);
