@@ -74,6 +74,8 @@ LAYERS = {
     "int8-g64-act-order": (lambda n, k, c: int_layer(8, 64, True, n, k, c), (40, 192)),
     "fp8-channel": (lambda n, k, c: fp8_layer(0, n, k, c), (40, 200)),
     "fp8-block32": (lambda n, k, c: fp8_layer(32, n, k, c), (40, 192)),
+    # 13 tiles: on AMX both cores' shares, several panels each (each filled while the one before multiplies)
+    "int4-g64-wide": (lambda n, k, c: int_layer(4, 64, False, n, k, c), (200, 320)),
 }
 
 
@@ -107,7 +109,9 @@ def within_bf16_weight_bound(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, 
     assert bool((err <= bound).all()), float((err / bound).max())
 
 
-@pytest.mark.parametrize("name", ["int4-g64-act-order", "int4-g128-act-order-bias", "int8-channel", "fp8-block32"])
+@pytest.mark.parametrize(
+    "name", ["int4-g64-act-order", "int4-g128-act-order-bias", "int8-channel", "fp8-block32", "int4-g64-wide"]
+)
 @pytest.mark.parametrize("compute", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("block_rows", [16, 256])  # several blocks (the last one ragged), and one
 def test_long_forward_within_the_bf16_bound(family, monkeypatch, name, compute, block_rows):

@@ -4045,46 +4045,98 @@ constexpr int64_t PANEL_BYTES = 768 * 1024;  // a core's panel: in its L2 beside
 constexpr int64_t MAX_ROWS = 512;
 
 // panel[kb][t - t0]: the 16 x 64-byte B tile of k block kb for tile t (row r = pair column 16 kb + r: its 16 output
-// rows' two columns interleaved, as pair_bf16 orders codes).
+// rows' two columns interleaved, as pair_bf16 orders codes), filled a few column pairs at a time (step) so the
+// prefill can dequantize the next panel between the tile matmuls of this one: the vector units and the tiles work
+// side by side (dequantizing first and multiplying after left the tiles idle for a quarter of a 512-row call).
 template <int64_t KIND>
-void dequant_panel(const Weight& w, int64_t t0, int64_t t1, int64_t kblocks, uint16_t* panel) {
-  const float* sc = w.scales.data_ptr<float>();
-  const ZeroTable zc(w);
-  const int64_t nt = t1 - t0;
-  const __m512i lo_idx = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
-  const __m512i hi_idx = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
-  auto row = [&](int64_t t, int64_t j) { return panel + ((j / 16) * nt + (t - t0)) * 512 + (j % 16) * 32; };
-  each_tile_group(w, t0, t1, [&](int64_t t, const uint8_t* tile, int64_t at, int64_t kb, int64_t ke) {
-    const __m512 s = _mm512_loadu_ps(sc + at), z = load16(zc, at);
-    for (int64_t j = kb / 2; j < (ke + 1) / 2; ++j) {
-      __m512 w0, w1;
-      dequant512::dequant_pair<KIND>(tile, j, s, z, w0, w1);
-      const __m512 lo = _mm512_permutex2var_ps(w0, lo_idx, w1), hi = _mm512_permutex2var_ps(w0, hi_idx, w1);
-      _mm512_storeu_si512(row(t, j), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-    }
-  });
-  for (int64_t t = t0; t < t1; ++t)  // pairs past K: zero (x is zero there too; stale bits could be NaN)
-    for (int64_t j = (w.K + 1) / 2; j < kblocks * 16; ++j) _mm512_storeu_si512(row(t, j), _mm512_setzero_si512());
-}
+class PanelFill {
+ public:
+  PanelFill(const Weight& w, int64_t t0, int64_t t1, int64_t kblocks, uint16_t* panel)
+      : w_(w), sc_(w.scales.data_ptr<float>()), zc_(w), t0_(t0), t1_(t1), pairs_(kblocks * 16),
+        kpairs_((w.K + 1) / 2), panel_(panel), t_(t0) {}
 
-// y[m, n0 + n] for the panel's nt tiles and every row: C [16 m, 16 n] += x [16 m, 32 k] (tiles 4, 5: packed rows)
-// . panel (6, 7); accumulators 0..3.
-void panel_gemm(const Weight& w, const uint16_t* xp, int64_t M, int64_t kblocks, const uint16_t* panel, int64_t t0,
-                int64_t nt, const float* bias, uint16_t* y) {
+  int64_t total() const { return (t1_ - t0_) * pairs_; }
+
+  // the next n column pairs in tile order (all that are left for n >= total()); pairs past K are zero (x is zero
+  // there too; stale bits could be NaN)
+  void step(int64_t n) {
+    const __m512i lo_idx = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i hi_idx = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+    const int64_t nt = t1_ - t0_;
+    while (n > 0 && t_ < t1_) {
+      uint16_t* tile_rows = panel_ + (t_ - t0_) * 512;  // pair j at tile_rows + ((j / 16) * nt * 512 + (j % 16) * 32
+      int64_t end = std::min(pairs_, j_ + n);
+      if (j_ < kpairs_) {  // within one group: its scales and zeros
+        const int64_t g = 2 * j_ / w_.group, at = (t_ * w_.ngroups + g) * NR;
+        end = std::min({end, kpairs_, ((g + 1) * w_.group + 1) / 2});
+        const __m512 s = _mm512_loadu_ps(sc_ + at), z = load16(zc_, at);
+        const uint8_t* tile = w_.tile(t_);
+        for (int64_t j = j_; j < end; ++j) {
+          __m512 w0, w1;
+          dequant512::dequant_pair<KIND>(tile, j, s, z, w0, w1);
+          const __m512 lo = _mm512_permutex2var_ps(w0, lo_idx, w1), hi = _mm512_permutex2var_ps(w0, hi_idx, w1);
+          _mm512_storeu_si512(tile_rows + (j / 16) * nt * 512 + (j % 16) * 32, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        }
+      } else {
+        for (int64_t j = j_; j < end; ++j)
+          _mm512_storeu_si512(tile_rows + (j / 16) * nt * 512 + (j % 16) * 32, _mm512_setzero_si512());
+      }
+      n -= end - j_;
+      j_ = end;
+      if (j_ == pairs_) {
+        ++t_;
+        j_ = 0;
+      }
+    }
+  }
+
+ private:
+  const Weight& w_;
+  const float* sc_;
+  const ZeroTable zc_;
+  const int64_t t0_, t1_, pairs_, kpairs_;
+  uint16_t* panel_;
+  int64_t t_, j_ = 0;
+};
+
+// The activations' A tiles: chunk c (16 rows) at chunk(c), its k block kb kb_elems further, rows row_bytes apart.
+// Rows of x itself where K is a multiple of 32 (full chunks; the last partial one and the zero chunk after an odd
+// count from a padded copy), else a packed copy (each tile 1 KB, zero past K and M).
+struct ARows {
+  const uint16_t* full;
+  int64_t full_chunks;
+  const uint16_t* tail;
+  int64_t chunk_elems, kb_elems, row_bytes;
+  const uint16_t* chunk(int64_t c) const {
+    return c < full_chunks ? full + c * chunk_elems : tail + (c - full_chunks) * chunk_elems;
+  }
+};
+
+// y[m, n0 + n] for the panel's nt tiles and every row: C [16 m, 16 n] += x [16 m, 32 k] (tiles 4, 5) . panel (6,
+// 7); accumulators 0..3. Each pair of accumulators is stored side by side, so a row's 32 outputs leave as one
+// 64-byte line. next: the following panel, dequantized a few pairs after each k block.
+template <int64_t KIND>
+void panel_gemm(const Weight& w, const ARows& a, int64_t M, int64_t kblocks, const uint16_t* panel, int64_t t0,
+                int64_t nt, const float* bias, uint16_t* y, PanelFill<KIND>* next) {
   const int64_t mchunks = (M + 15) / 16, N = w.N;
-  alignas(64) float c[16][16];
-  auto store = [&](int64_t mc, int64_t u) {  // c -> y rows of chunk mc, columns of tile t0 + u (+ bias), bf16
-    const int64_t n0 = (t0 + u) * NR, rows = std::min<int64_t>(16, M - mc * 16);
-    const __mmask16 cols = static_cast<__mmask16>((1u << std::min<int64_t>(16, N - n0)) - 1);
-    const __m512 b = bias ? _mm512_maskz_loadu_ps(cols, bias + n0) : _mm512_setzero_ps();
-    for (int64_t m = 0; m < rows; ++m)
-      _mm256_mask_storeu_epi16(y + (mc * 16 + m) * N + n0, cols,
-                               (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(c[m]), b)));
+  const int64_t blocks = (mchunks + 1) / 2 * ((nt + 1) / 2);
+  const int64_t per_kb = next ? (next->total() + blocks * kblocks - 1) / (blocks * kblocks) : 0;
+  alignas(64) float c[16][32];  // c[m][16 u + n]: accumulators u, u + 1 of one chunk
+  auto store = [&](int64_t mc, int64_t u) {  // c -> y rows of chunk mc, columns of tiles t0 + u, u + 1 (+ bias), bf16
+    const int64_t n0 = (t0 + u) * NR, rows = std::min<int64_t>(16, M - mc * 16), cols = std::min<int64_t>(32, N - n0);
+    const __mmask32 keep = static_cast<__mmask32>(cols >= 32 ? ~0u : (1u << cols) - 1);
+    const __mmask16 lo = static_cast<__mmask16>(keep), hi = static_cast<__mmask16>(keep >> 16);
+    const __m512 b0 = bias ? _mm512_maskz_loadu_ps(lo, bias + n0) : _mm512_setzero_ps();
+    const __m512 b1 = bias ? _mm512_maskz_loadu_ps(hi, bias + n0 + 16) : _mm512_setzero_ps();
+    for (int64_t m = 0; m < rows; ++m) {
+      const __m512 v0 = _mm512_add_ps(_mm512_load_ps(c[m]), b0), v1 = _mm512_add_ps(_mm512_load_ps(c[m] + 16), b1);
+      _mm512_mask_storeu_epi16(y + (mc * 16 + m) * N + n0, keep, (__m512i)_mm512_cvtne2ps_pbh(v1, v0));
+    }
   };
   for (int64_t mc = 0; mc < mchunks; mc += 2) {
     const bool two_m = mc + 1 < mchunks;
-    const uint16_t* x0 = xp + mc * kblocks * 512;
-    const uint16_t* x1 = x0 + kblocks * 512;
+    const uint16_t* x0 = a.chunk(mc);
+    const uint16_t* x1 = a.chunk(mc + 1);
     for (int64_t u = 0; u < nt; u += 2) {
       const bool two_n = u + 1 < nt;
       _tile_zero(0);
@@ -4093,7 +4145,7 @@ void panel_gemm(const Weight& w, const uint16_t* xp, int64_t M, int64_t kblocks,
       _tile_zero(3);
       for (int64_t kb = 0; kb < kblocks; ++kb) {
         const uint16_t* b0 = panel + (kb * nt + u) * 512;
-        _tile_loadd(4, x0 + kb * 512, 64);
+        _tile_loadd(4, x0 + kb * a.kb_elems, a.row_bytes);
         _tile_loadd(6, b0, 64);
         _tile_dpbf16ps(0, 4, 6);
         if (two_n) {
@@ -4101,24 +4153,19 @@ void panel_gemm(const Weight& w, const uint16_t* xp, int64_t M, int64_t kblocks,
           _tile_dpbf16ps(1, 4, 7);
         }
         if (two_m) {
-          _tile_loadd(5, x1 + kb * 512, 64);
+          _tile_loadd(5, x1 + kb * a.kb_elems, a.row_bytes);
           _tile_dpbf16ps(2, 5, 6);
           if (two_n) _tile_dpbf16ps(3, 5, 7);
         }
+        if (next) next->step(per_kb);
       }
-      _tile_stored(0, c, 64);
+      _tile_stored(0, c, 128);
+      _tile_stored(1, &c[0][16], 128);  // zero without two_n (zeroed above), and masked out past N
       store(mc, u);
-      if (two_n) {
-        _tile_stored(1, c, 64);
-        store(mc, u + 1);
-      }
       if (two_m) {
-        _tile_stored(2, c, 64);
+        _tile_stored(2, c, 128);
+        _tile_stored(3, &c[0][16], 128);
         store(mc + 1, u);
-        if (two_n) {
-          _tile_stored(3, c, 64);
-          store(mc + 1, u + 1);
-        }
       }
     }
   }
@@ -4141,35 +4188,71 @@ at::Tensor whole(const Weight& w, const at::Tensor& x) {
 at::Tensor run(const Weight& w, const at::Tensor& x) {
   const int64_t M = x.size(0), K = w.K, Kp = (K + KB - 1) / KB * KB, kblocks = Kp / KB;
   const int64_t mchunks = (M + 31) / 32 * 2;  // two chunks a pass: an odd last one reads a zero chunk
-  // xp[chunk][k block]: the A tile of 16 rows x 32 columns, packed (1 KB, one contiguous load); zero past K and M
-  std::vector<uint16_t> xp(mchunks * kblocks * 512, 0);
   const uint16_t* xs = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-  over_rows(M, K, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m)
-      for (int64_t kb = 0; kb < kblocks; ++kb)
-        std::memcpy(xp.data() + ((m / 16) * kblocks + kb) * 512 + (m % 16) * 32, xs + m * K + kb * KB,
-                    std::min<int64_t>(KB, K - kb * KB) * 2);
-  });
+  // The caller's buffer for copies, reused (a fresh one per call cost its page faults and a one-core zero fill:
+  // ~0.2 ms of the 135M's 0.8 ms down projection at 512 rows; the packed copy itself 10 % of it).
+  thread_local std::vector<uint16_t> copy;
+  ARows a;
+  if (K % KB == 0) {  // x's own rows; a padded copy of the rows past the last full chunk
+    const int64_t full = M / 16, rows = (mchunks - full) * 16;
+    if (copy.size() < static_cast<size_t>(rows * K)) copy.resize(rows * K);
+    std::memset(copy.data(), 0, rows * K * 2);
+    std::memcpy(copy.data(), xs + full * 16 * K, (M - full * 16) * K * 2);
+    a = {xs, full, copy.data(), 16 * K, KB, K * 2};
+  } else {  // packed: copy[chunk][k block] the A tile of 16 rows x 32 columns (1 KB), zero past K and M
+    if (copy.size() < static_cast<size_t>(mchunks * kblocks * 512)) copy.resize(mchunks * kblocks * 512);
+    uint16_t* xd = copy.data();
+    over_rows(mchunks * 16, K, [&](int64_t m0, int64_t m1) {
+      for (int64_t m = m0; m < m1; ++m)
+        for (int64_t kb = 0; kb < kblocks; ++kb) {
+          uint16_t* dst = xd + ((m / 16) * kblocks + kb) * 512 + (m % 16) * 32;
+          const int64_t n = m < M ? std::min<int64_t>(KB, K - kb * KB) : 0;
+          if (n) std::memcpy(dst, xs + m * K + kb * KB, n * 2);
+          if (n < KB) std::memset(dst + n, 0, (KB - n) * 2);
+        }
+    });
+    a = {xd, mchunks, xd, kblocks * 512, 512, 64};
+  }
   at::Tensor y = at::empty({M, w.N}, x.options());
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   at::Tensor bias = w.bias.defined() && w.bias.numel() ? w.bias.to(at::kFloat).contiguous() : at::Tensor();
   const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
-  const int64_t tiles = w.tiles(), tile_bytes = kblocks * 1024;
-  const int64_t by_cache = std::max<int64_t>(2, PANEL_BYTES / tile_bytes / 2 * 2);
-  const int64_t by_cores = std::max<int64_t>(2, (tiles / (4 * at::get_num_threads())) / 2 * 2);  // >= 4 panels a core
-  const int64_t per = std::min(by_cache, by_cores), panels = (tiles + per - 1) / per;
-  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+  // Each core an equal share of the tiles (even bounds: a 9 / 8-panel split of the 135M's down projection left one
+  // core idle 10 % of the call), cut into at least 4 panels (each filled while the one before multiplies) that
+  // fit PANEL_BYTES.
+  const int64_t tiles = w.tiles(), by_cache = std::max<int64_t>(2, PANEL_BYTES / (kblocks * 1024) / 2 * 2);
+  const int64_t cores = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tiles / 2));
+  auto bound = [&](int64_t i) { return std::min(tiles, (tiles * i / cores + 1) / 2 * 2); };
+  auto share = [&](auto kind, int64_t s0, int64_t s1) {
+    constexpr int64_t KIND = decltype(kind)::value;
+    const int64_t n = s1 - s0, count = std::max((n + by_cache - 1) / by_cache, std::min<int64_t>(4, (n + 1) / 2));
+    const int64_t per = ((n + count - 1) / count + 1) / 2 * 2, size = per * kblocks * 512;
     amx::Tiles config;
-    thread_local std::vector<uint16_t> panel;
-    panel.resize(per * kblocks * 512);
-    for (int64_t p = p0; p < p1; ++p) {
-      const int64_t t0 = p * per, t1 = std::min(tiles, t0 + per);
-      switch (w.kind) {
-        case I8: dequant_panel<I8>(w, t0, t1, kblocks, panel.data()); break;
-        case FP8: dequant_panel<FP8>(w, t0, t1, kblocks, panel.data()); break;
-        default: dequant_panel<I4>(w, t0, t1, kblocks, panel.data()); break;
+    thread_local std::vector<uint16_t> buffers;
+    if (buffers.size() < static_cast<size_t>(2 * size)) buffers.resize(2 * size);
+    auto fill = [&](int64_t i) {
+      return PanelFill<KIND>(w, s0 + i * per, std::min(s1, s0 + (i + 1) * per), kblocks, buffers.data() + (i % 2) * size);
+    };
+    const int64_t panels = (n + per - 1) / per;
+    PanelFill<KIND> first = fill(0);
+    first.step(first.total());
+    for (int64_t i = 0; i < panels; ++i) {
+      const int64_t t0 = s0 + i * per, t1 = std::min(s1, t0 + per);
+      const uint16_t* panel = buffers.data() + (i % 2) * size;
+      if (i + 1 < panels) {
+        PanelFill<KIND> next = fill(i + 1);
+        panel_gemm<KIND>(w, a, M, kblocks, panel, t0, t1 - t0, bp, yp, &next);
+        next.step(next.total());  // what the matmuls left
+      } else {
+        panel_gemm<KIND>(w, a, M, kblocks, panel, t0, t1 - t0, bp, yp, nullptr);
       }
-      panel_gemm(w, xp.data(), M, kblocks, panel.data(), t0, t1 - t0, bp, yp);
+    }
+  };
+  at::parallel_for(0, cores, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      if (w.kind == I8) share(std::integral_constant<int64_t, I8>(), bound(c), bound(c + 1));
+      else if (w.kind == FP8) share(std::integral_constant<int64_t, FP8>(), bound(c), bound(c + 1));
+      else share(std::integral_constant<int64_t, I4>(), bound(c), bound(c + 1));
     }
   });
   return y;
