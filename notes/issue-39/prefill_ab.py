@@ -14,12 +14,10 @@ import sys
 import time
 
 import torch
-from source_ab import build
+from source_ab import build, switcher
 
 from quantize.fast_copy import load_named_copy
-from runtime import backends
 from runtime.decoding import generate
-from runtime.kernels import cpu_step
 from runtime.provenance import provenance
 from runtime.sampling import SamplingParams
 
@@ -32,17 +30,7 @@ def main() -> None:
     rounds = int(sys.argv[5])
     modules = [build(v) for v in versions]
     models = {c: load_named_copy(name, c)[0] for c in ["bf16", *copies]}
-    kernel_weights = [
-        m.cpu_kernel_weight() for model in models.values() for m in model.modules() if hasattr(m, "cpu_kernel_weight")
-    ]
-
-    def use(module) -> None:  # every cached handle belongs to one build: drop them all
-        cpu_step._STATE["module"] = module
-        cpu_step._STEP_MODELS.clear()
-        backends._DENSE_HANDLES.clear()
-        for kw in kernel_weights:
-            if kw is not None:
-                kw.__dict__.pop("_handle", None)
+    use = switcher(models.values())
 
     gen = torch.Generator().manual_seed(0)
     prompts = {n: torch.randint(2, 1000, (n,), generator=gen).tolist() for n in lengths}

@@ -59,6 +59,24 @@ def build(version: str):
     return module
 
 
+def switcher(models):
+    """use(module): make one build the extension every kernel call goes to. Every cached handle (step models, dense
+    handles, the models' kernel weights) belongs to one build: drop them all."""
+    kernel_weights = [
+        m.cpu_kernel_weight() for model in models for m in model.modules() if hasattr(m, "cpu_kernel_weight")
+    ]
+
+    def use(module) -> None:
+        cpu_step._STATE["module"] = module
+        cpu_step._STEP_MODELS.clear()
+        backends._DENSE_HANDLES.clear()
+        for kw in kernel_weights:
+            if kw is not None:
+                kw.__dict__.pop("_handle", None)
+
+    return use
+
+
 def main() -> None:
     torch.set_num_threads(2)
     versions = sys.argv[1].split(",")
@@ -67,15 +85,7 @@ def main() -> None:
     rounds = int(sys.argv[5])
     modules = [build(v) for v in versions]
     model, cfg, _ = load_named_copy(name, copy)
-    kernel_weights = [m.cpu_kernel_weight() for m in model.modules() if hasattr(m, "cpu_kernel_weight")]
-
-    def use(module) -> None:  # every cached handle belongs to one build: drop them all
-        cpu_step._STATE["module"] = module
-        cpu_step._STEP_MODELS.clear()
-        backends._DENSE_HANDLES.clear()
-        for kw in kernel_weights:
-            if kw is not None:
-                kw.__dict__.pop("_handle", None)
+    use = switcher([model])
 
     cache = KVCache(cfg, 1, CONTEXT + max(Ts) + 16, model.compute_dtype)
     gen = torch.Generator().manual_seed(0)
