@@ -4123,7 +4123,8 @@ void panel_gemm(const Weight& w, const ARows& a, int64_t M, int64_t kblocks, con
   const int64_t per_kb = next ? (next->total() + blocks * kblocks - 1) / (blocks * kblocks) : 0;
   alignas(64) float c[16][32];  // c[m][16 u + n]: accumulators u, u + 1 of one chunk
   auto store = [&](int64_t mc, int64_t u) {  // c -> y rows of chunk mc, columns of tiles t0 + u, u + 1 (+ bias), bf16
-    const int64_t n0 = (t0 + u) * NR, rows = std::min<int64_t>(16, M - mc * 16), cols = std::min<int64_t>(32, N - n0);
+    const int64_t width = u + 1 < nt ? 32 : 16;  // a last odd tile: the next columns are another panel's
+    const int64_t n0 = (t0 + u) * NR, rows = std::min<int64_t>(16, M - mc * 16), cols = std::min(width, N - n0);
     const __mmask32 keep = static_cast<__mmask32>(cols >= 32 ? ~0u : (1u << cols) - 1);
     const __mmask16 lo = static_cast<__mmask16>(keep), hi = static_cast<__mmask16>(keep >> 16);
     const __m512 b0 = bias ? _mm512_maskz_loadu_ps(lo, bias + n0) : _mm512_setzero_ps();
@@ -4160,7 +4161,7 @@ void panel_gemm(const Weight& w, const ARows& a, int64_t M, int64_t kblocks, con
         if (next) next->step(per_kb);
       }
       _tile_stored(0, c, 128);
-      _tile_stored(1, &c[0][16], 128);  // zero without two_n (zeroed above), and masked out past N
+      _tile_stored(1, &c[0][16], 128);  // without two_n: zero (zeroed above) and not stored
       store(mc, u);
       if (two_m) {
         _tile_stored(2, c, 128);
@@ -4198,8 +4199,10 @@ at::Tensor run(const Weight& w, const at::Tensor& x) {
   if (K % KB == 0) {  // x's own rows; a padded copy of the rows past the last full chunk
     const int64_t full = M / 16, rows = (mchunks - full) * 16;
     if (copy.size() < static_cast<size_t>(rows * K)) copy.resize(rows * K);
-    std::memset(copy.data(), 0, rows * K * 2);
-    std::memcpy(copy.data(), xs + full * 16 * K, (M - full * 16) * K * 2);
+    if (rows) {
+      std::memset(copy.data(), 0, rows * K * 2);
+      std::memcpy(copy.data(), xs + full * 16 * K, (M - full * 16) * K * 2);
+    }
     a = {xs, full, copy.data(), 16 * K, KB, K * 2};
   } else {  // packed: copy[chunk][k block] the A tile of 16 rows x 32 columns (1 KB), zero past K and M
     if (copy.size() < static_cast<size_t>(mchunks * kblocks * 512)) copy.resize(mchunks * kblocks * 512);
@@ -4228,6 +4231,7 @@ at::Tensor run(const Weight& w, const at::Tensor& x) {
   auto share = [&](auto kind, int64_t s0, int64_t s1) {
     constexpr int64_t KIND = decltype(kind)::value;
     const int64_t n = s1 - s0, count = std::max((n + by_cache - 1) / by_cache, std::min<int64_t>(4, (n + 1) / 2));
+    if (n <= 0) return;
     const int64_t per = ((n + count - 1) / count + 1) / 2 * 2, size = per * kblocks * 512;
     amx::Tiles config;
     thread_local std::vector<uint16_t> buffers;
