@@ -3919,6 +3919,14 @@ inline void each_tile_group(const Weight& w, int64_t t0, int64_t t1, Body&& body
       body(t, w.tile(t), (t * w.ngroups + g) * NR, g * w.group, std::min((g + 1) * w.group, w.K));
 }
 
+// run(kind) with w's quantized kind as a compile-time constant (std::integral_constant<int64_t, I8 / FP8 / I4>).
+template <typename Run>
+inline auto by_quant_kind(const Weight& w, Run&& run) {
+  if (w.kind == I8) return run(std::integral_constant<int64_t, I8>());
+  if (w.kind == FP8) return run(std::integral_constant<int64_t, FP8>());
+  return run(std::integral_constant<int64_t, I4>());
+}
+
 // Tiles [t0, t1) into wt as bf16 bits (row stride ld; column 0 = row 16 * t0 of the layer): the AVX2 machines' bf16
 // dequantize (fp32 output has its own AVX2 loop below; the prefill there multiplies in fp32).
 void dequant_tiles_scalar(const Weight& w, int64_t t0, int64_t t1, int64_t tile_base, uint16_t* wt, int64_t ld) {
@@ -4064,7 +4072,8 @@ class PanelFill {
     const __m512i hi_idx = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
     const int64_t nt = t1_ - t0_;
     while (n > 0 && t_ < t1_) {
-      uint16_t* tile_rows = panel_ + (t_ - t0_) * 512;  // pair j at tile_rows + ((j / 16) * nt * 512 + (j % 16) * 32
+      uint16_t* tile_rows = panel_ + (t_ - t0_) * 512;
+      auto pair_row = [&](int64_t j) { return tile_rows + (j / 16) * nt * 512 + (j % 16) * 32; };
       int64_t end = std::min(pairs_, j_ + n);
       if (j_ < kpairs_) {  // within one group: its scales and zeros
         const int64_t g = 2 * j_ / w_.group, at = (t_ * w_.ngroups + g) * NR;
@@ -4075,11 +4084,10 @@ class PanelFill {
           __m512 w0, w1;
           dequant512::dequant_pair<KIND>(tile, j, s, z, w0, w1);
           const __m512 lo = _mm512_permutex2var_ps(w0, lo_idx, w1), hi = _mm512_permutex2var_ps(w0, hi_idx, w1);
-          _mm512_storeu_si512(tile_rows + (j / 16) * nt * 512 + (j % 16) * 32, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+          _mm512_storeu_si512(pair_row(j), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
         }
       } else {
-        for (int64_t j = j_; j < end; ++j)
-          _mm512_storeu_si512(tile_rows + (j / 16) * nt * 512 + (j % 16) * 32, _mm512_setzero_si512());
+        for (int64_t j = j_; j < end; ++j) _mm512_storeu_si512(pair_row(j), _mm512_setzero_si512());
       }
       n -= end - j_;
       j_ = end;
@@ -4230,8 +4238,9 @@ at::Tensor run(const Weight& w, const at::Tensor& x) {
   auto bound = [&](int64_t i) { return std::min(tiles, (tiles * i / cores + 1) / 2 * 2); };
   auto share = [&](auto kind, int64_t s0, int64_t s1) {
     constexpr int64_t KIND = decltype(kind)::value;
-    const int64_t n = s1 - s0, count = std::max((n + by_cache - 1) / by_cache, std::min<int64_t>(4, (n + 1) / 2));
+    const int64_t n = s1 - s0;
     if (n <= 0) return;
+    const int64_t count = std::max((n + by_cache - 1) / by_cache, std::min<int64_t>(4, (n + 1) / 2));
     const int64_t per = ((n + count - 1) / count + 1) / 2 * 2, size = per * kblocks * 512;
     amx::Tiles config;
     thread_local std::vector<uint16_t> buffers;
@@ -4255,11 +4264,7 @@ at::Tensor run(const Weight& w, const at::Tensor& x) {
     }
   };
   at::parallel_for(0, cores, 1, [&](int64_t c0, int64_t c1) {
-    for (int64_t c = c0; c < c1; ++c) {
-      if (w.kind == I8) share(std::integral_constant<int64_t, I8>(), bound(c), bound(c + 1));
-      else if (w.kind == FP8) share(std::integral_constant<int64_t, FP8>(), bound(c), bound(c + 1));
-      else share(std::integral_constant<int64_t, I4>(), bound(c), bound(c + 1));
-    }
+    for (int64_t c = c0; c < c1; ++c) by_quant_kind(w, [&](auto kind) { share(kind, bound(c), bound(c + 1)); });
   });
   return y;
 }
@@ -4269,20 +4274,15 @@ at::Tensor run(const Weight& w, const at::Tensor& x) {
 
 // Tiles [t0, t1) of a quantized weight into wt (fp32, or bf16 bits when bf16), columns from tile tile_base on.
 void dequant_tiles(const Weight& w, int64_t t0, int64_t t1, int64_t tile_base, void* wt, int64_t ld, bool bf16) {
-  auto kinds = [&](auto run) {
-    if (w.kind == I8) return run(std::integral_constant<int64_t, I8>());
-    if (w.kind == FP8) return run(std::integral_constant<int64_t, FP8>());
-    return run(std::integral_constant<int64_t, I4>());
-  };
   if (isa() >= ISA_AVX512BF16) {
-    return kinds([&](auto kind) {
+    return by_quant_kind(w, [&](auto kind) {
       constexpr int64_t KIND = decltype(kind)::value;
       if (bf16) return dequant512::tiles<KIND, true>(w, t0, t1, tile_base, wt, ld);
       dequant512::tiles<KIND, false>(w, t0, t1, tile_base, wt, ld);
     });
   }
   if (!bf16) {
-    return kinds([&](auto kind) {
+    return by_quant_kind(w, [&](auto kind) {
       avx2::dequant_tiles<decltype(kind)::value>(w, t0, t1, tile_base, static_cast<float*>(wt), ld);
     });
   }
