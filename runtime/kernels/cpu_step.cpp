@@ -805,6 +805,32 @@ void quant_block(const Weight& w, const Acts& a, int64_t tile0, int64_t ts, int6
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16")
 namespace amx {
 
+// r[i] lane j -> r[j] lane i (a 16 x 16 fp32 transpose: unpacks within quarters, then quarters moved).
+inline void transpose16(__m512 (&r)[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 8; ++i) {  // t[2i] quarter L: r[2i], r[2i+1] lanes 4L, 4L + 1 interleaved; t[2i+1]: 4L+2, 4L+3
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // r[4i + j] quarter L: lane 4L + j of rows 4i .. 4i + 3
+    const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 2]);
+    const __m512d c = _mm512_castps_pd(t[4 * i + 1]), d = _mm512_castps_pd(t[4 * i + 3]);
+    r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+    r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+    r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, d));
+    r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, d));
+  }
+  for (int j = 0; j < 4; ++j) {  // lane 4L + j: quarter L of r[j], r[4 + j], r[8 + j], r[12 + j]
+    const __m512 a = _mm512_shuffle_f32x4(r[j], r[4 + j], 0x88), b = _mm512_shuffle_f32x4(r[j], r[4 + j], 0xdd);
+    const __m512 c = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0x88), d = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0xdd);
+    t[j] = _mm512_shuffle_f32x4(a, c, 0x88);
+    t[8 + j] = _mm512_shuffle_f32x4(a, c, 0xdd);
+    t[4 + j] = _mm512_shuffle_f32x4(b, d, 0x88);
+    t[12 + j] = _mm512_shuffle_f32x4(b, d, 0xdd);
+  }
+  for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
+
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {0};
   uint16_t colsb[16] = {0};
@@ -841,12 +867,23 @@ void dense(const Weight& w, const Acts& a, int64_t nb0, int64_t nb1, float* y, i
   alignas(64) float c[16][16];
   auto scatter = [&](int64_t nb, int64_t mc) {  // c [16 n, 16 m] -> y rows of chunk mc
     const int64_t rows = std::min<int64_t>(16, a.M - mc * 16);
+    __m512 col[16];  // col[m]: row m's 16 outputs (a transpose: a row read down the columns of c took 16 loads)
+    if (rows > 1) {
+      for (int i = 0; i < 16; ++i) col[i] = _mm512_load_ps(c[i]);
+      transpose16(col);
+    }
     for (int64_t m = 0; m < rows; ++m) {
       float* row = y + (mc * 16 + m) * ldy + nb * NR;
-      for (int64_t i = 0; i < NR; ++i) row[i] = c[i][m];
-      if (bf16_values)  // rounded to bf16 where they were just written (torch's cast: linear_bf16_values)
-        for (int64_t i = 0; i < NR; i += 8)
-          _mm256_storeu_ps(row + i, bf16_values8(bf16_bits8<true>(_mm256_loadu_ps(row + i))));
+      __m256 half[2];
+      if (rows > 1) {
+        half[0] = _mm512_castps512_ps256(col[m]);
+        half[1] = _mm512_extractf32x8_ps(col[m], 1);
+      } else {
+        half[0] = _mm256_setr_ps(c[0][m], c[1][m], c[2][m], c[3][m], c[4][m], c[5][m], c[6][m], c[7][m]);
+        half[1] = _mm256_setr_ps(c[8][m], c[9][m], c[10][m], c[11][m], c[12][m], c[13][m], c[14][m], c[15][m]);
+      }
+      for (int h = 0; h < 2; ++h)  // bf16_values: rounded to bf16 (torch's cast: linear_bf16_values)
+        _mm256_storeu_ps(row + 8 * h, bf16_values ? bf16_values8(bf16_bits8<true>(half[h])) : half[h]);
     }
   };
   for (int64_t nb = nb0; nb < nb1; nb += 2) {
@@ -2771,32 +2808,6 @@ namespace attn_amx {
 
 inline bool fits(int64_t D) { return D % 32 == 0 && D <= 128; }  // Q^T resident in 4 tiles at most
 
-// r[i] lane j -> r[j] lane i (a 16 x 16 fp32 transpose: unpacks within quarters, then quarters moved).
-inline void transpose16(__m512 (&r)[16]) {
-  __m512 t[16];
-  for (int i = 0; i < 8; ++i) {  // t[2i] quarter L: r[2i], r[2i+1] lanes 4L, 4L + 1 interleaved; t[2i+1]: 4L+2, 4L+3
-    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {  // r[4i + j] quarter L: lane 4L + j of rows 4i .. 4i + 3
-    const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 2]);
-    const __m512d c = _mm512_castps_pd(t[4 * i + 1]), d = _mm512_castps_pd(t[4 * i + 3]);
-    r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
-    r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
-    r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, d));
-    r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, d));
-  }
-  for (int j = 0; j < 4; ++j) {  // lane 4L + j: quarter L of r[j], r[4 + j], r[8 + j], r[12 + j]
-    const __m512 a = _mm512_shuffle_f32x4(r[j], r[4 + j], 0x88), b = _mm512_shuffle_f32x4(r[j], r[4 + j], 0xdd);
-    const __m512 c = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0x88), d = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0xdd);
-    t[j] = _mm512_shuffle_f32x4(a, c, 0x88);
-    t[8 + j] = _mm512_shuffle_f32x4(a, c, 0xdd);
-    t[4 + j] = _mm512_shuffle_f32x4(b, d, 0x88);
-    t[12 + j] = _mm512_shuffle_f32x4(b, d, 0xdd);
-  }
-  for (int i = 0; i < 16; ++i) r[i] = t[i];
-}
-
 // The value tiles' channel order: unpacklo/hi_epi16 of two value rows' 32 channels give tile 2z the channels 32z +
 // {0-3, 8-11, 16-19, 24-27} and tile 2z + 1 the channels 32z + {4-7, 12-15, 20-23, 28-31}; these put them back.
 inline void unpermute(const float* lo, const float* hi, float* out) {
@@ -2908,7 +2919,7 @@ inline void attend(const KVView<at::BFloat16>& kv, int64_t l, int64_t b, int64_t
     __m512 rows[16];
     if (nq > 4) {  // a transpose (64 shuffles) beats more than 4 gathers
       for (int i = 0; i < 16; ++i) rows[i] = _mm512_load_ps(ct[i]);
-      transpose16(rows);
+      amx::transpose16(rows);
     }
     for (int u = 0; u < nq; ++u)
       if (whole[u])
