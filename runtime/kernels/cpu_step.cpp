@@ -2106,13 +2106,19 @@ inline void store8(at::BFloat16* p, __m256 v) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
 }
 template <typename T>
-inline __m256 round8(__m256 v) {  // v rounded to T, as fp32
-  alignas(32) T tmp[8];
-  store8(tmp, v);
-  return lanes8(tmp);
-}
+inline __m256 round8(__m256 v);  // v rounded to T, as fp32
 template <>
 inline __m256 round8<float>(__m256 v) { return v; }
+// store8's rounding kept in the register: the same bits (its shift right, pack and widen keep the top 16 bits of
+// the same 32-bit sum), where a store and reload through one stack slot chained every 8 lanes to the one before
+// (an 8-row RMSNorm ~3.4 -> ~1 us a layer)
+template <>
+inline __m256 round8<at::BFloat16>(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb);
+  return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+}
 
 // RMSNorm of the fp32 residual: fp32 x * rsqrt(mean(x^2) + eps) * w (F.rms_norm), or for bf16 layers the
 // normalised value cast to bf16, then times the bf16 weight (RMSNorm.forward's mixed branch).
