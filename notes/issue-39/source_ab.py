@@ -77,28 +77,39 @@ def switcher(models):
     return use
 
 
-def main() -> None:
+def arguments():
+    """VERSIONS MODEL COPY COUNTS ROUNDS from the command line (COUNTS: comma-separated row counts), with torch on
+    the machine's 2 threads."""
     torch.set_num_threads(2)
-    versions = sys.argv[1].split(",")
-    name, copy = sys.argv[2], sys.argv[3]
-    Ts = [int(t) for t in sys.argv[4].split(",")]
-    rounds = int(sys.argv[5])
+    counts = [int(c) for c in sys.argv[4].split(",")]
+    return sys.argv[1].split(","), sys.argv[2], sys.argv[3], counts, int(sys.argv[5])
+
+
+def primed(model, cfg, Ts, context):
+    """A cache holding a random `context`-token prompt (run through the model, seed 0) and per T the tokens and
+    metadata of a T-token step after it."""
+    cache = KVCache(cfg, 1, context + max(Ts) + 16, model.compute_dtype)
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(2, 1000, (1, context), generator=gen)
+    model(prompt, AttentionMetadata.contiguous(1, 0, context, "cpu"), cache)
+    steps = {
+        T: (torch.randint(2, 1000, (1, T), generator=gen), AttentionMetadata.contiguous(1, context, T, "cpu"))
+        for T in Ts
+    }
+    return cache, steps
+
+
+def main() -> None:
+    versions, name, copy, Ts, rounds = arguments()
     modules = [build(v) for v in versions]
     model, cfg, _ = load_named_copy(name, copy)
     use = switcher([model])
 
-    cache = KVCache(cfg, 1, CONTEXT + max(Ts) + 16, model.compute_dtype)
-    gen = torch.Generator().manual_seed(0)
     times = {(i, T): [] for i in range(len(versions)) for T in Ts}
     logits = {}
     with torch.inference_mode():
         use(modules[0])
-        prompt = torch.randint(2, 1000, (1, CONTEXT), generator=gen)
-        model(prompt, AttentionMetadata.contiguous(1, 0, CONTEXT, "cpu"), cache)
-        steps = {
-            T: (torch.randint(2, 1000, (1, T), generator=gen), AttentionMetadata.contiguous(1, CONTEXT, T, "cpu"))
-            for T in Ts
-        }
+        cache, steps = primed(model, cfg, Ts, CONTEXT)
         for r in range(rounds + 1):  # round 0 warms each build up and keeps its logits
             for i, module in enumerate(modules):
                 use(module)
