@@ -13,24 +13,19 @@ import sys
 import time
 
 import torch
-from source_ab import arguments, build
+from source_ab import arguments, build, switcher
 
 from quantize.fast_copy import load_named_copy
 from runtime.kernels import cpu_step
 from runtime.provenance import provenance
 
 
-def handles(module, kernel_weights, head):
-    """This build's handles: (kind, handle, in_features) per quantized layer, then the head's."""
-    out = []
-    for kind, kw in kernel_weights:
-        h = module.Weight(
-            cpu_step.KINDS[kw.kind], kw.out_features, kw.in_features, kw.group, kw.bf16_activations, kw.data,
-            kw.scales, kw.zeros, kw.perm, kw.bias, int8_act=kw.int8_activations,
-        )  # fmt: skip
-        out.append((kind, h, kw.in_features))
-    dense = module.Weight(cpu_step.KINDS["bf16"], head.shape[0], head.shape[1], 0, True, head, None, None, None, None)
-    out.append(("head", dense, head.shape[1]))
+def handles(use, module, kernel_weights, head):
+    """This build's handles (KernelWeight.handle and cpu_step.dense_handle on it): (kind, handle, in_features) per
+    quantized layer, then the head's."""
+    use(module)  # drops the handles another build made
+    out = [(kind, kw.handle(), kw.in_features) for kind, kw in kernel_weights]
+    out.append(("head", cpu_step.dense_handle(head), head.shape[1]))
     return out
 
 
@@ -44,7 +39,8 @@ def main() -> None:
         if hasattr(m, "cpu_kernel_weight") and m.cpu_kernel_weight() is not None
     ]
     head = model.lm_head.weight.detach().contiguous()
-    per_build = [handles(m, kernel_weights, head) for m in modules]
+    use = switcher([model])
+    per_build = [handles(use, m, kernel_weights, head) for m in modules]
     kinds = list(dict.fromkeys(kind for kind, _, _ in per_build[0]))
     gen = torch.Generator().manual_seed(0)
     xs = {(M, K): torch.randn(M, K, generator=gen) for M in Ms for _, _, K in per_build[0]}
