@@ -67,11 +67,34 @@ class CpuStepBackend(Backend):
         # short chunks (int8-activation models: prompt chunks too), and candidate trees of any size (verifications:
         # the step's outputs are shape-invariant); a compiled step (runtime.compiled) traces the Python layers: the
         # C++ step is its own compiled path
-        short = x.shape[1] <= cpu_step.MAX_TOKENS or meta.local_mask is not None
-        short = short or (x.is_cpu and cpu_step.available() and x.shape[1] <= cpu_step.step_tokens_limit(model))
-        if not (short and x.is_cpu and cache is not None and not torch.compiler.is_compiling()):
+        T = x.shape[1]
+        if not (x.is_cpu and cache is not None and not torch.compiler.is_compiling()):
             return None
-        return cpu_step.decode(model, x, meta, cache)  # None where the step does not qualify (its own checks)
+        if T <= cpu_step.MAX_TOKENS or meta.local_mask is not None:
+            return cpu_step.decode(model, x, meta, cache)  # None where the step does not qualify (its own checks)
+        limit = cpu_step.step_tokens_limit(model) if cpu_step.available() else 0
+        if T <= limit:
+            return cpu_step.decode(model, x, meta, cache)
+        if limit <= cpu_step.MAX_TOKENS or meta.contiguous_start is None or meta.counts is not None:
+            return None
+        return self._prompt_in_chunks(model, x, meta.contiguous_start, limit, cache)
+
+    @staticmethod
+    def _prompt_in_chunks(model: Transformer, x: Tensor, start: int, limit: int, cache) -> Tensor | None:
+        # a prompt longer than the step's chunk (int8-activation models: the Python layers would call the same
+        # integer kernels with torch's ops around them) in chunks of `limit` tokens through the step; the first
+        # chunk's checks are every chunk's (they read the model, the cache and the chunk's size)
+        parts = []
+        for i in range(0, x.shape[1], limit):
+            n = min(limit, x.shape[1] - i)
+            meta = AttentionMetadata.contiguous(x.shape[0], start + i, n, x.device)
+            out = cpu_step.decode(model, x[:, i : i + n], meta, cache)
+            if out is None:
+                if i == 0:
+                    return None
+                raise RuntimeError(f"the CPU step took the prompt's first chunk but not the one at token {i}")
+            parts.append(out)
+        return torch.cat(parts, dim=1)
 
     def linear(self, layer: Linear, x: Tensor) -> Tensor | None:
         # up to MAX_ROWS rows (decode steps, verifications, head chunks): the kernels read the weight in place at

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from patching import spy_on_cpu_step
+from patching import kv_pieces, spy_on_cpu_step
 
 from quantize.grid import quantize_activations_per_token
 from runtime.kernels import cpu_step
@@ -98,9 +98,24 @@ def test_kernels_equal_the_reference_bitwise(kernel, bits, group, N, K):
     tiles = ext.isa() == "amx" and kernel == "avx512-vnni" and -(-K // 32) * 32 % 64 == 0 and group % 64 == 0
     assert ext.int8_kernel(h, 9) == ("amx-int8" if tiles else ext.int8_kernel(h))
     assert ext.int8_kernel(h, ext.AMX_INT8_MIN_ROWS - 1) == ext.int8_kernel(h)
-    for m in (1, 5, 64):
+    for m in (1, 5, 64, 150):  # 150: a prompt chunk's call, blocks of 64 rows and a ragged one
         x = rows(m, K, m)
         assert torch.equal(ext.linear(h, x), reference(x, codes, scales, zeros, group))
+
+
+@pytest.mark.parametrize("bits,group", [(8, -1), (4, 64)])
+def test_many_rows_keep_each_panel_of_codes(kernel, bits, group):
+    """A call of more than 64 rows with K long enough that a core's tiles span several panels of kept codes (K =
+    4096: 8 tiles a panel, 19 tiles over 2 cores): the reference's bits, and each row the bits of a 1-row call."""
+    n, k = 300, 4096
+    group = k if group == -1 else group
+    codes, scales, zeros = quantized(n, k, bits, group, seed=11)
+    h = handle(codes, scales, zeros, bits, group)
+    x = rows(130, k, 5)
+    together = ext.linear(h, x)
+    assert torch.equal(together, reference(x, codes, scales, zeros, group))
+    for m in (0, 63, 64, 129):
+        assert torch.equal(ext.linear(h, x[m : m + 1])[0], together[m])
 
 
 def test_activation_quantization_matches_quantize_activations_per_token(kernel):
@@ -231,6 +246,38 @@ def test_a_long_prompt_in_one_step_equals_it_in_chunks(monkeypatch):
     taken.clear()
     dense(tokens, AttentionMetadata.contiguous(1, 0, prompt, "cpu"), KVCache(cfg, 1, prompt, torch.float32))
     assert taken == []  # the backend did not offer it to the step
+
+
+@torch.inference_mode()
+def test_a_prompt_past_the_step_chunk_runs_through_the_step_in_chunks(monkeypatch):
+    """A W8A8 model's prompt longer than the step's chunk (MAX_INT8_ACT_TOKENS, shrunk to 70 here) runs through the
+    step in chunks of it (the backend cuts it: 3 chunks for 170 tokens), with the bits of the same prompt fed in those
+    chunks by hand, and within bf16 noise of the Python layers (the plain backend, which ran such prompts before);
+    pieces of 6 keys: the chunks of 70 take their keys in one piece, the last one of 30 merges its pieces."""
+    from runtime import backends
+    from runtime.kv_cache import KVCache
+    from runtime.kv_policy import chunked_prefill
+    from runtime.model import AttentionMetadata
+    from tests.tiny_models import TINY_CONFIGS
+
+    cfg = TINY_CONFIGS["llama"]
+    model = int8_act_model(cfg, 8, torch.bfloat16)
+    monkeypatch.setattr(cpu_step, "MAX_INT8_ACT_TOKENS", 70)
+    taken = spy_on_cpu_step(monkeypatch)
+    prompt = 170
+    tokens = torch.randint(0, cfg.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(4))
+
+    def cache():
+        return KVCache(cfg, 1, prompt, torch.bfloat16)
+
+    with kv_pieces(6):
+        whole = model(tokens, AttentionMetadata.contiguous(1, 0, prompt, "cpu"), cache())
+        assert taken == [True, True, True]
+        by_hand = chunked_prefill(model, tokens, cache(), chunk=70)
+    assert torch.equal(model.logits(by_hand), whole)
+    with backends.use_backend(backends.PLAIN):
+        plain = model(tokens, AttentionMetadata.contiguous(1, 0, prompt, "cpu"), cache())
+    assert float((whole.float() - plain.float()).norm() / plain.float().norm()) < 4e-2
 
 
 @pytest.mark.parametrize("group", [64, -1])

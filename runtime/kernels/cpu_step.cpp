@@ -1195,8 +1195,14 @@ void prepare(const Weight& w, const float* x, int64_t M, int64_t ldx, QActs& a, 
   if (fam == MADD2 || fam == MADD512) a.pairs.resize(M * a.Kp / 2);  // vpmaddubsw and VNNI read q itself
   if (fam == VNNI && w.kind == I4) a.split.resize(rows * a.Kp / 4);
   if (fam == MADDUBS2 && M < EXPAND_ROWS) a.spread.resize(M * a.Kp / 4);
-  std::vector<float> gathered;
-  for (int64_t m = 0; m < M; ++m) quantize_row(w, x + m * ldx, m, a, fam, gathered);
+  auto quantize_rows = [&](int64_t m0, int64_t m1) {
+    std::vector<float> gathered;
+    for (int64_t m = m0; m < m1; ++m) quantize_row(w, x + m * ldx, m, a, fam, gathered);
+  };
+  if (M > MAX_M)  // prompt chunks: split over the cores (a step's few rows: one core, no fork)
+    at::parallel_for(0, M, 16, quantize_rows);
+  else
+    quantize_rows(0, M);
 }
 
 // Half a tile (8 rows) x MB activation rows, vpmaddwd: the AVX2 kernel.
@@ -1574,6 +1580,12 @@ inline void tile_out(int mc, int32_t (*c)[16]) {
   }
 }
 
+// A call of more than MAX_M rows (prompt chunks) runs blocks of MAX_M rows; each tile's expanded B rows are then
+// kept for all of them (a panel of tiles at a time, PANEL_BYTES of B rows in L2) instead of re-reading and
+// re-expanding the codes per block of rows: the 135M's 512-row W8A8 prefill ran its layers as 8 calls of 64 rows.
+// Up to MAX_M rows a ring of AHEAD + 1 chunks' B rows serves (a decode or verification step's codes pass once).
+constexpr int64_t PANEL_BYTES = 512 * 1024;
+
 template <int64_t KIND>
 void run(const Weight& w, const QActs& a, int64_t t_begin, int64_t t_end, float* y, int64_t ldy) {
   amx::TileConfig cfg;  // (amx::Tiles configures 5 tiles; this kernel uses 6)
@@ -1583,7 +1595,7 @@ void run(const Weight& w, const QActs& a, int64_t t_begin, int64_t t_end, float*
   }
   _tile_loadconfig(&cfg);
   constexpr int AHEAD = 2;
-  const int64_t Kp = a.Kp, G = w.ngroups, M = a.M, mchunks = (M + 15) / 16, chunks = Kp / KC;
+  const int64_t Kp = a.Kp, G = w.ngroups, M = a.M, chunks = Kp / KC;
   const int64_t group_chunks = G == 1 ? chunks : w.group / KC, tile_bytes = (Kp / 2) * w.pair_bytes();
   const uint8_t* data = reinterpret_cast<const uint8_t*>(w.data.data_ptr());
   // int4: row m's split words (even, odd columns of each 8) hold its 64 columns of a chunk as 64 bytes, row stride Kp
@@ -1591,43 +1603,61 @@ void run(const Weight& w, const QActs& a, int64_t t_begin, int64_t t_end, float*
                                    : reinterpret_cast<const uint8_t*>(a.q.data());
   const float* sc = w.scales.data_ptr<float>();
   const ZeroTable zc(w);
+  const bool blocks = M > MAX_M;
+  const int64_t panel = blocks ? std::max<int64_t>(1, PANEL_BYTES / (chunks * 1024)) : 1;  // tiles a panel
   alignas(64) __m512i ring[AHEAD + 1][16];
+  thread_local std::vector<uint8_t> kept_bytes;  // blocks: the panel's B rows, [tile, chunk, 16], 64-byte aligned
+  __m512i* kept = nullptr;
+  if (blocks) {
+    kept_bytes.resize(panel * chunks * 1024 + 64);
+    kept = reinterpret_cast<__m512i*>((reinterpret_cast<uintptr_t>(kept_bytes.data()) + 63) & ~uintptr_t{63});
+  }
   alignas(64) int32_t c[16][16];
-  alignas(64) float tot[MAX_M][16];  // per row: the fp32 sum over groups so far
-  for (int64_t t = t_begin; t < t_end; ++t) {
-    const uint8_t* tile = data + t * tile_bytes;
-    for (int64_t k = 0; k < std::min<int64_t>(AHEAD, chunks); ++k) expand<KIND>(tile, k, ring[k % (AHEAD + 1)]);
-    for (int64_t k = 0; k < chunks; ++k) {
-      if (k + AHEAD < chunks) expand<KIND>(tile, k + AHEAD, ring[(k + AHEAD) % (AHEAD + 1)]);
-      if (k % group_chunks == 0) {
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-      }
-      _tile_loadd(5, ring[k % (AHEAD + 1)], 64);
-      for (int64_t mc = 0; mc < mchunks; ++mc) {
-        _tile_loadd(4, acts + mc * 16 * Kp + k * KC, Kp);
-        tile_product(static_cast<int>(mc));
-      }
-      if ((k + 1) % group_chunks != 0 && k + 1 != chunks) continue;
-      const int64_t g = k / group_chunks;  // the group ends here: the VNNI kernel's epilogue, row by row
-      const int64_t at = (t * G + g) * NR;
-      const __m512 s = _mm512_loadu_ps(sc + at);
-      const __m512i shift = _mm512_set1_epi32(KIND == I8 ? 128 : 0);
-      const __m512i z = _mm512_add_epi32(_mm512_cvtps_epi32(load16(zc, at)), shift);
-      for (int64_t mc = 0; mc < mchunks; ++mc) {
-        tile_out(static_cast<int>(mc), c);
-        for (int64_t m = mc * 16; m < std::min(M, mc * 16 + 16); ++m) {
-          const __m512i acc = _mm512_load_si512(c[m - mc * 16]);
-          const __m512i qs = _mm512_set1_epi32(a.qsum[m * G + g]);
-          const __m512 part = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc, _mm512_mullo_epi32(z, qs))), s);
-          _mm512_store_ps(tot[m], g == 0 ? part : _mm512_add_ps(_mm512_load_ps(tot[m]), part));
+  alignas(64) float tot[MAX_M][16];  // per row of the block: the fp32 sum over groups so far
+  for (int64_t p0 = t_begin; p0 < t_end; p0 += panel) {
+    const int64_t p1 = std::min(t_end, p0 + panel);
+    for (int64_t m0 = 0; m0 < M; m0 += MAX_M) {
+      const int64_t rows = std::min(MAX_M, M - m0), mchunks = (rows + 15) / 16;
+      const bool expanding = m0 == 0;  // the panel's first block of rows expands its codes
+      for (int64_t t = p0; t < p1; ++t) {
+        const uint8_t* tile = data + t * tile_bytes;
+        auto slot = [&](int64_t k) { return blocks ? kept + ((t - p0) * chunks + k) * 16 : ring[k % (AHEAD + 1)]; };
+        if (expanding)
+          for (int64_t k = 0; k < std::min<int64_t>(AHEAD, chunks); ++k) expand<KIND>(tile, k, slot(k));
+        for (int64_t k = 0; k < chunks; ++k) {
+          if (expanding && k + AHEAD < chunks) expand<KIND>(tile, k + AHEAD, slot(k + AHEAD));
+          if (k % group_chunks == 0) {
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+          }
+          _tile_loadd(5, slot(k), 64);
+          for (int64_t mc = 0; mc < mchunks; ++mc) {
+            _tile_loadd(4, acts + (m0 + mc * 16) * Kp + k * KC, Kp);
+            tile_product(static_cast<int>(mc));
+          }
+          if ((k + 1) % group_chunks != 0 && k + 1 != chunks) continue;
+          const int64_t g = k / group_chunks;  // the group ends here: the VNNI kernel's epilogue, row by row
+          const int64_t at = (t * G + g) * NR;
+          const __m512 s = _mm512_loadu_ps(sc + at);
+          const __m512i shift = _mm512_set1_epi32(KIND == I8 ? 128 : 0);
+          const __m512i z = _mm512_add_epi32(_mm512_cvtps_epi32(load16(zc, at)), shift);
+          for (int64_t mc = 0; mc < mchunks; ++mc) {
+            tile_out(static_cast<int>(mc), c);
+            for (int64_t m = mc * 16; m < std::min(rows, mc * 16 + 16); ++m) {
+              const __m512i acc = _mm512_load_si512(c[m - mc * 16]);
+              const __m512i qs = _mm512_set1_epi32(a.qsum[(m0 + m) * G + g]);
+              const __m512 part = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc, _mm512_mullo_epi32(z, qs))), s);
+              _mm512_store_ps(tot[m], g == 0 ? part : _mm512_add_ps(_mm512_load_ps(tot[m]), part));
+            }
+          }
         }
+        for (int64_t m = 0; m < rows; ++m)
+          avx512::store_tile(_mm512_mul_ps(_mm512_load_ps(tot[m]), _mm512_set1_ps(a.scale[m0 + m])), w.N, t,
+                             y + (m0 + m) * ldy);
       }
     }
-    for (int64_t m = 0; m < M; ++m)
-      avx512::store_tile(_mm512_mul_ps(_mm512_load_ps(tot[m]), _mm512_set1_ps(a.scale[m])), w.N, t, y + m * ldy);
   }
   _tile_release();
 }
@@ -1888,7 +1918,8 @@ void run_quant(const Weight& w, const Acts& a, int64_t t_begin, int64_t t_end, f
     quant_span(w, a, t0, std::min(SPAN, t_end - t0), 1, y, ldy, level);
 }
 
-// y [M, N] fp32 (row stride ldy) = x [M, K] (row stride ldx) @ W^T (+ bias), M <= MAX_M, split over the cores.
+// y [M, N] fp32 (row stride ldy) = x [M, K] (row stride ldx) @ W^T (+ bias), M <= MAX_M (int8-activation layers:
+// any M), split over the cores.
 // Given yb, a layer on AMX quantized tiles writes its outputs there instead, as bf16 bit patterns (row stride ldy;
 // the rounding linear_rows would do, inside the split instead of after it on one core), and the call returns true;
 // every other layer writes y and returns false. (The AMX kernel adds the bias in its store, the others after.)
@@ -1903,11 +1934,12 @@ void run_amx_dense(const Weight& w, const Acts& a, float* y, int64_t ldy, bool b
 
 bool linear_into(const Weight& w, const float* x, int64_t M, int64_t ldx, float* y, int64_t ldy, Acts& a,
                  uint16_t* yb = nullptr) {
-  TORCH_CHECK(M >= 1 && M <= MAX_M, "the CPU step's linear takes 1..64 rows, got ", M);
-  if (w.int8_act) {
+  if (w.int8_act) {  // any number of rows (prompt chunks: amx8::run's blocks of rows)
+    TORCH_CHECK(M >= 1, "the CPU step's linear takes 1 row or more, got ", M);
     i8act::linear_into(w, x, M, ldx, y, ldy);
     return false;
   }
+  TORCH_CHECK(M >= 1 && M <= MAX_M, "the CPU step's linear takes 1..64 rows, got ", M);
   const int level = isa();
   prepare(w, x, M, ldx, a, level);
   return run_prepared(w, a, y, ldy, yb, level);
@@ -2431,29 +2463,42 @@ void merge_pieces(const float* part, int64_t pieces, int64_t D, T* out) {
 // row's first new index, then the rest: 3 kv heads on 2 cores were 2 items against 1 at long contexts); split over
 // the cores unless it is tiny. attend(scratch, b, h, nq, tok, mask, range, outs, parts) runs one item on its roped
 // queries (scratch.q); the queries that see more than one piece are merged after every item has run.
+// A causal chunk of more than ONE_PIECE_TOKENS tokens (a prompt chunk: only int8-activation models' prefill reaches
+// the step so) takes its keys in one piece: it has items enough for both cores, and a query of more than one piece
+// runs the vector attention alone (a 2048-token W8A8 prefill in chunks of 512 took twice its one-piece time). Its
+// positions' bits then differ from a decode step's past g_kv_piece keys (summation order), as a Python-layer
+// prefill's do; decode steps, chains and trees are unchanged.
+constexpr int64_t ONE_PIECE_TOKENS = 64;
+
 template <typename T, typename Attend>
 void attention_items(const std::vector<int64_t>& live, int64_t B, int64_t Hkv, int64_t group, int64_t D, int64_t Tn,
                      const int64_t* st, const int64_t* cn, const bool* lm, int64_t local_stride, const T* qkv,
                      int64_t qkv_size, const T* cos_p, const T* sin_p, T* attn, int64_t q_size, Attend&& attend,
                      int64_t qb = ATTN_QB) {
-  const int64_t H = Hkv * group, piece = g_kv_piece;
+  const int64_t H = Hkv * group;
+  auto row_piece = [&](int64_t b) { return !lm && cn[b] > ONE_PIECE_TOKENS ? INT64_MAX : g_kv_piece; };
   std::vector<int64_t> item_row, item_first, item_count, row_first(B + 1, 0);  // row_first: the row's first index
   std::vector<KeyRange> item_keys;
   int64_t most = 1;  // pieces of the longest row
   for (int64_t b = 0; b < B; ++b) {
     row_first[b + 1] = row_first[b] + cn[b];
-    if (cn[b]) most = std::max(most, (st[b] + cn[b] - 1) / piece + 1);
+    if (cn[b]) most = std::max(most, (st[b] + cn[b] - 1) / row_piece(b) + 1);
   }
   for (int64_t b = 0; b < B; ++b)
     for (int64_t h = 0; h < Hkv && cn[b] > 0; ++h) {
       const int64_t queries = cn[b] * group, items = (queries + qb - 1) / qb, per = (queries + items - 1) / items;
+      const int64_t piece = row_piece(b);
       for (int64_t f = 0; f < queries; f += per) {
         const int64_t cached = st[b] / piece;  // whole pieces before the first new index: one item each
+        const int64_t count = std::min(per, queries - f);
+        // causal rows: no key past the item's last token (a prompt chunk's early items skip the keys none of their
+        // queries sees; a masked key's probability is zero, so its products added nothing: the same bits)
+        const int64_t last = lm ? st[b] + cn[b] : st[b] + (f + count - 1) / group + 1;
         for (int64_t k = 0; k <= cached; ++k) {
           item_row.push_back(b * Hkv + h);
           item_first.push_back(f);
-          item_count.push_back(std::min(per, queries - f));
-          item_keys.push_back({k * piece, k < cached ? (k + 1) * piece : st[b] + cn[b], piece});
+          item_count.push_back(count);
+          item_keys.push_back({k * piece, k < cached ? (k + 1) * piece : last, piece});
         }
       }
     }
@@ -2486,7 +2531,8 @@ void attention_items(const std::vector<int64_t>& live, int64_t B, int64_t Hkv, i
   if (partial.empty()) return;
   for (int64_t b = 0; b < B; ++b)  // the queries of more than one piece: merged, in piece order
     for (int64_t t = 0; t < cn[b]; ++t) {
-      const int64_t pieces = (visible_keys(st[b], cn[b], t, lm ? lm + b * local_stride : nullptr, Tn) - 1) / piece + 1;
+      const int64_t pieces =
+          (visible_keys(st[b], cn[b], t, lm ? lm + b * local_stride : nullptr, Tn) - 1) / row_piece(b) + 1;
       if (pieces == 1) continue;
       const int64_t r = row_first[b] + t;
       for (int64_t head = 0; head < H; ++head)
@@ -2611,12 +2657,15 @@ inline __m512 scores16_int8(const int16_t* q16, const int16_t* keys, float facto
 }
 
 // Query u's 16 scores of keys i0 .. i0 + kk - 1 (local indices from i0 - base) into its row of scores, each only
-// where the query sees the key (others stay -inf). All-visible blocks (cached keys: every query sees them) take one
-// masked store.
+// where the query sees the key (others stay -inf). All-visible blocks (cached keys: every query sees them) and a
+// causal query's blocks (it sees the keys before causal_end; -1: a tree's mask, visible() per key) take one masked
+// store.
 template <typename Visible>
-inline void store_scores(__m512 r, float* row, int64_t i0, int64_t kk, int64_t base, int64_t start, Visible&& visible) {
-  if (i0 + kk <= start) {
-    _mm512_mask_storeu_ps(row + i0 - base, static_cast<__mmask16>((1u << kk) - 1), r);
+inline void store_scores(__m512 r, float* row, int64_t i0, int64_t kk, int64_t base, int64_t start, int64_t causal_end,
+                         Visible&& visible) {
+  const int64_t end = i0 + kk <= start ? i0 + kk : causal_end >= 0 ? std::min(i0 + kk, causal_end) : -1;
+  if (end >= 0) {
+    if (end > i0) _mm512_mask_storeu_ps(row + i0 - base, static_cast<__mmask16>((1u << (end - i0)) - 1), r);
     return;
   }
   alignas(64) float tmp[16];
@@ -2753,7 +2802,7 @@ void attend_chunks(const KVView<T>& kv, int64_t l, int64_t b, int64_t h, int nq,
     }
     for (int u = 0; u < nq; ++u)
       store_scores(scores16<C>(q + u * D, s.keys16, scale), s.scores.data() + u * n, i0, kk, from, start,
-                   [&](int64_t i) { return visible(u, i); });
+                   local ? -1 : start + tok[u] + 1, [&](int64_t i) { return visible(u, i); });
   }
   for (int u = 0; u < nq; ++u) {  // causal queries see a prefix of the keys: no packing
     const int64_t prefix = local ? -1 : std::min(range.to, start + tok[u] + 1) - from;
@@ -2929,7 +2978,8 @@ inline void attend(const KVView<at::BFloat16>& kv, int64_t l, int64_t b, int64_t
     for (int u = 0; u < nq; ++u)
       if (whole[u])
         attn512::store_scores(_mm512_mul_ps(nq > 4 ? rows[u] : _mm512_i32gather_ps(column, &ct[0][u], 4), vscale),
-                              s.scores.data() + u * n, i0, kk, from, start, [&](int64_t i) { return visible(u, i); });
+                              s.scores.data() + u * n, i0, kk, from, start, local ? -1 : start + tok[u] + 1,
+                              [&](int64_t i) { return visible(u, i); });
   };
   for (int64_t j = 0; j < blocks; ++j) {
     const int64_t i0 = from + 16 * j, kk = std::min<int64_t>(16, range.to - i0);
@@ -3459,7 +3509,8 @@ void attend_quant_chunks(const QuantKV<T>& kv, int64_t l, int64_t b, int64_t h, 
         if ((staged >> j & 1) && i0 + j >= fresh[u]) own |= 1u << j;
       if (own)  // each lane is its own key's score: taking some from the fresh block is the mixed block's result
         r = _mm512_mask_blend_ps(static_cast<__mmask16>(own), r, attn512::scores16<C>(q + u * D, s.keys16f, scale));
-      attn512::store_scores(r, s.scores.data() + u * n, i0, kk, from, start, [&](int64_t i) { return visible(u, i); });
+      attn512::store_scores(r, s.scores.data() + u * n, i0, kk, from, start, local ? -1 : start + tok[u] + 1,
+                            [&](int64_t i) { return visible(u, i); });
     }
   }
   for (int u = 0; u < nq; ++u) {  // causal queries see a prefix of the keys: no packing
@@ -3564,6 +3615,15 @@ void linear_rows(const Weight& w, const T* x, int64_t M, T* y, Acts& a, std::vec
   }
 }
 
+// A layer over all R rows: calls of up to MAX_M rows, except int8-activation layers, which take every row in one call
+// (amx8::run keeps each tile's expanded codes for all of a prompt chunk's blocks of rows).
+template <typename T>
+void linear_all_rows(const Weight& w, const T* x, int64_t R, T* y, Acts& a, std::vector<float>& xf,
+                     std::vector<float>& yf) {
+  const int64_t per = w.int8_act ? R : MAX_M;
+  for (int64_t r0 = 0; r0 < R; r0 += per) linear_rows(w, x + r0 * w.K, std::min(per, R - r0), y + r0 * w.N, a, xf, yf);
+}
+
 // run(T{}) for the compute type T of `type` (fp32 or bf16), else an error saying `what`.
 template <typename F>
 void with_compute_type(at::ScalarType type, const char* what, F&& run) {
@@ -3634,8 +3694,7 @@ void step_impl(const StepModel& m, at::Tensor& x, int64_t Tn, const at::Tensor& 
       for (int64_t r = r0; r < r1; ++r) rms_norm(xp + live[r] * H, n1, normed.data() + r * H, H, eps);
     });
     clock.lap(P_NORM);
-    for (int64_t r0 = 0; r0 < R; r0 += MAX_M)
-      linear_rows(w[0], normed.data() + r0 * H, std::min(MAX_M, R - r0), qkv.data() + r0 * qkv_size, acts, xf, yf);
+    linear_all_rows(w[0], normed.data(), R, qkv.data(), acts, xf, yf);
     clock.lap(P_QKV);
     if constexpr (std::is_same_v<Cache, QuantKV<T>>) {
       write_layer_quant(kv, l, live, Tn, st, qkv.data(), qkv_size, q_size, cos_p, sin_p);
@@ -3693,8 +3752,7 @@ void step_impl(const StepModel& m, at::Tensor& x, int64_t Tn, const at::Tensor& 
     }
     }
     clock.lap(P_ATTN);
-    for (int64_t r0 = 0; r0 < R; r0 += MAX_M)
-      linear_rows(w[1], attn.data() + r0 * q_size, std::min(MAX_M, R - r0), proj.data() + r0 * H, acts, xf, yf);
+    linear_all_rows(w[1], attn.data(), R, proj.data(), acts, xf, yf);
     clock.lap(P_O);
     over_rows(R, H, [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r) {
@@ -3703,9 +3761,7 @@ void step_impl(const StepModel& m, at::Tensor& x, int64_t Tn, const at::Tensor& 
       }
     });
     clock.lap(P_NORM);
-    for (int64_t r0 = 0; r0 < R; r0 += MAX_M)
-      linear_rows(w[2], normed.data() + r0 * H, std::min(MAX_M, R - r0), gate_up.data() + r0 * 2 * inter, acts, xf,
-                  yf);
+    linear_all_rows(w[2], normed.data(), R, gate_up.data(), acts, xf, yf);
     clock.lap(P_GATE_UP);
     over_rows(R, 6 * inter, [&](int64_t r0, int64_t r1) {  // (its exponentials: ~6x a copy's work per value)
       for (int64_t r = r0; r < r1; ++r) {
@@ -3714,8 +3770,7 @@ void step_impl(const StepModel& m, at::Tensor& x, int64_t Tn, const at::Tensor& 
       }
     });
     clock.lap(P_ACT);
-    for (int64_t r0 = 0; r0 < R; r0 += MAX_M)
-      linear_rows(w[3], act.data() + r0 * inter, std::min(MAX_M, R - r0), proj.data() + r0 * H, acts, xf, yf);
+    linear_all_rows(w[3], act.data(), R, proj.data(), acts, xf, yf);
     clock.lap(P_DOWN);
     over_rows(R, H, [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r)

@@ -275,13 +275,14 @@ def unpack_fp8(data: Tensor, n: int, k: int) -> Tensor:
     return _untile_columns(_unpairs(data), n, k).contiguous().view(torch.float8_e4m3fn)
 
 
-def linear(weight, x: Tensor, bf16_values: bool = False) -> Tensor:
-    """y = x @ W^T (+ bias) through the kernels for x [M, K] fp32 / bf16, any M (chunks of MAX_ROWS); fp32 out,
-    rounded to bf16 values with bf16_values (y.bfloat16().float() in the same pass)."""
+def linear(weight, x: Tensor, bf16_values: bool = False, rows_per_call: int = MAX_ROWS) -> Tensor:
+    """y = x @ W^T (+ bias) through the kernels for x [M, K] fp32 / bf16, any M (calls of rows_per_call rows); fp32
+    out, rounded to bf16 values with bf16_values (y.bfloat16().float() in the same pass)."""
     ext = extension()
     run = ext.linear_bf16_values if bf16_values else ext.linear
     rows = x.reshape(-1, x.shape[-1]).float()
-    outs = [run(weight, rows[i : i + MAX_ROWS]) for i in range(0, rows.shape[0], MAX_ROWS)]
+    per = max(rows_per_call, 1)
+    outs = [run(weight, rows[i : i + per]) for i in range(0, rows.shape[0], per)]
     return (outs[0] if len(outs) == 1 else torch.cat(outs)).view(*x.shape[:-1], -1)
 
 
@@ -336,11 +337,13 @@ def block_gemm(handle, x: Tensor) -> Tensor:
 def quantized_linear(weight: KernelWeight, x: Tensor) -> Tensor:
     """A quantized layer's forward on CPU: the exact row-invariant kernels (``linear``, fp32 out) below
     PREFILL_MIN_ROWS rows, ``prefill_linear`` (the activation dtype out) from there, unless switched off.
-    int8-activation layers (W8A8 / W4A8) always take their integer kernels: a dequantized GEMM would skip the
-    activations' quantization, i.e. compute another function."""
+    int8-activation layers (W8A8 / W4A8) always take their integer kernels, all rows in one call (the kernels keep
+    each tile's expanded codes for every block of rows): a dequantized GEMM would skip the activations'
+    quantization, i.e. compute another function."""
     rows = x.numel() // max(x.shape[-1], 1)
-    gemm = uses_prefill_gemm(rows) and not weight.int8_activations
-    return prefill_linear(weight, x) if gemm else linear(weight.handle(), x)
+    if weight.int8_activations:
+        return linear(weight.handle(), x, rows_per_call=rows)
+    return prefill_linear(weight, x) if uses_prefill_gemm(rows) else linear(weight.handle(), x)
 
 
 def dequantize(weight: KernelWeight, dtype: torch.dtype = torch.bfloat16) -> Tensor:
