@@ -1552,17 +1552,34 @@ namespace amx8 {
 
 using i8act::QActs;
 
+// B rows of one chunk (KC columns). int4: each code minus its output's zero point (zb: z in every byte of output
+// n's dword), signed bytes in -15..15 for tdpbssd, so the tiles sum q * (code - z) itself: the integer d that
+// acc - z * qsum gives, without the epilogue's multiply and subtraction per row.
 template <int64_t KIND>
-inline void expand(const uint8_t* tile, int64_t chunk, __m512i* b) {  // B rows of one chunk (KC columns)
+inline void expand(const uint8_t* tile, int64_t chunk, __m512i* b, __m512i zb) {
   const int64_t j0 = chunk * KC / 2;  // pair column
   if (KIND == I4) {
-    for (int64_t o = 0; o < 8; ++o) i8act512::octet_i4(tile, j0 + 4 * o, b[2 * o], b[2 * o + 1]);
+    for (int64_t o = 0; o < 8; ++o) {
+      i8act512::octet_i4(tile, j0 + 4 * o, b[2 * o], b[2 * o + 1]);
+      b[2 * o] = _mm512_sub_epi8(b[2 * o], zb);
+      b[2 * o + 1] = _mm512_sub_epi8(b[2 * o + 1], zb);
+    }
   } else {
     for (int64_t r = 0; r < 16; ++r) b[r] = i8act512::quad_i8(tile, j0 + 2 * r);
   }
 }
 
-inline void tile_product(int mc) {
+template <int64_t KIND>
+inline void tile_product(int mc) {  // int4: signed codes minus zero points (tdpbssd); int8: unsigned codes (tdpbsud)
+  if (KIND == I4) {
+    switch (mc) {
+      case 0: _tile_dpbssd(0, 4, 5); break;
+      case 1: _tile_dpbssd(1, 4, 5); break;
+      case 2: _tile_dpbssd(2, 4, 5); break;
+      default: _tile_dpbssd(3, 4, 5); break;
+    }
+    return;
+  }
   switch (mc) {
     case 0: _tile_dpbsud(0, 4, 5); break;
     case 1: _tile_dpbsud(1, 4, 5); break;
@@ -1622,10 +1639,15 @@ void run(const Weight& w, const QActs& a, int64_t t_begin, int64_t t_end, float*
       for (int64_t t = p0; t < p1; ++t) {
         const uint8_t* tile = data + t * tile_bytes;
         auto slot = [&](int64_t k) { return blocks ? kept + ((t - p0) * chunks + k) * 16 : ring[k % (AHEAD + 1)]; };
+        auto expand_chunk = [&](int64_t k) {
+          const __m512i z = KIND == I4 ? _mm512_cvtps_epi32(load16(zc, (t * G + k / group_chunks) * NR))
+                                       : _mm512_setzero_si512();
+          expand<KIND>(tile, k, slot(k), _mm512_mullo_epi32(z, _mm512_set1_epi32(0x01010101)));
+        };
         if (expanding)
-          for (int64_t k = 0; k < std::min<int64_t>(AHEAD, chunks); ++k) expand<KIND>(tile, k, slot(k));
+          for (int64_t k = 0; k < std::min<int64_t>(AHEAD, chunks); ++k) expand_chunk(k);
         for (int64_t k = 0; k < chunks; ++k) {
-          if (expanding && k + AHEAD < chunks) expand<KIND>(tile, k + AHEAD, slot(k + AHEAD));
+          if (expanding && k + AHEAD < chunks) expand_chunk(k + AHEAD);
           if (k % group_chunks == 0) {
             _tile_zero(0);
             _tile_zero(1);
@@ -1635,20 +1657,21 @@ void run(const Weight& w, const QActs& a, int64_t t_begin, int64_t t_end, float*
           _tile_loadd(5, slot(k), 64);
           for (int64_t mc = 0; mc < mchunks; ++mc) {
             _tile_loadd(4, acts + (m0 + mc * 16) * Kp + k * KC, Kp);
-            tile_product(static_cast<int>(mc));
+            tile_product<KIND>(static_cast<int>(mc));
           }
           if ((k + 1) % group_chunks != 0 && k + 1 != chunks) continue;
           const int64_t g = k / group_chunks;  // the group ends here: the VNNI kernel's epilogue, row by row
           const int64_t at = (t * G + g) * NR;
           const __m512 s = _mm512_loadu_ps(sc + at);
-          const __m512i shift = _mm512_set1_epi32(KIND == I8 ? 128 : 0);
-          const __m512i z = _mm512_add_epi32(_mm512_cvtps_epi32(load16(zc, at)), shift);
+          const __m512i z = KIND == I8 ? _mm512_add_epi32(_mm512_cvtps_epi32(load16(zc, at)), _mm512_set1_epi32(128))
+                                       : _mm512_setzero_si512();  // int4: subtracted in the codes already
           for (int64_t mc = 0; mc < mchunks; ++mc) {
             tile_out(static_cast<int>(mc), c);
             for (int64_t m = mc * 16; m < std::min(rows, mc * 16 + 16); ++m) {
               const __m512i acc = _mm512_load_si512(c[m - mc * 16]);
-              const __m512i qs = _mm512_set1_epi32(a.qsum[(m0 + m) * G + g]);
-              const __m512 part = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc, _mm512_mullo_epi32(z, qs))), s);
+              const __m512i d = KIND == I4 ? acc
+                                           : _mm512_sub_epi32(acc, _mm512_mullo_epi32(z, _mm512_set1_epi32(a.qsum[(m0 + m) * G + g])));
+              const __m512 part = _mm512_mul_ps(_mm512_cvtepi32_ps(d), s);
               _mm512_store_ps(tot[m], g == 0 ? part : _mm512_add_ps(_mm512_load_ps(tot[m]), part));
             }
           }
