@@ -1533,9 +1533,10 @@ void block(const Weight& w, const QActs& a, int64_t tile0, int64_t m0, float* y,
 #pragma GCC pop_options
 
 // ---- AMX-INT8 for int8-activation layers -------------------------------------------------------------------------
-// The same integer sums as the VNNI kernel (per group d = sum q * code, exact in int32: tdpbsud multiplies signed
-// activation bytes by unsigned code bytes as vpdpbusd does and adds without saturation), then the same fp32 epilogue
-// in the same order: the same bits as VNNI for every row, so calls of AMX_INT8_MIN_ROWS rows or more take the tiles
+// The same integer sums as the VNNI kernel (per group d = sum q * code - z * sum q, exact in int32: for int8 codes
+// tdpbsud multiplies signed activation bytes by unsigned code bytes as vpdpbusd does and adds without saturation; for
+// int4 tdpbssd multiplies them by code - z, signed, which is d itself), then the same fp32 epilogue in the same
+// order: the same bits as VNNI for every row, so calls of AMX_INT8_MIN_ROWS rows or more take the tiles
 // and fewer take VNNI without a row's result depending on the call (shape-invariant by construction, unlike bf16).
 // C tiles 0..3: [16 activation rows, 16 outputs] int32 for up to 4 chunks of 16 rows; tile 4: A, 16 rows x 64
 // activation bytes (q, or for int4 the even / odd split of each 8 columns that octet_i4's code order wants); tile 5:
