@@ -103,6 +103,21 @@ def test_kernels_equal_the_reference_bitwise(kernel, bits, group, N, K):
         assert torch.equal(ext.linear(h, x), reference(x, codes, scales, zeros, group))
 
 
+@pytest.mark.parametrize("zero", [200.0, -3.0])
+def test_int4_zero_points_outside_the_codes_stay_exact(kernel, zero):
+    """The AMX-INT8 tiles subtract int4 zero points from the codes in signed bytes (0..15 fit); a zero point outside
+    the codes' range sends the layer to the VNNI kernel (the same bits), never to a wrapped byte."""
+    n, k, group = 48, 256, 64
+    codes, scales, zeros = quantized(n, k, 4, group, seed=13)
+    zeros[5, 1] = zero
+    h = handle(codes, scales, zeros, 4, group)
+    if kernel == "avx512-vnni" and ext.isa() == "amx":
+        assert ext.int8_kernel(h, 9) == "avx512-vnni"
+    for m in (9, 150):
+        x = rows(m, k, m)
+        assert torch.equal(ext.linear(h, x), reference(x, codes, scales, zeros, group))
+
+
 @pytest.mark.parametrize("bits,group", [(8, -1), (4, 64)])
 def test_many_rows_keep_each_panel_of_codes(kernel, bits, group):
     """A call of more than 64 rows with K long enough that a core's tiles span several panels of kept codes (K =

@@ -97,6 +97,7 @@ struct Weight {
   int64_t kind = F32, N = 0, K = 0, group = 0, ngroups = 1;
   bool bf16_act = false;
   bool int8_act = false;  // activations quantized per token to int8: integer dot products (i8act)
+  bool codes_zeros = false;  // every zero point rounds to 0..15: int4 codes minus them fit signed bytes (amx8)
   at::Tensor data, scales, zeros, perm, bias;  // zeros: fp32, or int8 where every zero point is an integer
 
   int64_t tiles() const { return (N + NR - 1) / NR; }
@@ -1641,9 +1642,10 @@ void run(const Weight& w, const QActs& a, int64_t t_begin, int64_t t_end, float*
         const uint8_t* tile = data + t * tile_bytes;
         auto slot = [&](int64_t k) { return blocks ? kept + ((t - p0) * chunks + k) * 16 : ring[k % (AHEAD + 1)]; };
         auto expand_chunk = [&](int64_t k) {
-          const __m512i z = KIND == I4 ? _mm512_cvtps_epi32(load16(zc, (t * G + k / group_chunks) * NR))
-                                       : _mm512_setzero_si512();
-          expand<KIND>(tile, k, slot(k), _mm512_mullo_epi32(z, _mm512_set1_epi32(0x01010101)));
+          const __m512i zb = KIND == I4 ? _mm512_mullo_epi32(_mm512_cvtps_epi32(load16(zc, (t * G + k / group_chunks) * NR)),
+                                                             _mm512_set1_epi32(0x01010101))  // z in each byte
+                                        : _mm512_setzero_si512();
+          expand<KIND>(tile, k, slot(k), zb);
         };
         if (expanding)
           for (int64_t k = 0; k < std::min<int64_t>(AHEAD, chunks); ++k) expand_chunk(k);
@@ -1753,11 +1755,11 @@ void run(const Weight& w, const QActs& a, int fam, int64_t t_begin, int64_t t_en
 }
 
 // Whether a call of M rows takes the AMX-INT8 tiles (the same bits as VNNI; any AMX row policy but off): whole
-// chunks of KC columns that no group boundary cuts.
+// chunks of KC columns that no group boundary cuts, and int4 zero points the B tiles can subtract in bytes.
 bool amx_int8_rows(const Weight& w, int fam, int64_t M) {
   const int64_t Kp = (w.K + KB - 1) / KB * KB;
   return fam == VNNI && M >= AMX_INT8_MIN_ROWS && isa() >= ISA_AMX && g_amx_mode != AMX_OFF && cpu_amx_int8() &&
-         Kp % KC == 0 && (w.ngroups == 1 || w.group % KC == 0);
+         Kp % KC == 0 && (w.ngroups == 1 || w.group % KC == 0) && (w.kind != I4 || w.codes_zeros);
 }
 
 // y [M, N] fp32 = the int8-activation layer on x [M, K] (+ bias), split over the cores by tiles.
@@ -4482,6 +4484,10 @@ Weight make_weight(int64_t kind, int64_t N, int64_t K, int64_t group, bool bf16_
     w.zeros = zeros->scalar_type() == at::kChar ? zeros->contiguous() : zeros->to(at::kFloat).contiguous();
     TORCH_CHECK(w.scales.numel() == w.tiles() * w.ngroups * NR && w.zeros.numel() == w.scales.numel(),
                 "scales / zeros: [tiles, groups, 16] (scales fp32, zeros fp32 or int8)");
+    if (int8_act && kind == I4) {
+      const at::Tensor z = w.zeros.to(at::kFloat).round();  // as the kernels' conversion rounds: half to even
+      w.codes_zeros = z.min().item<float>() >= 0.0f && z.max().item<float>() <= 15.0f;
+    }
   }
   if (perm && perm->defined() && perm->numel()) {
     TORCH_CHECK(perm->numel() == K, "perm: one input column per K");
