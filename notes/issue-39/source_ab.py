@@ -91,7 +91,8 @@ def primed(model, cfg, Ts, context):
     cache = KVCache(cfg, 1, context + max(Ts) + 16, model.compute_dtype)
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(2, 1000, (1, context), generator=gen)
-    model(prompt, AttentionMetadata.contiguous(1, 0, context, "cpu"), cache)
+    if context:  # context 0: the step is a prompt's first chunk
+        model(prompt, AttentionMetadata.contiguous(1, 0, context, "cpu"), cache)
     steps = {
         T: (torch.randint(2, 1000, (1, T), generator=gen), AttentionMetadata.contiguous(1, context, T, "cpu"))
         for T in Ts
