@@ -66,6 +66,29 @@ def test_dense(family, N, K, dtype):
     assert_row_independent(handle, rows(9, K, 5))
 
 
+@pytest.mark.parametrize("M", [1, 2, 8, 16, 17])
+def test_bf16_values_round_as_torch_casts(family, M):
+    """linear_bf16_values (the bf16 head's logits) equals linear's outputs cast to bf16 and back by torch, bit for
+    bit (every finite value and infinity; NaN where torch has NaN): the AMX kernel rounds as it writes. Up to
+    16 rows the AMX kernel writes a pass's outputs during the next pass (held back), so the shapes include one
+    k block (K 32: written after the pass), an odd tile count (N 48) and one more chunk (17 rows)."""
+    for N, K in [(48, 32), (100, 200), (64, 576)]:
+        w = rows(N, K, 3).to(torch.bfloat16)
+        handle = cpu_step.dense_handle(w)
+        x = rows(M, K, M)
+        x[0, 0] = float("nan")  # row 0: NaN outputs
+        if M > 1:
+            x[1, 0] = float("inf")  # row 1: +-inf outputs
+        exact = ext.linear(handle, x)
+        check(exact[2:], x[2:].to(torch.bfloat16).double(), w.double())  # the finite rows against fp64
+        rounded = exact.to(torch.bfloat16).float()
+        got = ext.linear_bf16_values(handle, x)
+        nan = rounded.isnan()  # (a NaN's bits: 0x7fc0 as c10::BFloat16 writes it; torch's vector cast writes 0xffff)
+        assert torch.equal(got.isnan(), nan), (N, K, M)
+        assert torch.equal(got[~nan].view(torch.int32), rounded[~nan].view(torch.int32)), (N, K, M)
+        assert bool(exact[0].isnan().any()), "row 0 was meant to hold NaN outputs"
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_dense_weight_streams_change_no_bit(family, dtype):
     """Dense calls read each core's rows as 4 streams side by side (segments of its rows, remainder after); the

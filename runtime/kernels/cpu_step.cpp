@@ -545,13 +545,24 @@ inline void store_tile(const __m512 tot, int64_t N, int64_t tile, float* row) {
   _mm512_mask_storeu_ps(row + tile * NR, tile_mask(N, tile), tot);
 }
 
+// bf16_bits8<true> on 16 lanes in one register: each dword's low half the bf16 bit pattern of its lane (round to
+// nearest even, every NaN torch's 0x7fc0), the high half zero.
+inline __m512i bf16_bits16(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
+  return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+}
+
+// 16 lanes rounded to bf16 and widened back (bf16_values8(bf16_bits8<true>(.)) lane by lane: torch's cast there and
+// back).
+inline __m512 bf16_values16(__m512 v) { return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits16(v), 16)); }
+
 // A tile row's 16 sums as bf16 bit patterns, rounded as bf16_bits8<true> rounds (torch's cast): a layer writing its
-// bf16 outputs here gives what converting its fp32 outputs would.
+// bf16 outputs here gives what converting its fp32 outputs would. (One 16-lane rounding, where two 8-lane ones and
+// their packing cost ~2.5x the instructions: every row of every tile of an 8-row step's layers comes here.)
 inline void store_tile_bf16(const __m512 tot, int64_t N, int64_t tile, uint16_t* row) {
-  const __mmask16 mask = tile_mask(N, tile);
-  const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(tot), 1));
-  _mm_mask_storeu_epi16(row + tile * NR, mask & 0xff, bf16_bits8<true>(_mm512_castps512_ps256(tot)));
-  _mm_mask_storeu_epi16(row + tile * NR + 8, mask >> 8, bf16_bits8<true>(hi));
+  _mm256_mask_storeu_epi16(row + tile * NR, tile_mask(N, tile), _mm512_cvtepi32_epi16(bf16_bits16(tot)));
 }
 
 // A tile's 16 bias values (zero past N).
@@ -859,41 +870,85 @@ struct Tiles {
 // pairs, 16 m] (prepared). Two weight blocks by two chunks of 16 activation rows per pass (accumulators 0..3,
 // operands 4..7): each tile load feeds two matmuls, where one chunk a pass re-read every weight block from L2 for
 // each chunk (a 40-row verification of the 1.5B: gate_up 2.3x its 16-row cost). An odd last chunk (or block) takes
-// a pass of its own. Each output's sum is the same sequence of matmuls over k blocks in every blocking.
+// a pass of its own. Up to 16 rows (one chunk: decode steps, verifications, the head) a pass's sums wait in their
+// accumulators' buffer and go out after the next pass's first two weight blocks are on their way (accumulators 0, 1
+// and 2, 3 in turn): written straight after their own pass, the outputs (a transpose and a rounding per row) held
+// back the next pass's weight stream, and the head's 8-row call cost ~0.3 ms more than its 1-row one. Each output's
+// sum is the same sequence of matmuls over k blocks in every blocking.
 void dense(const Weight& w, const Acts& a, int64_t nb0, int64_t nb1, float* y, int64_t ldy, bool bf16_values = false) {
   Tiles tiles;
   const int64_t K = w.K, kblocks = a.Kp / KB, mchunks = a.Mp / 16;
   const uint16_t* wb = reinterpret_cast<const uint16_t*>(w.data.data_ptr<at::BFloat16>());
   const uint32_t* xt = a.xt.data();
-  alignas(64) float c[16][16];
-  auto scatter = [&](int64_t nb, int64_t mc) {  // c [16 n, 16 m] -> y rows of chunk mc
+  alignas(64) float c[2][2][16][16];  // [accumulator pair][block]: a pass's sums
+  const __m512i column = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32(16));
+  auto scatter = [&](int64_t nb, int64_t mc, const float (*sums)[16]) {  // sums [16 n, 16 m] -> y rows of chunk mc
     const int64_t rows = std::min<int64_t>(16, a.M - mc * 16);
     __m512 col[16];  // col[m]: row m's 16 outputs (a transpose: a row read down the columns of c took 16 loads)
     if (rows > 1) {
-      for (int i = 0; i < 16; ++i) col[i] = _mm512_load_ps(c[i]);
+      for (int i = 0; i < 16; ++i) col[i] = _mm512_load_ps(sums[i]);
       transpose16(col);
     }
-    for (int64_t m = 0; m < rows; ++m) {
-      float* row = y + (mc * 16 + m) * ldy + nb * NR;
-      __m256 half[2];
-      if (rows > 1) {
-        half[0] = _mm512_castps512_ps256(col[m]);
-        half[1] = _mm512_extractf32x8_ps(col[m], 1);
-      } else {
-        half[0] = _mm256_setr_ps(c[0][m], c[1][m], c[2][m], c[3][m], c[4][m], c[5][m], c[6][m], c[7][m]);
-        half[1] = _mm256_setr_ps(c[8][m], c[9][m], c[10][m], c[11][m], c[12][m], c[13][m], c[14][m], c[15][m]);
-      }
-      for (int h = 0; h < 2; ++h)  // bf16_values: rounded to bf16 (torch's cast: linear_bf16_values)
-        _mm256_storeu_ps(row + 8 * h, bf16_values ? bf16_values8(bf16_bits8<true>(half[h])) : half[h]);
+    for (int64_t m = 0; m < rows; ++m) {  // bf16_values: rounded to bf16 (torch's cast: linear_bf16_values)
+      const __m512 v = rows > 1 ? col[m] : _mm512_i32gather_ps(column, &sums[0][m], 4);
+      _mm512_storeu_ps(y + (mc * 16 + m) * ldy + nb * NR, bf16_values ? avx512::bf16_values16(v) : v);
     }
   };
+  auto prefetch_pair = [&](const uint16_t* w0, int64_t kb) {  // a pair of weight blocks, one line per row
+    for (int64_t r = 0; r < 2 * NR; ++r) _mm_prefetch(reinterpret_cast<const char*>(w0 + r * K + kb * KB), _MM_HINT_T0);
+  };
+  if (mchunks == 1) {
+    int64_t held = -1;  // the pass whose sums wait in c[1 - pair]
+    bool held_two = false;
+    auto flush = [&](int pair) {
+      scatter(held, 0, c[pair][0]);
+      if (held_two) scatter(held + 1, 0, c[pair][1]);
+      held = -1;
+    };
+    for (int64_t nb = nb0; nb < nb1; nb += 2) {
+      const bool two = nb + 1 < nb1;
+      const int pair = static_cast<int>((nb - nb0) / 2 % 2);
+      const uint16_t* w0 = wb + nb * NR * K;
+      if (pair == 0) {
+        _tile_zero(0);
+        _tile_zero(1);
+      } else {
+        _tile_zero(2);
+        _tile_zero(3);
+      }
+      for (int64_t kb = 0; kb < kblocks; ++kb) {
+        if (nb + 2 < nb1) prefetch_pair(w0 + 2 * NR * K, kb);
+        _tile_loadd(6, xt + kb * 256, 64);
+        _tile_loadd(4, w0 + kb * KB, K * 2);
+        if (two) _tile_loadd(5, w0 + NR * K + kb * KB, K * 2);
+        if (pair == 0) {
+          _tile_dpbf16ps(0, 4, 6);
+          if (two) _tile_dpbf16ps(1, 5, 6);
+        } else {
+          _tile_dpbf16ps(2, 4, 6);
+          if (two) _tile_dpbf16ps(3, 5, 6);
+        }
+        if (kb == 1 && held >= 0) flush(1 - pair);
+      }
+      if (held >= 0) flush(1 - pair);  // (a pass of one k block)
+      if (pair == 0) {
+        _tile_stored(0, c[0][0], 64);
+        if (two) _tile_stored(1, c[0][1], 64);
+      } else {
+        _tile_stored(2, c[1][0], 64);
+        if (two) _tile_stored(3, c[1][1], 64);
+      }
+      held = nb;
+      held_two = two;
+    }
+    if (held >= 0) flush(static_cast<int>((held - nb0) / 2 % 2));
+    return;
+  }
   for (int64_t nb = nb0; nb < nb1; nb += 2) {
     const bool two = nb + 1 < nb1;
     const uint16_t* w0 = wb + nb * NR * K;
     const uint16_t* w1 = w0 + NR * K;
-    auto prefetch_next = [&](int64_t kb) {  // the next pair of weight blocks, one line per row, while these compute
-      for (int64_t r = 0; r < 2 * NR; ++r) _mm_prefetch(reinterpret_cast<const char*>(w0 + (2 * NR + r) * K + kb * KB), _MM_HINT_T0);
-    };
     int64_t mc = 0;
     for (; two && mc + 2 <= mchunks; mc += 2) {
       _tile_zero(0);
@@ -901,7 +956,7 @@ void dense(const Weight& w, const Acts& a, int64_t nb0, int64_t nb1, float* y, i
       _tile_zero(2);
       _tile_zero(3);
       for (int64_t kb = 0; kb < kblocks; ++kb) {
-        if (mc == 0 && nb + 2 < nb1) prefetch_next(kb);
+        if (mc == 0 && nb + 2 < nb1) prefetch_pair(w0 + 2 * NR * K, kb);  // the next pass's, while these compute
         _tile_loadd(4, w0 + kb * KB, K * 2);
         _tile_loadd(5, w1 + kb * KB, K * 2);
         _tile_loadd(6, xt + (mc * kblocks + kb) * 256, 64);
@@ -911,20 +966,20 @@ void dense(const Weight& w, const Acts& a, int64_t nb0, int64_t nb1, float* y, i
         _tile_dpbf16ps(2, 4, 7);
         _tile_dpbf16ps(3, 5, 7);
       }
-      _tile_stored(0, c, 64);
-      scatter(nb, mc);
-      _tile_stored(1, c, 64);
-      scatter(nb + 1, mc);
-      _tile_stored(2, c, 64);
-      scatter(nb, mc + 1);
-      _tile_stored(3, c, 64);
-      scatter(nb + 1, mc + 1);
+      _tile_stored(0, c[0][0], 64);
+      scatter(nb, mc, c[0][0]);
+      _tile_stored(1, c[0][0], 64);
+      scatter(nb + 1, mc, c[0][0]);
+      _tile_stored(2, c[0][0], 64);
+      scatter(nb, mc + 1, c[0][0]);
+      _tile_stored(3, c[0][0], 64);
+      scatter(nb + 1, mc + 1, c[0][0]);
     }
     for (; mc < mchunks; ++mc) {
       _tile_zero(0);
       _tile_zero(1);
       for (int64_t kb = 0; kb < kblocks; ++kb) {
-        if (mc == 0 && nb + 2 < nb1) prefetch_next(kb);
+        if (mc == 0 && nb + 2 < nb1) prefetch_pair(w0 + 2 * NR * K, kb);  // the next pass's, while these compute
         _tile_loadd(4, xt + (mc * kblocks + kb) * 256, 64);
         _tile_loadd(2, w0 + kb * KB, K * 2);
         _tile_dpbf16ps(0, 2, 4);
@@ -933,11 +988,11 @@ void dense(const Weight& w, const Acts& a, int64_t nb0, int64_t nb1, float* y, i
           _tile_dpbf16ps(1, 3, 4);
         }
       }
-      _tile_stored(0, c, 64);
-      scatter(nb, mc);
+      _tile_stored(0, c[0][0], 64);
+      scatter(nb, mc, c[0][0]);
       if (two) {
-        _tile_stored(1, c, 64);
-        scatter(nb + 1, mc);
+        _tile_stored(1, c[0][0], 64);
+        scatter(nb + 1, mc, c[0][0]);
       }
     }
   }
