@@ -2647,32 +2647,12 @@ inline __m512 exp16(__m512 x) {  // exp8's Cephes expf on 16 lanes
   return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
 }
 
-// softmax_packed8 with 16 lanes (exp16, masked tail): the same contract, for the AVX-512 attention.
-inline float softmax_packed16(float* p, int64_t nv, float* max_out) {
-  __m512 m16 = _mm512_set1_ps(-INFINITY);  // the max is exact in any order: 16 lanes (a scalar loop was ~5 % of
-  int64_t j = 0;                            // an 8k-token decode step)
-  for (; j + 16 <= nv; j += 16) m16 = _mm512_max_ps(m16, _mm512_loadu_ps(p + j));
-  float mx = _mm512_reduce_max_ps(m16);
-  for (; j < nv; ++j) mx = std::max(mx, p[j]);
-  const __m512 vmx = _mm512_set1_ps(mx);
-  __m512 sum = _mm512_setzero_ps();
-  for (int64_t i = 0; i < nv; i += 16) {
-    const int64_t left = nv - i;
-    const __mmask16 live = left >= 16 ? 0xffff : static_cast<__mmask16>((1u << left) - 1);
-    const __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, p + i), vmx)));
-    _mm512_mask_storeu_ps(p + i, live, e);
-    sum = _mm512_add_ps(sum, e);
-  }
-  const float total = _mm512_reduce_add_ps(sum), inv = 1.0f / total;
-  for (int64_t i = 0; i < nv; ++i) p[i] *= inv;
-  *max_out = mx;
-  return total;
-}
-
-// softmax_packed16 of up to 4 queries' scores side by side (p[q]: nv[q] > 0 values each): each query's operations in
-// softmax_packed16's order, so the same bits. One query's passes are chains (its max, its exponentials' sum) that
-// left the core waiting between links: ~550 ticks a query of 257 keys, 21k of a core's ticks a layer in an 8-row
-// step (three items of 12 queries), where the keys' scores took 35k.
+// softmax_packed8's contract with 16 lanes (exp16, masked tail) for up to 4 queries' scores side by side (p[q]:
+// nv[q] values each; each query's max, exponentials' sum and scaling in one order whether it runs alone or among
+// others, so its bits are the same). One query's passes are chains (its max, its sum) that left the core waiting
+// between links: ~550 ticks a query of 257 keys, 21k of a core's ticks a layer in an 8-row step (three items of 12
+// queries), where the keys' scores took 35k. The max is exact in any order: 16 lanes (a scalar loop was ~5 % of an
+// 8k-token decode step).
 inline void softmax_packed16_x4(float* const* p, const int64_t* nv, int nq, float* max_out, float* sum_out) {
   __m512 m16[4], sum[4], vmx[4];
   int64_t most = 0;
@@ -2704,6 +2684,13 @@ inline void softmax_packed16_x4(float* const* p, const int64_t* nv, int nq, floa
     for (int64_t i = 0; i < nv[q]; ++i) p[q][i] *= inv;
     sum_out[q] = total;
   }
+}
+
+// softmax_packed8's contract for the AVX-512 attention: softmax_packed16_x4 of one query.
+inline float softmax_packed16(float* p, int64_t nv, float* max_out) {
+  float total;
+  softmax_packed16_x4(&p, &nv, 1, max_out, &total);
+  return total;
 }
 
 // softmax_visible for the queries u < nq of an item that take(u): causal queries whose keys are one piece (0 < prefix
