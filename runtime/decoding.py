@@ -18,7 +18,7 @@ from runtime.grammar import Grammar, mask_logits, row_constraints
 from runtime.kv_policy import KVCacheSpec, chunked_prefill
 from runtime.layout import device_of
 from runtime.model import AttentionMetadata, Transformer, decode_meta
-from runtime.sampling import SamplingParams, logits_to_probs, make_generator, process_logits, sample_rows
+from runtime.sampling import SamplingParams, argmax, logits_to_probs, make_generator, process_logits, sample_rows
 from runtime.stopping import StopChecker
 from runtime.timing import LoopClock, LoopTiming, PhaseTimer
 
@@ -73,7 +73,7 @@ class RowSampling:
                 ]
             )
         if self.all_greedy:  # the argmax sample_rows takes of one-hot rows, without B small ops per step
-            return logits.argmax(-1)
+            return argmax(logits)
         probs = torch.stack([logits_to_probs(logits[b], self.params[b]) for b in range(B)])
         return sample_rows(probs, self.params, self.generators)
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from runtime.sampling import SamplingParams, logits_to_probs, sample
+from runtime.sampling import SamplingParams, argmax, logits_to_probs, sample
 from runtime.speculation import CandidateTree  # the tree is part of the contract (runtime.speculation)
 
 
@@ -124,10 +124,10 @@ def verify_chain(
     """Lossless verification from the target's logits [B, k+1, V] under ``params`` (the one sampler); mask
     [B, k+1, V] (a grammar's allowed tokens at each position) applies to the target's distributions."""
     if params.greedy and mask is None:
-        return greedy_verify(draft_tokens, target_logits.argmax(-1), num_drafted)
+        return greedy_verify(draft_tokens, argmax(target_logits), num_drafted)
     target_probs = logits_to_probs(target_logits, params, mask)
     if params.greedy:  # one-hot on the allowed argmax
-        return greedy_verify(draft_tokens, target_probs.argmax(-1), num_drafted)
+        return greedy_verify(draft_tokens, argmax(target_probs), num_drafted)
     return rejection_sample(draft_tokens, target_probs, draft_probs, num_drafted, generator)
 
 
@@ -208,7 +208,7 @@ def verify_tree(
     allowed tokens after each node, as in verify_chain)."""
     probs = None if params.greedy and mask is None else logits_to_probs(target_logits, params, mask)
     if params.greedy:
-        return tree_greedy_verify(tree, node_tokens, (target_logits if probs is None else probs).argmax(-1))
+        return tree_greedy_verify(tree, node_tokens, argmax(target_logits if probs is None else probs))
     return tree_rejection_sample(tree, node_tokens, probs, generator)
 
 

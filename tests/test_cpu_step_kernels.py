@@ -89,6 +89,32 @@ def test_bf16_values_round_as_torch_casts(family, M):
         assert bool(exact[0].isnan().any()), "row 0 was meant to hold NaN outputs"
 
 
+def test_argmax_rows_is_torch_argmax():
+    """argmax_rows (greedy's next tokens) equals torch.argmax on every row: ties (the first index wins, within and
+    across the kernel's 8 lanes and its scalar tail), NaN (the first NaN wins, in the vector part and the tail),
+    all -inf rows, signed zeros, rows shorter than a vector, and 1..13 rows (the rows split over the cores)."""
+    from runtime.sampling import argmax
+
+    g = torch.Generator().manual_seed(5)
+    for V in (1, 3, 8, 9, 17, 64, 1003, 49152):
+        for M in (1, 2, 8, 13):
+            x = torch.randn(M, V, generator=g).mul(4).round()  # small integers: many ties
+            x[0] = -float("inf")
+            if M > 1:
+                x[1] = 0.0
+                x[1, torch.randint(V, (1,), generator=g)] = -0.0
+            if M > 2:
+                x[2, torch.randint(V, (2,), generator=g)] = float("nan")
+            if M > 3 and V > 8:
+                x[3, -1] = float("nan")  # in the tail
+                x[4, V // 2] = x[4].max() + 1
+                x[4, V - 1] = x[4, V // 2]  # a tie after the maximum: the first one wins
+            assert torch.equal(ext.argmax_rows(x), x.argmax(-1)), (V, M)
+            assert torch.equal(argmax(x.view(1, M, V)), x.view(1, M, V).argmax(-1)), (V, M)
+    for logits in (torch.randn(7, generator=g), torch.randn(2, 5, 33, generator=g).bfloat16()):  # [V]; a fallback
+        assert torch.equal(argmax(logits), logits.argmax(-1))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_dense_weight_streams_change_no_bit(family, dtype):
     """Dense calls read each core's rows as 4 streams side by side (segments of its rows, remainder after); the

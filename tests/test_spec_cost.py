@@ -10,6 +10,7 @@ import shutil
 import pytest
 import torch
 
+from evals.speculation import cost_model
 from evals.speculation.cost_model import (
     GPU,
     CostError,
@@ -363,6 +364,17 @@ def test_measured_profile_carries_the_loop_overheads():
     assert set(prof.verify_s) == {1, 2, 5}
     assert math.isfinite(prof.decode_overhead_s) and math.isfinite(prof.step_overhead_s)
     assert prof.step_overhead_s > -prof.verify(5)  # a speculative step costs more than nothing
+
+
+def test_bare_forward_curve_takes_its_samples_in_interleaved_rounds(monkeypatch):
+    """--timing forward: every T gets one sample a round, in turn (host drift lands on each alike), after a warm-up
+    round; a sample is the mean of its calls and each T's value the median of its rounds."""
+    calls, clock = [], iter(range(10_000))
+    monkeypatch.setattr(cost_model.time, "perf_counter", lambda: next(clock))
+    fns = {T: (lambda T=T: calls.append(T)) for T in (1, 2, 8)}
+    medians = cost_model.interleaved_medians(fns, repeats=4, calls=3)
+    assert calls == [T for _ in range(5) for T in (1, 2, 8) for _ in range(3)]
+    assert medians == {1: 1 / 3, 2: 1 / 3, 8: 1 / 3}  # each sample: 3 calls between two reads of the clock
 
 
 def test_tree_rows_use_the_tree_curve_and_extrapolation_never_falls():

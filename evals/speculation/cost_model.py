@@ -496,6 +496,7 @@ OVERHEAD_K = 4  # drafts per step of the overhead run: T = 5, inside the measure
 # twenty-ninth session): 24-token runs timed every step ~13 % below the suite's own. Long runs narrowed that gap in
 # one HumanEval run of two (7 % against 18 %): not the whole cause.
 OVERHEAD_STEPS = 24
+FORWARD_CALLS = 3  # bare forwards per sample of --timing forward (a 5 ms forward alone is ~at the clock's noise)
 MODEL_PART = "#model"  # a composite draft's label + this: its draft model timed alone (CurveRounds)
 
 
@@ -607,14 +608,14 @@ def measure(
             )
             draft[label] = median_seconds(lambda sp=sp, state=state: sp.propose(state), repeats)
         lengths = torch.full((batch,), context + 1)
-        verify = {}
-        for T in Ts:
-            feed = tokens[:, context : context + T]
-            verify[T] = median_seconds(
-                lambda feed=feed, T=T: model.logits(model(feed, chain_metadata(lengths, T), cache, hidden_only=True)),
-                repeats,
+        forwards = {
+            T: lambda T=T: model.logits(
+                model(tokens[:, context : context + T], chain_metadata(lengths, T), cache, hidden_only=True)
             )
-        notes = f"context {context}, batch {batch}, median of {repeats}"
+            for T in Ts
+        }
+        verify = interleaved_medians(forwards, repeats)
+        notes = f"context {context}, batch {batch}, median of {repeats} rounds interleaved over every T"
         prof = Profile("cpu-measured", "measured", verify, draft, notes, batch)
         prof.decode_overhead_s, prof.step_overhead_s = loop_overheads(model, prompts, prof.verify, repeats)
     return prof
@@ -625,6 +626,21 @@ def prefill(model, prompts: torch.Tensor, capacity: int) -> tuple[KVCache, torch
     batch, n = prompts.shape
     cache = KVCache(model.config, batch, capacity, model.compute_dtype, torch.device("cpu"))
     return cache, model(prompts, prefill_meta(batch, n, torch.device("cpu")), cache, hidden_only=True)
+
+
+def interleaved_medians(fns: dict, repeats: int, calls: int = FORWARD_CALLS) -> dict:
+    """{key: median seconds of one fn() call} over ``repeats`` rounds after a warm-up round, each round timing every
+    fn in turn (``calls`` calls back to back): host drift (a busy neighbour) lands on every key alike, so their
+    ratios hold where blocks timed one key after another read c(8)/c(1) 1.22 to 1.40 within minutes."""
+    samples: dict = {key: [] for key in fns}
+    for r in range(repeats + 1):
+        for key, fn in fns.items():
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            if r:
+                samples[key].append((time.perf_counter() - t0) / calls)
+    return {key: sorted(v)[len(v) // 2] for key, v in samples.items()}
 
 
 def median_seconds(fn, repeats: int) -> float:

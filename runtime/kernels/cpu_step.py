@@ -660,6 +660,14 @@ def int4_write(cache, meta, B: int, paged: bool) -> tuple[Tensor, list[int]]:
     return (meta.slots + cache.row_base[:B]).reshape(-1), (meta.slots.max(1).values + 1).tolist()
 
 
+def argmax_rows(x: Tensor) -> Tensor | None:
+    """x.argmax(-1) of fp32 CPU logits [..., V] in one compiled pass per row (torch.argmax's rule: the first maximum,
+    a NaN counting as the largest), or None where the extension is off."""
+    if not enabled() or extension() is None:
+        return None
+    return extension().argmax_rows(x.reshape(-1, x.shape[-1]).contiguous()).view(x.shape[:-1])
+
+
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor | None:
     """F.rms_norm(x, weight, eps) of fp32 CPU rows in one compiled pass, or None where the extension is off."""
     if not enabled() or extension() is None:
