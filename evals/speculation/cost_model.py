@@ -640,7 +640,7 @@ def interleaved_medians(fns: dict, repeats: int, calls: int = FORWARD_CALLS) -> 
                 fn()
             if r:
                 samples[key].append((time.perf_counter() - t0) / calls)
-    return {key: sorted(v)[len(v) // 2] for key, v in samples.items()}
+    return {key: upper_median(v) for key, v in samples.items()}
 
 
 def median_seconds(fn, repeats: int) -> float:
@@ -651,8 +651,12 @@ def median_seconds(fn, repeats: int) -> float:
 def median_of(value, repeats: int) -> float:
     """Median of value() over ``repeats`` calls after one warm-up call (the upper one of an even count)."""
     value()
-    values = sorted(value() for _ in range(repeats))
-    return values[len(values) // 2]
+    return upper_median([value() for _ in range(repeats)])
+
+
+def upper_median(values: list[float]) -> float:
+    """The median of ``values``, the upper one of an even count (always a measured value)."""
+    return sorted(values)[len(values) // 2]
 
 
 def _seconds(fn) -> float:
